@@ -1,0 +1,1 @@
+"""jdist.ddp (in progress)."""

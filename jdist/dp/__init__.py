@@ -1,0 +1,1 @@
+"""jdist.dp (in progress)."""

@@ -1,0 +1,178 @@
+"""Error classes of jdist.
+
+Each class's docstring says what causes it and how to fix it; messages quote the bad
+value and name the fixing call. Classes derive from the builtin that a torch user would
+catch (``RuntimeError``, ``ValueError``, ``TimeoutError``) as well as from
+:class:`JdistError`, so ``except RuntimeError`` keeps working after a port.
+
+Helpers add classes here with small, targeted edits; keep one class per failure mode.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "JdistError",
+    "NotInitializedError",
+    "AlreadyInitializedError",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "StoreError",
+    "StoreTimeoutError",
+    "StoreAuthError",
+    "GroupMismatchError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "PeerFailedError",
+    "BucketLayoutError",
+    "UnusedParametersError",
+    "ModelMismatchError",
+    "JoinError",
+    "RpcError",
+    "RpcTimeoutError",
+    "RpcAuthError",
+    "RemoteError",
+    "WorkerUnavailableError",
+    "RRefError",
+    "DistAutogradError",
+]
+
+
+class JdistError(Exception):
+    """Base class of every error that jdist raises on purpose."""
+
+
+class NotInitializedError(JdistError, RuntimeError):
+    """A runtime was used before it was started.
+
+    Cause: a process-group or RPC function was called before
+    ``jdist.init_process_group()`` (or ``jdist.rpc.init_rpc()``), or after it was torn down.
+    Fix: call the init function first, in every process.
+    """
+
+
+class AlreadyInitializedError(JdistError, ValueError):
+    """An init function was called twice.
+
+    Cause: ``init_process_group`` / ``init_rpc`` ran while a runtime was active.
+    Fix: call ``destroy_process_group()`` / ``rpc.shutdown()`` first, or init once.
+    """
+
+
+class RendezvousError(JdistError, RuntimeError):
+    """Processes could not agree on a job: world sizes, ranks or names disagree.
+
+    Fix: give every process the same WORLD_SIZE and a distinct RANK (``jdist-run``
+    sets both), and make sure they reach the same store.
+    """
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """Some ranks never arrived at the rendezvous within the timeout.
+
+    The message names the missing ranks. Fix: check that those processes started and
+    reach MASTER_ADDR:MASTER_PORT, or raise ``timeout``.
+    """
+
+
+class StoreError(JdistError, RuntimeError):
+    """A key-value store operation failed (connection lost, bad reply, value too big)."""
+
+
+class StoreTimeoutError(StoreError, TimeoutError):
+    """``get``/``wait`` on a store did not see the keys in time.
+
+    The message names the keys and the time waited. Fix: make sure some process sets
+    those keys, or raise the store timeout (``store.set_timeout``).
+    """
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The store server refused this client's secret (or the client refused the server's).
+
+    Fix: give every process of the job the same ``JDIST_AUTH_TOKEN`` (``jdist-run`` sets
+    one per job) or pass the same ``auth_token=``.
+    """
+
+
+class GroupMismatchError(JdistError, ValueError):
+    """A collective was given a group that this rank is not a member of, or a bad rank."""
+
+
+class CollectiveMismatchError(JdistError, RuntimeError):
+    """Ranks called different collectives (op, shape, dtype or group) at the same step.
+
+    torch with gloo returns a silently wrong result on one rank and times out on the
+    other; jdist compares a fingerprint first and raises on every rank, naming each
+    rank's call. Fix: make every rank issue the same collectives in the same order.
+    Set ``JDIST_DEBUG=OFF`` to skip the check.
+    """
+
+
+class CollectiveTimeoutError(JdistError, TimeoutError):
+    """A collective or barrier did not complete within the group timeout.
+
+    The message names the ranks that did not arrive.
+    """
+
+
+class PeerFailedError(JdistError, RuntimeError):
+    """A peer process died or disconnected while others depended on it.
+
+    The message names the rank (or worker). Fix: look at that rank's own error first.
+    """
+
+
+class BucketLayoutError(JdistError, ValueError):
+    """DDP gradient buckets do not match the parameters (wrong cap, tree changed)."""
+
+
+class UnusedParametersError(JdistError, RuntimeError):
+    """DDP found parameters that received no gradient in the first step.
+
+    The message names the parameter paths. Fix: pass
+    ``find_unused_parameters=True`` to ``DistributedDataParallel`` or make every
+    parameter take part in the loss.
+    """
+
+
+class ModelMismatchError(JdistError, RuntimeError):
+    """Processes wrapped different models in DDP (paths, shapes or dtypes differ).
+
+    The message names the first differing parameter and each rank's shape.
+    """
+
+
+class JoinError(JdistError, RuntimeError):
+    """A rank ran out of inputs under ``join(throw_on_early_termination=True)``."""
+
+
+class RpcError(JdistError, RuntimeError):
+    """An RPC failed in the framework (not in the user's remote function)."""
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """An RPC did not complete in time; the message names worker, function and time."""
+
+
+class RpcAuthError(RpcError, PermissionError):
+    """A peer failed the shared-secret challenge; nothing it sent was unpickled."""
+
+
+class RemoteError(RpcError):
+    """Wraps a remote exception whose type could not be re-created locally.
+
+    When the type can be re-created, the original type is raised instead, with the
+    remote traceback in its message.
+    """
+
+
+class WorkerUnavailableError(RpcError):
+    """The destination worker is gone (connection dropped or it shut down)."""
+
+
+class RRefError(RpcError):
+    """An RRef was used in a way its owner/user role does not allow."""
+
+
+class DistAutogradError(JdistError, RuntimeError):
+    """Distributed autograd misuse: nested contexts, unknown context id, second backward."""

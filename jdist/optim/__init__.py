@@ -1,0 +1,1 @@
+"""jdist.optim (in progress)."""

@@ -1,0 +1,1 @@
+"""jdist.rpc (in progress)."""

@@ -1,0 +1,1 @@
+"""jdist.sampler (in progress)."""

@@ -1,0 +1,1 @@
+"""jdist.testing (in progress)."""

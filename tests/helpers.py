@@ -1,0 +1,33 @@
+"""Test helpers: run a function in real processes, compare pytrees.
+
+Import from here (``from tests.helpers import run_procs``), never from conftest: a
+spawned child that unpickles a test function imports its module, and must not re-run
+conftest's environment set-up.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jdist.launch import spawn
+
+
+def run_procs(fn, nprocs=2, *, args=(), devices_per_proc=1, timeout=120.0, env=None,
+              rank_args=None):
+    """Run ``fn(*args)`` in ``nprocs`` real processes (free ports, gloo, hard timeout).
+
+    Returns each rank's return value; on a failure the test fails with every rank's
+    stderr tail (``jdist.launch.SpawnError``). ``fn`` must be a module-level function.
+    """
+    return spawn(fn, args=args, nprocs=nprocs, devices_per_proc=devices_per_proc,
+                 timeout=timeout, env=env, rank_args=rank_args)
+
+
+def tree_allclose(a, b, rtol=1e-6, atol=1e-6):
+    """Assert two pytrees have the same structure and close leaves."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
