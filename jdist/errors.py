@@ -34,6 +34,7 @@ __all__ = [
     "WorkerUnavailableError",
     "RRefError",
     "DistAutogradError",
+    "WeightConversionError",
 ]
 
 
@@ -176,3 +177,14 @@ class RRefError(RpcError):
 
 class DistAutogradError(JdistError, RuntimeError):
     """Distributed autograd misuse: nested contexts, unknown context id, second backward."""
+
+
+class WeightConversionError(JdistError, ValueError):
+    """Weights could not be copied between a torch module and a Flax NNX module.
+
+    Cause: the two models' convertible layers differ in number, kind, shape or
+    hyperparameters (epsilon, momentum, stride, padding, ...), or a layer holding
+    parameters is not supported. The message names both layer paths. Fix: define the
+    same layers in the same order with the same settings, or pass ``strict=False`` /
+    ``check_config=False`` to ``jdist.testing.torch_to_nnx`` / ``nnx_to_torch``.
+    """
