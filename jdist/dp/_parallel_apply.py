@@ -1,0 +1,295 @@
+"""Run a function on several replicas: compiled programs, dispatched before any is awaited.
+
+:class:`ReplicaProgram` is ``jax.jit(fn)`` made fit for DataParallel: non-array inputs
+become compile-time constants, non-array outputs (strings, Python objects) are carried
+around the compiled function, and, given a mesh, the program is one SPMD
+``jit(shard_map(fn))`` over it (parameters replicated, batch split along ``dim``), so
+``m`` equal replicas cost one dispatch instead of ``m``. Compiled programs are cached by
+``jax.jit`` per input signature; ``traces`` counts Python traces (tests use it to show
+that repeated calls do not recompile).
+
+:func:`parallel_apply` is torch's ``parallel_apply`` over a list of replicas: every
+replica's program is dispatched (JAX runs them asynchronously) before any result is
+awaited, and an exception in replica ``i`` is re-raised as
+``Caught <Type> in replica i on device d`` followed by the original traceback.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import traceback
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jdist.collectives._group import DEFAULT_AXIS
+from jdist.dp._scatter_gather import dim_spec, is_array, resolve_devices
+
+__all__ = [
+    "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
+    "join_output", "nnx_apply", "replica_error", "parallel_apply",
+]
+
+
+def _dynamic(x: Any) -> bool:
+    return is_array(x) or isinstance(x, (jax.core.Tracer, np.generic))
+
+
+def partition(tree: Any) -> tuple[list, tuple]:
+    """``(arrays, key)``: the array leaves of ``tree``, and a hashable rest to rebuild it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    dyn = [x for x in leaves if _dynamic(x)]
+    static = tuple((i, x) for i, x in enumerate(leaves) if not _dynamic(x))
+    for _, x in static:
+        try:
+            hash(x)
+        except TypeError:
+            raise TypeError(
+                f"non-array argument {x!r} of type {type(x).__name__} is not hashable; "
+                f"replicas receive non-array arguments as compile-time constants, so make "
+                f"it hashable (a tuple, a frozen dataclass) or an array") from None
+    return dyn, (treedef, static)
+
+
+def rebuild(dyn: Sequence, key: tuple) -> Any:
+    """Inverse of :func:`partition`."""
+    treedef, static = key
+    fixed = dict(static)
+    it = iter(dyn)
+    leaves = [fixed[i] if i in fixed else next(it) for i in range(treedef.num_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class OutputMeta(NamedTuple):
+    """How to rebuild a replica's output from the arrays a program returned.
+
+    Attributes:
+      treedef: the output's tree structure.
+      static: ``(leaf index, value)`` of each non-array leaf (strings, Python objects).
+      scalar: per returned array, whether it was a 0-d output unsqueezed to shape (1,).
+    """
+
+    treedef: Any
+    static: tuple
+    scalar: tuple
+
+
+def split_output(out: Any, expand: bool, dim: int) -> tuple[list, OutputMeta]:
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    arrays, static, scalar = [], [], []
+    for i, x in enumerate(leaves):
+        if not _dynamic(x):
+            static.append((i, x))
+            continue
+        x = jnp.asarray(x)
+        if expand and x.ndim == 0:
+            if dim != 0:
+                raise ValueError(
+                    f"a replica returned a scalar, which cannot be gathered along dim {dim}; "
+                    f"return arrays with a dimension {dim}, or use dim=0")
+            x = jnp.reshape(x, (1,))
+            scalar.append(True)
+        elif expand and x.ndim <= dim:
+            raise ValueError(
+                f"a replica returned an array of shape {tuple(x.shape)}, which has no "
+                f"dimension {dim} to gather along; return arrays with a dimension {dim}")
+        else:
+            scalar.append(False)
+        arrays.append(x)
+    return arrays, OutputMeta(treedef, tuple(static), tuple(scalar))
+
+
+def join_output(arrays: Sequence, meta: OutputMeta) -> Any:
+    """Rebuild an output from its arrays and :class:`OutputMeta`."""
+    return rebuild(arrays, (meta.treedef, meta.static))
+
+
+class ReplicaProgram:
+    """``fn(params, args, kwargs) -> (out, aux)`` compiled for one device or one mesh.
+
+    Args:
+      fn: a pure function. ``out`` is any pytree (arrays are returned, other leaves are
+        carried in :class:`OutputMeta`); ``aux`` is a pytree of arrays (state updates).
+      mesh: None for a plain ``jit`` (runs where its inputs are); a 1-D ``"dp"`` mesh for
+        one ``jit(shard_map)`` program: params replicated, args split along ``dim``,
+        outputs concatenated along ``dim`` and ``aux`` stacked on a new leading axis.
+      dim: the batch dimension.
+      expand_scalars: unsqueeze 0-d outputs to shape (1,) (always on with a mesh).
+    """
+
+    def __init__(self, fn: Callable, mesh=None, dim: int = 0, expand_scalars: bool = False):
+        self._fn = fn
+        self._mesh = mesh
+        self._dim = dim
+        self._expand = expand_scalars or mesh is not None
+        self._meta: dict = {}
+        self._pending: Hashable = None
+        self._jitted = jax.jit(self._traced, static_argnums=2)
+        self.traces = 0
+
+    def _inner(self, p_dyn, a_dyn, key):
+        params = rebuild(p_dyn, key[0])
+        args, kwargs = rebuild(a_dyn, key[1])
+        out, aux = self._fn(params, args, kwargs)
+        arrays, meta = split_output(out, self._expand, self._dim)
+        self._meta[self._pending] = meta
+        if self._mesh is not None:
+            aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
+        return arrays, aux
+
+    def _traced(self, p_dyn, a_dyn, key):
+        self.traces += 1
+        if self._mesh is None:
+            return self._inner(p_dyn, a_dyn, key)
+        body = jax.shard_map(
+            functools.partial(self._inner, key=key), mesh=self._mesh,
+            in_specs=(PartitionSpec(), dim_spec(self._dim)),
+            out_specs=(dim_spec(self._dim), PartitionSpec(DEFAULT_AXIS)), check_vma=False)
+        return body(p_dyn, a_dyn)
+
+    def __call__(self, params: Any, args: tuple, kwargs: dict) -> tuple[list, Any, OutputMeta]:
+        """Returns ``(arrays, aux, meta)``; ``join_output(arrays, meta)`` is the output."""
+        p_dyn, pkey = partition(params)
+        a_dyn, akey = partition((tuple(args), dict(kwargs)))
+        key = (pkey, akey)
+        sig = (key, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in p_dyn + a_dyn))
+        self._pending = sig
+        arrays, aux = self._jitted(p_dyn, a_dyn, key)
+        return arrays, aux, self._meta[sig]
+
+
+def nnx_apply(graphdef: Any, call: Callable | None = None) -> Callable:
+    """A ``fn(state, args, kwargs) -> (out, changed_state)`` for an NNX module's graphdef.
+
+    ``call(module, *args, **kwargs)`` defaults to calling the module. ``changed_state``
+    holds the variables the call replaced (batch statistics, RNG counts, sown values).
+    """
+    def fn(state, args, kwargs):
+        before = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
+        module = nnx.merge(graphdef, state)
+        out = module(*args, **kwargs) if call is None else call(module, *args, **kwargs)
+        after = nnx.to_flat_state(nnx.state(module))
+        changed = [(p, v) for p, v in after if before.get(p, None) is not v.get_value()]
+        return out, nnx.from_flat_state(changed)
+    return fn
+
+
+def replica_error(exc: BaseException, index: int, device: Any) -> BaseException:
+    """``exc`` re-made as torch's ``Caught <Type> in replica i on device d`` + traceback."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    msg = f"Caught {type(exc).__name__} in replica {index} on device {device}.\nOriginal {tb}"
+    try:
+        new = type(exc)(msg)
+    except Exception:  # an exception type whose constructor takes other arguments
+        new = RuntimeError(msg)
+    new.__cause__ = exc
+    return new
+
+
+class Programs:
+    """A small LRU of compiled :class:`ReplicaProgram` s, keyed by function and placement."""
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._maxsize = maxsize
+
+    def get(self, key: Hashable, make: Callable[[], ReplicaProgram]) -> ReplicaProgram:
+        prog = self._lru.pop(key, None) or make()
+        self._lru[key] = prog
+        while len(self._lru) > self._maxsize:
+            self._lru.popitem(last=False)
+        return prog
+
+
+_programs = Programs()
+
+
+def _device_of(tree: Any) -> Any:
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            devs = leaf.devices()
+            return next(iter(devs)) if len(devs) == 1 else leaf.sharding
+    return None
+
+
+def _prepare(fn: Callable | None, replica: Any):
+    """``(params, program, graphdef)`` for one replica."""
+    if isinstance(replica, nnx.Module):
+        graphdef, state = nnx.split(replica)
+        return state, _programs.get(("nnx", fn, graphdef),
+                                    lambda: ReplicaProgram(nnx_apply(graphdef, fn))), graphdef
+    if fn is None:
+        raise TypeError(
+            f"parallel_apply got fn=None and a replica of type {type(replica).__name__}; "
+            f"pass fn(replica, *inputs, **kwargs), or NNX modules as replicas")
+    prog = _programs.get(("fn", fn), lambda: ReplicaProgram(
+        lambda p, a, k: (fn(p, *a, **k), None)))
+    return replica, prog, None
+
+
+def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
+                   kwargs: Sequence | None = None, devices: Sequence | None = None) -> list:
+    """Apply ``fn(replica_i, *inputs_i, **kwargs_i)`` on every replica; outputs in order.
+
+    Every replica's compiled program is dispatched before any result is awaited, so the
+    devices work concurrently; then all results are awaited.
+
+    Args:
+      fn: ``fn(replica, *args, **kwargs)``; None when ``replicas`` are NNX modules, which
+        are then called. Programs are compiled once per ``fn`` and input signature.
+      replicas: per-replica parameters (pytrees) or NNX modules (as from ``replicate``);
+        an NNX replica's state updates (batch statistics) are written back to it.
+      inputs: per-replica positional arguments (a tuple, or one value).
+      kwargs: per-replica keyword-argument dicts, or None.
+      devices: per-replica devices; when given, each replica's arguments are put there.
+
+    Returns:
+      The list of outputs, each on its replica's device.
+
+    Raises:
+      The first failing replica's exception type, as
+      ``Caught <Type> in replica i on device d`` with the original traceback.
+    """
+    n = len(replicas)
+    kwargs = [{} for _ in range(n)] if kwargs is None else list(kwargs)
+    if len(inputs) != n or len(kwargs) != n:
+        raise ValueError(
+            f"parallel_apply needs one input and one kwargs dict per replica; got "
+            f"{n} replicas, {len(inputs)} inputs and {len(kwargs)} kwargs")
+    devs = resolve_devices(devices) if devices is not None else None
+    if devs is not None and len(devs) != n:
+        raise ValueError(f"parallel_apply got {n} replicas but {len(devs)} devices")
+    pending, errors = [], {}
+    for i, (rep, inp, kw) in enumerate(zip(replicas, inputs, kwargs, strict=True)):
+        args = tuple(inp) if isinstance(inp, (tuple, list)) else (inp,)
+        where = devs[i] if devs is not None else (_device_of(rep) or _device_of(args))
+        try:
+            params, prog, graphdef = _prepare(fn, rep)
+            if devs is not None:
+                params, args, kw = jax.device_put((params, args, dict(kw)), devs[i])
+            pending.append((where, prog(params, args, kw), graphdef))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after all are dispatched
+            errors[i] = replica_error(e, i, where)
+            pending.append((where, None, None))
+    outs = []
+    for i, (where, result, graphdef) in enumerate(pending):
+        if result is None:
+            outs.append(None)
+            continue
+        arrays, aux, meta = result
+        try:
+            jax.block_until_ready(arrays)
+        except Exception as e:  # noqa: BLE001
+            errors.setdefault(i, replica_error(e, i, where))
+        if graphdef is not None and aux is not None:
+            nnx.update(replicas[i], aux)
+        outs.append(join_output(arrays, meta))
+    if errors:
+        raise errors[min(errors)]
+    return outs

@@ -1,0 +1,115 @@
+"""Place parameters on several devices, reusing the copies while the parameters are unchanged.
+
+``replicate`` is torch's ``replicate(network, devices)`` for JAX: it returns one copy of a
+parameter pytree (or of a Flax NNX module) per device. All copies are made by one
+``jax.device_put`` onto a replicated sharding of the devices' mesh, and each replica is a
+zero-copy view of one of its shards. Copies are cached by placement and reused while the
+source leaves are the same array objects (JAX arrays are immutable, so an unchanged
+identity means unchanged values); an optimizer step makes new arrays and the next call
+copies again. Under a JAX transformation (``jax.grad``, ``jit``) nothing is cached and
+the copies are ``jax.device_put``, which is differentiable: the cotangents of all replicas
+are summed back onto the source, as torch's ``Broadcast`` backward (reduce-add) does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jdist.dp._scatter_gather import mesh_for, resolve_devices
+
+__all__ = ["ReplicaCache", "default_cache", "replicate"]
+
+
+def _concrete(leaves: Sequence) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in leaves)
+
+
+class ReplicaCache:
+    """Copies of parameter pytrees, one entry per placement key.
+
+    An entry is reused while the source pytree has the same structure and the very same
+    leaf objects; otherwise it is replaced (so at most one stale copy per key is kept).
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, tuple] = {}
+        self.misses = 0
+
+    def get(self, params: Any, key: Hashable, make: Callable[[Any], Any]) -> Any:
+        """``make(params)``, or the cached result of an earlier call with the same leaves."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        if not _concrete(leaves):
+            return make(params)
+        hit = self._entries.get(key)
+        if (hit is not None and hit[1] == treedef and len(hit[0]) == len(leaves)
+                and all(a is b for a, b in zip(hit[0], leaves, strict=True))):
+            return hit[2]
+        self.misses += 1
+        value = make(params)
+        self._entries[key] = (tuple(leaves), treedef, value)
+        return value
+
+    def put(self, params: Any, sharding: jax.sharding.Sharding) -> Any:
+        """``jax.device_put(params, sharding)``, cached."""
+        return self.get(params, ("put", sharding), lambda p: jax.device_put(p, sharding))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+default_cache = ReplicaCache()
+"""The cache behind the functional ``replicate``/``data_parallel`` (DataParallel has its own)."""
+
+
+def _shards_by_device(tree: Any, devices: tuple) -> list:
+    """Per-device views of a pytree of replicated global arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    per_leaf = [{s.device: s.data for s in leaf.addressable_shards} for leaf in leaves]
+    return [jax.tree_util.tree_unflatten(treedef, [pl[d] for pl in per_leaf])
+            for d in devices]
+
+
+def replicate_params(params: Any, devices: tuple, cache: ReplicaCache) -> list:
+    """One copy of the pytree ``params`` on each of ``devices`` (cached, differentiable)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if not _concrete(leaves):
+        return [jax.device_put(params, d) for d in devices]
+
+    def make(p):
+        glob = jax.device_put(p, NamedSharding(mesh_for(devices), PartitionSpec()))
+        return _shards_by_device(glob, devices)
+
+    return list(cache.get(params, ("replicas", devices), make))
+
+
+def replicate(module_or_params: Any, devices: Sequence | None,
+              cache: ReplicaCache | None = None) -> list:
+    """Copies of a Flax NNX module or a parameter pytree, one per device.
+
+    Args:
+      module_or_params: an ``nnx.Module`` (its whole state is copied: params, batch
+        statistics, RNG state) or any pytree of arrays.
+      devices: jax devices, or ints indexing ``jax.local_devices()``; None: all.
+      cache: where copies are kept for reuse (default: a module-level cache).
+
+    Returns:
+      A list with one replica per device: modules (``nnx.merge`` of the copied state,
+      independent of each other and of the original) or pytrees.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> reps = replicate({"w": jnp.ones(3)}, [0, 1])
+      >>> [r["w"].devices() == {d} for r, d in zip(reps, jax.local_devices()[:2])]
+      [True, True]
+    """
+    devices = resolve_devices(devices)
+    cache = default_cache if cache is None else cache
+    if isinstance(module_or_params, nnx.Module):
+        graphdef, state = nnx.split(module_or_params)
+        return [nnx.merge(graphdef, s) for s in replicate_params(state, devices, cache)]
+    return replicate_params(module_or_params, devices, cache)
