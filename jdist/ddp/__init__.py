@@ -1,1 +1,25 @@
-"""jdist.ddp (in progress)."""
+"""jdist.ddp: torch's DistributedDataParallel for Flax (NNX modules, Linen, pytrees).
+
+Gradients are reduced bucket by bucket from inside the backward pass of one jitted
+``shard_map`` program per step; see ``DistributedDataParallel`` and ``FunctionalDDP``.
+"""
+
+from jdist.ddp import hooks as hooks
+from jdist.ddp._buckets import Bucket as Bucket
+from jdist.ddp._buckets import BucketLayout as BucketLayout
+from jdist.ddp._buckets import (
+    compute_bucket_assignment_by_size as compute_bucket_assignment_by_size,
+)
+from jdist.ddp._ddp import DistributedDataParallel as DistributedDataParallel
+from jdist.ddp.hooks._base import CommHook as CommHook
+from jdist.ddp.hooks._base import GradBucket as GradBucket
+
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "CommHook",
+    "DistributedDataParallel",
+    "GradBucket",
+    "compute_bucket_assignment_by_size",
+    "hooks",
+]

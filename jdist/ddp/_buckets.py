@@ -1,0 +1,227 @@
+"""Gradient buckets: torch's assignment rules, as pure functions over parameter metadata.
+
+torch's ``Reducer`` groups parameters into buckets so that one collective carries many
+small gradients (see ``reference/torch-distributed.md``, "Bucketing rules"):
+
+- parameters are walked in a given order with **one open bucket per dtype**; a bucket
+  closes as soon as its byte count **reaches** the current limit (so it may exceed it);
+- limits come from a sequence ``[first, ..., last]``: each new bucket of a dtype takes the
+  next limit, the last one repeating;
+- at construction (torch's iteration 0) parameters are walked in registration order and
+  the buckets are sorted by smallest parameter index and **reversed**, so bucket 0 holds
+  the last-registered parameters (ready first in the backward pass);
+- after the first backward, buckets are rebuilt once in **gradient-ready order** with
+  limits ``[first_cap, cap]`` and kept in that order.
+
+Sizes: ``bucket_cap_mb=None`` means a 25 MiB cap with a 1 MiB first bucket; an explicit
+``bucket_cap_mb`` uses that cap for every bucket, the first one included.
+
+Everything here is pure: no JAX tracing, only shapes, dtypes and paths.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from jdist.errors import BucketLayoutError
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "LeafInfo",
+    "Bucket",
+    "BucketLayout",
+    "bucket_cap_bytes",
+    "compute_bucket_assignment_by_size",
+    "initial_layout",
+    "rebuilt_layout",
+    "make_layout",
+]
+
+DEFAULT_BUCKET_CAP_MB = 25
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class LeafInfo(NamedTuple):
+    """Metadata of one parameter: its path, shape, dtype name and byte size."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, path: str, value) -> LeafInfo:
+        """Metadata of ``value`` (anything with ``shape`` and ``dtype``)."""
+        shape = tuple(int(d) for d in value.shape)
+        dtype = np.dtype(value.dtype)
+        return cls(path, shape, dtype.name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Bucket(NamedTuple):
+    """One bucket: parameter indices (into the leaf list), their paths, total bytes."""
+
+    index: int
+    leaves: tuple[int, ...]
+    paths: tuple[str, ...]
+    nbytes: int
+    dtype: str
+
+    def __repr__(self) -> str:
+        return (f"Bucket(index={self.index}, nbytes={self.nbytes:,}, "
+                f"params={len(self.leaves)}, paths={list(self.paths)})")
+
+
+class BucketLayout(NamedTuple):
+    """A complete assignment of parameters to buckets, in reduction order.
+
+    Attributes:
+      buckets: the buckets, bucket 0 reduced first.
+      leaves: metadata of every parameter, in registration order.
+      rebuilt: whether the layout follows the recorded gradient-ready order.
+    """
+
+    buckets: tuple[Bucket, ...]
+    leaves: tuple[LeafInfo, ...]
+    rebuilt: bool
+
+    def sizes(self) -> list[int]:
+        """Byte size of each bucket, bucket 0 first (torch's ``bucket_sizes``)."""
+        return [b.nbytes for b in self.buckets]
+
+    def counts(self) -> list[int]:
+        """Number of parameters in each bucket."""
+        return [len(b.leaves) for b in self.buckets]
+
+    def __repr__(self) -> str:
+        body = ",\n  ".join(repr(b) for b in self.buckets)
+        return f"BucketLayout(rebuilt={self.rebuilt}, buckets=[\n  {body}])"
+
+
+def bucket_cap_bytes(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """``(first_bucket_bytes, bucket_bytes)`` for a ``bucket_cap_mb`` argument, as torch.
+
+    Raises:
+      BucketLayoutError: ``bucket_cap_mb`` is not a positive number.
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * 1024 * 1024
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
+        bucket_cap_mb > 0
+    ):
+        raise BucketLayoutError(
+            f"bucket_cap_mb must be a positive number of MiB or None (25 MiB), "
+            f"got {bucket_cap_mb!r}"
+        )
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    return cap, cap
+
+
+def compute_bucket_assignment_by_size(
+    sizes: Sequence[int],
+    dtypes: Sequence[str],
+    limits: Sequence[int],
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """torch's ``_compute_bucket_assignment_by_size`` over byte sizes.
+
+    Args:
+      sizes: byte size of each parameter (indexed by parameter index).
+      dtypes: dtype name of each parameter; each dtype has its own open bucket.
+      limits: bucket byte limits; bucket ``k`` of a dtype uses ``limits[min(k, -1)]``.
+      order: the order to walk parameter indices in. ``None`` walks them in index order
+        and sorts the result by smallest index (torch without ``tensor_indices``);
+        otherwise buckets keep the order in which they were filled.
+
+    Returns:
+      A list of buckets, each a list of parameter indices in walk order.
+    """
+    if len(sizes) != len(dtypes):
+        raise BucketLayoutError(f"{len(sizes)} sizes but {len(dtypes)} dtypes")
+    if not limits or any(int(x) <= 0 for x in limits):
+        raise BucketLayoutError(f"bucket limits must be positive byte counts, got {list(limits)}")
+    walk = list(range(len(sizes))) if order is None else [int(i) for i in order]
+    if sorted(walk) != list(range(len(sizes))):
+        raise BucketLayoutError(
+            f"order must be a permutation of range({len(sizes)}), got {walk}"
+        )
+    done: list[list[int]] = []
+    open_: dict[str, tuple[list[int], int]] = {}
+    limit_pos: dict[str, int] = {}
+    for i in walk:
+        key = dtypes[i]
+        members, nbytes = open_.get(key, ([], 0))
+        members.append(i)
+        nbytes += int(sizes[i])
+        k = limit_pos.get(key, 0)
+        if nbytes >= int(limits[min(k, len(limits) - 1)]):
+            done.append(members)
+            open_.pop(key, None)
+            limit_pos[key] = k + 1
+        else:
+            open_[key] = (members, nbytes)
+    done.extend(members for members, _ in open_.values() if members)
+    if order is None:
+        done.sort(key=min)
+    return done
+
+
+def make_layout(
+    leaves: Sequence[LeafInfo], groups: Sequence[Sequence[int]], rebuilt: bool
+) -> BucketLayout:
+    """A :class:`BucketLayout` from groups of parameter indices (bucket 0 first)."""
+    buckets = []
+    for bi, g in enumerate(groups):
+        idx = tuple(int(i) for i in g)
+        buckets.append(Bucket(
+            index=bi,
+            leaves=idx,
+            paths=tuple(leaves[i].path for i in idx),
+            nbytes=sum(leaves[i].nbytes for i in idx),
+            dtype=leaves[idx[0]].dtype if idx else "",
+        ))
+    return BucketLayout(tuple(buckets), tuple(leaves), rebuilt)
+
+
+def initial_layout(
+    leaves: Sequence[LeafInfo], bucket_cap_mb: float | None, find_unused_parameters: bool
+) -> BucketLayout:
+    """torch's construction-time layout (its iteration 0).
+
+    Without ``find_unused_parameters`` this is one bucket of everything (torch delays all
+    reduction of the first iteration to its end); with it, ``[first_cap, cap]`` limits in
+    registration order, sorted and reversed. jdist replaces the single bucket by the
+    rebuilt layout before the first step is compiled, so no step runs with it.
+    """
+    first, cap = bucket_cap_bytes(bucket_cap_mb)
+    if not find_unused_parameters:
+        limits = [sys.maxsize]
+    elif bucket_cap_mb is None:
+        limits = [first, cap]
+    else:
+        limits = [cap]
+    groups = compute_bucket_assignment_by_size(
+        [x.nbytes for x in leaves], [x.dtype for x in leaves], limits
+    )
+    groups = [list(g) for g in reversed(groups)]
+    return make_layout(leaves, groups, rebuilt=False)
+
+
+def rebuilt_layout(
+    leaves: Sequence[LeafInfo], ready_order: Sequence[int], bucket_cap_mb: float | None
+) -> BucketLayout:
+    """The layout rebuilt in gradient-ready order (``ready_order[0]`` ready first)."""
+    first, cap = bucket_cap_bytes(bucket_cap_mb)
+    groups = compute_bucket_assignment_by_size(
+        [x.nbytes for x in leaves], [x.dtype for x in leaves], [first, cap], order=ready_order
+    )
+    return make_layout(leaves, groups, rebuilt=True)

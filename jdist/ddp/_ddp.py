@@ -1,0 +1,237 @@
+"""``DistributedDataParallel``: torch's DDP for Flax NNX modules (a thin shell).
+
+The shell splits the module with ``nnx.split`` into parameters (``nnx.Param``) and
+everything else ("buffers": batch statistics, RNG state, ...), builds pure functions
+from the user's ``loss_fn(module, batch, ...)``, and hands them to the
+:class:`~jdist.ddp._engine.Engine`, which runs one jitted ``shard_map`` program per step
+and keeps the state torch keeps between steps. Results are written back into the
+module (and the ``nnx.Optimizer``) in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.ddp import _sync
+from jdist.ddp._buckets import BucketLayout, LeafInfo
+from jdist.ddp._engine import Engine
+
+__all__ = ["DistributedDataParallel", "leaf_infos", "NO_PARAMS_MSG"]
+
+NO_PARAMS_MSG = ("DistributedDataParallel is not needed when a module doesn't have any "
+                 "parameter that requires a gradient.")
+
+
+def leaf_infos(params: Any) -> list[LeafInfo]:
+    """Metadata (``"a/b/kernel"`` paths, shapes, dtypes, bytes) of a parameter tree."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        parts = []
+        for k in path:
+            name = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+            if name == "value" and isinstance(k, jax.tree_util.GetAttrKey):
+                continue
+            parts.append(str(name if name is not None else k))
+        out.append(LeafInfo.of("/".join(parts), leaf))
+    return out
+
+
+def _split(module):
+    return nnx.split(module, nnx.Param, ...)
+
+
+class DistributedDataParallel:
+    """Data-parallel training of an NNX module with torch's DDP semantics.
+
+    Args:
+      module: a ``flax.nnx.Module``; its ``nnx.Param`` variables are trained, every other
+        variable is a buffer (torch's buffers: batch stats, RNG state). Use
+        :class:`FunctionalDDP` for Linen modules and plain parameter pytrees.
+      process_group: the group to reduce over (default: the default group, or this
+        process's local devices when ``init_process_group`` was not called).
+      bucket_cap_mb: bucket size cap in MiB (default 25, with a 1 MiB first bucket).
+      find_unused_parameters: reduce zeros for parameters that get no gradient instead
+        of raising :class:`~jdist.errors.UnusedParametersError`.
+      broadcast_buffers: take buffers from replica 0 at every forward (skipped right
+        after a ``no_sync`` step, as torch).
+      init_sync: check that every process has the same parameter tree and broadcast
+        process 0's parameters and buffers.
+      comm_hook: a comm hook ``hook(state, bucket)`` (state ``None``) or a
+        ``(state, hook)`` pair; the same as calling :meth:`register_comm_hook`.
+      compiler_options: XLA options for the step programs; ``None`` derives them from
+        ``bucket_cap_mb`` (see :mod:`jdist.ddp._xla`), ``{}`` uses XLA's defaults.
+
+    Example::
+
+      ddp = DistributedDataParallel(model)
+      step = ddp.train_step(lambda m, b: loss(m(b["x"]), b["y"]), optimizer)
+      for batch in loader:
+          loss = step(batch)          # batch: this process's samples
+    """
+
+    def __init__(self, module: nnx.Module, *, process_group: ProcessGroup | None = None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, init_sync: bool = True,
+                 comm_hook: Any = None, compiler_options: dict | None = None):
+        if not isinstance(module, nnx.Module):
+            raise TypeError(
+                f"DistributedDataParallel wraps a flax.nnx.Module, got {type(module).__name__}; "
+                "for Linen modules or plain parameter pytrees use "
+                "jdist.ddp.FunctionalDDP(params, ...) with an apply function")
+        self.module = module
+        self.process_group = resolve_group(process_group)
+        _, params, buffers = _split(module)
+        infos = leaf_infos(params)
+        if not infos:
+            raise ValueError(NO_PARAMS_MSG)
+        if init_sync and self.process_group.size() > 1:
+            p, b = _sync.init_sync(self.process_group, infos, params,
+                                   buffers if broadcast_buffers else None)
+            nnx.update(module, p)
+            if broadcast_buffers:
+                nnx.update(module, b)
+        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
+                              find_unused_parameters=find_unused_parameters,
+                              broadcast_buffers=broadcast_buffers,
+                              compiler_options=compiler_options)
+        if comm_hook is not None:
+            state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
+            self.register_comm_hook(state, hook)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def buckets(self) -> BucketLayout:
+        """The bucket layout: paths and bytes per bucket (rebuilt at the first step)."""
+        return self._engine.layout
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._engine.require_backward_grad_sync
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Reduce buckets with ``hook(state, bucket) -> (buffer, new_state)``.
+
+        Call once, before the first step (torch's rule). ``state`` is a pytree of arrays
+        (or ``None``); DDP keeps one copy per replica and threads it through every step
+        and, within a step, from bucket to bucket in reduction order. The hook runs
+        inside the step's ``shard_map``: it must return a buffer shaped like
+        ``bucket.buffer`` that is the same on every replica (reduce over
+        ``bucket.axis_name``). See :mod:`jdist.ddp.hooks`.
+        """
+        self._engine.register_comm_hook(state, hook)
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The hook state of this process's first replica (after the last step)."""
+        st = self._engine.hook_state
+        from jdist.ddp._placement import local_first
+
+        return None if st is None else local_first(st)
+
+    def no_sync(self):
+        """Context manager: steps inside accumulate local gradients, no collective.
+
+        The first synced step after it reduces (accumulated + new) gradients once, and
+        does not broadcast buffers (torch's rule). ``train_step`` skips the optimizer
+        update inside it.
+        """
+        return self._engine.no_sync()
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Context manager for uneven inputs across processes (see :mod:`jdist.ddp._join`)."""
+        from jdist.ddp._join import Join
+
+        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
+                    enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    # ------------------------------------------------------------------ pure pieces
+    def _loss(self, gdef, loss_fn: Callable, has_aux: bool) -> Callable:
+        def pure(params, buffers, batch, extra):
+            m = nnx.merge(gdef, params, buffers)
+            out = loss_fn(m, batch, *extra)
+            value, aux = out if has_aux else (out, None)
+            _, _, new_buffers = _split(m)
+            return value, (aux, new_buffers)
+
+        return pure
+
+    # ------------------------------------------------------------------ API
+    def __call__(self, *inputs: Any) -> Any:
+        """Forward over this process's batch (leading dimension), split over replicas."""
+        gdef, params, buffers = _split(self.module)
+        key = ("call", gdef)
+
+        def apply(p, b, xs):
+            m = nnx.merge(gdef, p, b)
+            out = m(*xs)
+            return out, _split(m)[2]
+
+        out, new_buffers = self._engine.forward(key, apply, params, buffers, tuple(inputs))
+        nnx.update(self.module, new_buffers)
+        return out
+
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False) -> Callable:
+        """``f(batch, *args) -> (loss, grads)`` with grads averaged over replicas.
+
+        ``loss_fn(module, batch, *args)`` sees one replica's shard of the batch and
+        returns a scalar (or ``(scalar, aux)`` with ``has_aux``). Gradients are reduced
+        bucket by bucket from inside the backward pass and returned as an
+        ``nnx.State`` of the parameters; ``loss`` is the mean over replicas, ``aux`` is
+        stacked per local replica. Inside :meth:`no_sync` the call returns
+        ``(loss, None)`` after accumulating this replica's gradients locally.
+        """
+
+        def f(batch, *args):
+            gdef, params, buffers = _split(self.module)
+            out = self._engine.grad_step(("vg", gdef, loss_fn, has_aux),
+                                         self._loss(gdef, loss_fn, has_aux),
+                                         params, buffers, batch, args)
+            nnx.update(self.module, out["buffers"])
+            value = (out["loss"], out["aux"]) if has_aux else out["loss"]
+            return value, out["grads"]
+
+        return f
+
+    def train_step(self, loss_fn: Callable, optimizer: nnx.Optimizer,
+                   has_aux: bool = False) -> Callable:
+        """``step(batch, *args) -> loss``: forward, bucketed reduction, optimizer update.
+
+        One jitted program per step; ``self.module`` and ``optimizer`` are updated in
+        place. Inside :meth:`no_sync` gradients only accumulate (no update).
+        """
+        if isinstance(optimizer, nnx.ModelAndOptimizer) or not isinstance(
+                optimizer, nnx.Optimizer):
+            raise TypeError(
+                f"train_step needs an nnx.Optimizer(model, tx, wrt=nnx.Param), got "
+                f"{type(optimizer).__name__}; build one with nnx.Optimizer(ddp.module, tx, "
+                "wrt=nnx.Param)")
+
+        def step(batch, *args):
+            gdef, params, buffers = _split(self.module)
+            ogdef, ostate = nnx.split(optimizer)
+
+            def update(p, grads, os, b):
+                model = nnx.merge(gdef, p, b)
+                opt = nnx.merge(ogdef, os)
+                opt.update(model, grads)
+                return _split(model)[1], nnx.split(opt)[1]
+
+            out = self._engine.grad_step(("train", gdef, ogdef, loss_fn, has_aux),
+                                         self._loss(gdef, loss_fn, has_aux), params,
+                                         buffers, batch, args, update=update,
+                                         opt_state=ostate)
+            nnx.update(self.module, out["buffers"])
+            if self._engine.require_backward_grad_sync:
+                nnx.update(self.module, out["params"])
+                nnx.update(optimizer, out["opt_state"])
+            return (out["loss"], out["aux"]) if has_aux else out["loss"]
+
+        return step
+

@@ -1,0 +1,202 @@
+"""The DDP engine: state kept between steps and the calls into the jitted programs.
+
+Shared by the NNX shell (:class:`jdist.ddp.DistributedDataParallel`) and the functional
+entry point (:class:`jdist.ddp.FunctionalDDP`). It owns the bucket layout (rebuilt once in
+gradient-ready order at the first trace), the comm hook and its state, the gradients
+accumulated under ``no_sync()``, the per-replica buffers, and a cache of compiled programs.
+Everything it runs is a pure program from :mod:`jdist.ddp._program`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jdist.collectives._group import ProcessGroup
+from jdist.ddp import _buckets, _placement, _program, _reducer
+from jdist.ddp._buckets import BucketLayout, LeafInfo
+from jdist.ddp._xla import bucket_compiler_options
+from jdist.errors import UnusedParametersError
+
+__all__ = ["Engine", "HOOK_ONCE_MSG"]
+
+HOOK_ONCE_MSG = "register_comm_hook or register_builtin_comm_hook can only be called once."
+
+
+class Engine:
+    """Bucket layout, hook, accumulated gradients and buffers of one DDP wrapper."""
+
+    def __init__(self, group: ProcessGroup, leaves: Sequence[LeafInfo], *,
+                 bucket_cap_mb: float | None, find_unused_parameters: bool,
+                 broadcast_buffers: bool, compiler_options: dict | None = None):
+        self.group = group
+        self.leaves = tuple(leaves)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused = bool(find_unused_parameters)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.layout: BucketLayout = _buckets.initial_layout(
+            self.leaves, bucket_cap_mb, self.find_unused)
+        self.hook: Callable | None = None
+        self.hook_state: Any = None  # per replica
+        self.require_backward_grad_sync = True
+        self.last_synced = True  # torch's require_forward_param_sync
+        self.acc: Any = None  # per replica, from no_sync steps
+        self.buf_stacked: Any = None
+        self.buf_view: list | None = None
+        self.steps = 0
+        self.join_state: Any = None
+        self._programs: dict = {}
+        self._warned_unused = False
+        if compiler_options is None:
+            platform = group.mesh.devices.flat[0].platform
+            compiler_options = bucket_compiler_options(bucket_cap_mb, platform)
+        self.compiler_options = dict(compiler_options)
+
+    # ----------------------------------------------------------------- hooks
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Register ``hook(state, bucket) -> (buffer, new_state)``; once, before stepping."""
+        if self.hook is not None:
+            raise RuntimeError(HOOK_ONCE_MSG)
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        if self.steps:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first step; this DDP wrapper "
+                f"has already run {self.steps} step(s). Register the hook right after wrapping."
+            )
+        self.hook = hook
+        self.hook_state = _placement.per_replica(state, self.group)
+
+    def _config(self) -> _program.Config:
+        return _program.Config(
+            mesh=self.group.mesh, axis=self.group.axis_name,
+            num_replicas=self.group.num_replicas, layout=self.layout,
+            hook=self.hook or _reducer.mean_allreduce_hook, find_unused=self.find_unused,
+            compiler_options=self.compiler_options)
+
+    # ----------------------------------------------------------------- layout
+    def ensure_layout(self, loss: Callable, params, buffers, batch, extra) -> None:
+        """Rebuild buckets in gradient-ready order, recorded by tracing (once)."""
+        if self.layout.rebuilt:
+            return
+        if self.find_unused:
+            self._check_find_unused(loss, params, buffers, batch, extra)
+            return
+        seen: dict = {}
+
+        def record(f, p, args):
+            seen["order"], seen["unused"] = _reducer.record_ready_order(
+                f, p, args, self.group.axis_name)
+
+        prog = _program.ready_order_program(self._config(), loss, record)
+        jax.eval_shape(prog, params, buffers, batch, extra)
+        if seen["unused"]:
+            raise UnusedParametersError(_reducer.unused_message(
+                [self.leaves[j].path for j in seen["unused"]]))
+        self.layout = _buckets.rebuilt_layout(self.leaves, seen["order"], self.bucket_cap_mb)
+        self._programs.clear()
+
+    def _check_find_unused(self, loss, params, buffers, batch, extra) -> None:
+        if self._warned_unused:
+            return
+        seen: dict = {}
+
+        def record(f, p, args):
+            _, seen["unused"] = _reducer.record_ready_order(f, p, args, self.group.axis_name)
+
+        jax.eval_shape(_program.ready_order_program(self._config(), loss, record),
+                       params, buffers, batch, extra)
+        self._warned_unused = True
+        if not seen["unused"]:
+            warnings.warn(
+                "find_unused_parameters=True was specified in DDP constructor, but did not "
+                "find any unused parameters in the forward pass. In jdist the flag costs no "
+                "extra communication, but the bucket layout is not rebuilt in gradient-ready "
+                "order; pass find_unused_parameters=False if no parameter goes unused.",
+                stacklevel=4)
+
+    # ----------------------------------------------------------------- buffers
+    def buffers_in(self, module_buffers: Any) -> Any:
+        """Per-replica buffers for the next program: kept ones, or the module's."""
+        leaves = jax.tree.leaves(module_buffers)
+        if self.buf_view is not None and len(leaves) == len(self.buf_view) and all(
+                a is b for a, b in zip(leaves, self.buf_view, strict=False)):
+            return self.buf_stacked
+        return _placement.per_replica(module_buffers, self.group)
+
+    def buffers_out(self, stacked: Any) -> Any:
+        """Keep per-replica buffers; return the first local replica's for the module."""
+        self.buf_stacked = stacked
+        view = _placement.local_first(stacked)
+        self.buf_view = jax.tree.leaves(view)
+        return view
+
+    @property
+    def sync_buffers(self) -> bool:
+        return self.broadcast_buffers and self.last_synced
+
+    # ----------------------------------------------------------------- programs
+    def grad_step(self, key: Any, loss: Callable, params: Any, module_buffers: Any,
+                  batch: Any, extra: tuple, update: Callable | None = None,
+                  opt_state: Any = None) -> dict:
+        """Run one gradient (or train) step; returns the program's outputs by name."""
+        g = self.group
+        sync = self.require_backward_grad_sync
+        params = _placement.replicated(params, g)
+        opt_state = _placement.replicated(opt_state, g)
+        extra = _placement.replicated(tuple(extra), g)
+        batch = _placement.shard_batch(batch, g)
+        buffers = self.buffers_in(module_buffers)
+        if sync:
+            self.ensure_layout(loss, params, buffers, batch, extra)
+        has_acc = self.acc is not None
+        pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None)
+        prog = self._programs.get(pkey)
+        if prog is None:
+            prog = _program.grad_program(self._config(), loss, update, sync=sync,
+                                         sync_buffers=self.sync_buffers, has_acc=has_acc)
+            self._programs[pkey] = prog
+        out = prog(params, buffers, self.hook_state, self.acc, opt_state, batch, extra)
+        jax.block_until_ready(out)
+        value, aux, grads, new_buffers, hstate, acc, new_params, new_opt = out
+        self.hook_state = hstate
+        self.acc = acc
+        self.last_synced = sync
+        self.steps += 1
+        if not sync:
+            value = jax.numpy.mean(_placement.local_rows(value))
+        return dict(loss=value, aux=_placement.local_rows(aux), grads=grads,
+                    buffers=self.buffers_out(new_buffers), params=new_params,
+                    opt_state=new_opt)
+
+    def forward(self, key: Any, apply: Callable, params: Any, module_buffers: Any,
+                inputs: Any) -> tuple[Any, Any]:
+        """Run the forward program; returns (this process's outputs, module buffers)."""
+        g = self.group
+        params = _placement.replicated(params, g)
+        inputs = _placement.shard_batch(inputs, g, what="input")
+        buffers = self.buffers_in(module_buffers)
+        pkey = ("fwd", key, self.sync_buffers)
+        prog = self._programs.get(pkey)
+        if prog is None:
+            prog = _program.forward_program(self._config(), apply,
+                                            sync_buffers=self.sync_buffers)
+            self._programs[pkey] = prog
+        out, new_buffers = prog(params, buffers, inputs)
+        jax.block_until_ready(out)
+        self.last_synced = self.require_backward_grad_sync
+        return _placement.local_rows(out), self.buffers_out(new_buffers)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate local gradients with no collective until the context exits."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old

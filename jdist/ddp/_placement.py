@@ -1,0 +1,140 @@
+"""Place process-local values on a group's mesh as global arrays, and read them back.
+
+DDP inputs come in three layouts over the replica axis of a :class:`ProcessGroup`'s mesh:
+
+- *replicated* (``P()``): parameters and optimizer state, one full copy per device;
+- *batch* (``P(axis)``): a process-local batch whose leading dimension is split evenly
+  over this process's devices;
+- *per-replica* (``P(axis)`` with a new leading axis of size ``num_replicas``): values
+  that may differ between replicas (buffers after ``no_sync``, accumulated gradients,
+  comm-hook state).
+
+Global arrays are assembled from single-device arrays
+(``jax.make_array_from_single_device_arrays``), so the same code works with one process
+or many, and for any dtype (typed PRNG keys included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdist.collectives._group import ProcessGroup
+
+__all__ = [
+    "replicated",
+    "shard_batch",
+    "per_replica",
+    "local_rows",
+    "local_first",
+    "is_placed",
+]
+
+
+def _local_devices(group: ProcessGroup) -> list:
+    mine = set(group.local_devices)
+    return [d for d in group.mesh.devices.flat if d in mine]
+
+
+def is_placed(x: Any, sharding: NamedSharding) -> bool:
+    """Whether ``x`` already is a global array with exactly ``sharding``."""
+    return isinstance(x, jax.Array) and x.sharding == sharding
+
+
+def replicated(tree: Any, group: ProcessGroup) -> Any:
+    """Every leaf as a global array replicated over the group's devices (``P()``)."""
+    sharding = NamedSharding(group.mesh, P())
+    devs = _local_devices(group)
+
+    def one(x):
+        if is_placed(x, sharding):
+            return x
+        x = jnp.asarray(x)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [jax.device_put(x, d) for d in devs]
+        )
+
+    return jax.tree.map(one, tree)
+
+
+def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
+    """Split each leaf's leading dimension over this process's devices (``P(axis)``).
+
+    Raises:
+      ValueError: a leaf is a scalar, or its leading size does not divide evenly over
+        this process's devices, or leaves disagree on the leading size.
+    """
+    sharding = NamedSharding(group.mesh, P(group.axis_name))
+    devs = _local_devices(group)
+    n = len(devs)
+    leaves, tdef = jax.tree.flatten(tree)
+    sizes = {int(jnp.shape(x)[0]) if jnp.ndim(x) else None for x in leaves}
+    if None in sizes:
+        raise ValueError(
+            f"every {what} leaf needs a leading batch dimension to split over this process's "
+            f"{n} devices, got a scalar; pass scalars as extra arguments instead"
+        )
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the {what} leaves have different leading sizes {sorted(sizes)}; every leaf "
+            f"must have this process's batch size as its first dimension"
+        )
+    out = []
+    for x in leaves:
+        if is_placed(x, sharding):
+            out.append(x)
+            continue
+        b = int(jnp.shape(x)[0])
+        if b % n:
+            raise ValueError(
+                f"this process's {what} has {b} samples, which does not split evenly over "
+                f"its {n} devices ({b} % {n} = {b % n}); use a per-process batch size that is "
+                f"a multiple of {n} (e.g. {max(n, b - b % n)}), or drop_last in the sampler"
+            )
+        k = b // n
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        parts = [jax.device_put(x[i * k:(i + 1) * k], d) for i, d in enumerate(devs)]
+        gshape = (k * group.num_replicas,) + tuple(x.shape[1:])
+        out.append(jax.make_array_from_single_device_arrays(gshape, sharding, parts))
+    return jax.tree.unflatten(tdef, out)
+
+
+def per_replica(tree: Any, group: ProcessGroup) -> Any:
+    """Each leaf copied once per replica on a new leading axis (``P(axis)``)."""
+    sharding = NamedSharding(group.mesh, P(group.axis_name))
+    devs = _local_devices(group)
+
+    def one(x):
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        parts = [jax.device_put(x[None], d) for d in devs]
+        return jax.make_array_from_single_device_arrays(
+            (group.num_replicas,) + tuple(x.shape), sharding, parts
+        )
+
+    return jax.tree.map(one, tree)
+
+
+def local_rows(tree: Any) -> Any:
+    """This process's rows of ``P(axis)`` global arrays, as one local array per leaf."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return jnp.concatenate([jax.device_put(s.data, shards[0].device) for s in shards])
+
+    return jax.tree.map(one, tree)
+
+
+def local_first(tree: Any) -> Any:
+    """The first local replica's entry of per-replica arrays (leading axis dropped)."""
+
+    def one(x):
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return shards[0].data[0]
+
+    return jax.tree.map(one, tree)

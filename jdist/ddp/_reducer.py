@@ -1,0 +1,298 @@
+"""The reducer: bucket identities whose backward rules run the comm hook.
+
+Inside the DDP ``shard_map`` program, :func:`reduced_value_and_grad` differentiates the
+loss with each bucket's parameters wrapped (by :mod:`jdist.ddp._graph`) in an identity
+``jax.custom_vjp`` placed before the bucket's first use. When the backward pass reaches
+it, the rule
+
+1. takes the bucket's cotangents (symbolic zeros of unused parameters become zeros, or
+   raise :class:`~jdist.errors.UnusedParametersError`), adds locally accumulated
+   gradients from ``no_sync`` steps, and flattens them into one buffer;
+2. calls the comm hook ``hook(state, GradBucket) -> (buffer, new_state)`` (default: mean
+   all-reduce over the replica axis), threading the hook state from bucket to bucket;
+3. unflattens the reduced buffer and returns it as the cotangent.
+
+Parameters are made *varying* (``lax.pcast(..., to='varying')``) before differentiating:
+with ``check_vma=True`` the gradient of a replicated input is otherwise already summed
+over replicas by the transpose of the implicit broadcast. The reduced, replicated
+(invariant) buffers are kept by the rule in a per-trace :class:`ReduceRecord` and become
+the step's gradients, so the step's outputs stay replicated without a second collective.
+
+:func:`record_ready_order` runs the same differentiation with one identity per parameter
+whose rules only record the order they run in: the gradient-ready order that buckets are
+rebuilt from (JAX knows it at trace time, so no step runs with a temporary layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jdist.ddp import _graph
+from jdist.ddp._buckets import BucketLayout
+from jdist.ddp.hooks._base import GradBucket
+from jdist.errors import BucketLayoutError, UnusedParametersError
+
+__all__ = [
+    "mean_allreduce_hook",
+    "to_varying",
+    "is_varying",
+    "ReduceRecord",
+    "reduced_value_and_grad",
+    "record_ready_order",
+    "unused_message",
+]
+
+
+def mean_allreduce_hook(state: Any, bucket: GradBucket) -> tuple[jax.Array, Any]:
+    """The default reduction: mean over the replica axis (torch: divide, SUM all-reduce)."""
+    return jax.lax.pmean(bucket.buffer, bucket.axis_name), state
+
+
+def is_varying(x: Any, axis: Any) -> bool:
+    """Whether ``x`` is typed as differing across ``axis`` inside ``shard_map``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: manual-axis type
+    if mat is not None:
+        return axis in mat.varying
+    return axis in getattr(aval, "vma", frozenset())
+
+
+def to_varying(x: Any, axis: Any) -> Any:
+    """``lax.pcast(x, axis, to='varying')`` for the leaves that are not varying yet."""
+
+    def one(leaf):
+        if leaf is None or is_varying(leaf, axis):
+            return leaf
+        return jax.lax.pcast(leaf, axis, to="varying")
+
+    return jax.tree.map(one, x)
+
+
+def unused_message(paths: Sequence[str]) -> str:
+    """The :class:`UnusedParametersError` text naming ``paths`` and the fix."""
+    shown = ", ".join(repr(p) for p in paths[:20])
+    more = f" and {len(paths) - 20} more" if len(paths) > 20 else ""
+    return (
+        f"DDP found {len(paths)} parameter(s) that received no gradient in the loss: "
+        f"[{shown}{more}]. Either pass find_unused_parameters=True to "
+        "DistributedDataParallel (their gradients are then reduced as zeros), or make "
+        "every parameter take part in computing the loss (check that every output of "
+        "the forward pass is used and that no parameter goes through stop_gradient). "
+        "torch reports this only at the next iteration as 'Expected to have finished "
+        "reduction in the prior iteration'."
+    )
+
+
+class ReduceRecord:
+    """What the bucket rules of one trace produced (Python-side, trace time only).
+
+    Attributes:
+      state: the hook state, threaded from one bucket's rule to the next.
+      reduced: bucket index -> reduced flat buffer (replicated).
+      fired: bucket indices in the order their rules ran.
+      unused: paths of parameters whose cotangent was a symbolic zero.
+    """
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.reduced: dict[int, jax.Array] = {}
+        self.fired: list[int] = []
+        self.unused: list[str] = []
+
+
+def _flat(cts: Sequence[jax.Array], dtype) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(c).astype(dtype) for c in cts]) if cts else jnp.zeros(
+        (0,), dtype
+    )
+
+
+def _split(buf: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+    out, pos = [], 0
+    for x in like:
+        n = int(x.size)
+        out.append(jnp.reshape(buf[pos:pos + n], x.shape).astype(x.dtype))
+        pos += n
+    return out
+
+
+def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
+              grads: Sequence[jax.Array], axis: Any, num_replicas: int) -> jax.Array:
+    bucket = layout.buckets[bi]
+    buf = _flat(grads, jnp.dtype(bucket.dtype))
+    gb = GradBucket(
+        index=bi, buffer=buf, gradients=tuple(grads), parameters=bucket.paths,
+        is_last=bi == len(layout.buckets) - 1, axis_name=axis, num_replicas=num_replicas,
+    )
+    out, rec.state = hook(rec.state, gb)
+    if getattr(out, "shape", None) != buf.shape or getattr(out, "dtype", None) != buf.dtype:
+        raise BucketLayoutError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} returned "
+            f"{getattr(out, 'shape', type(out))} {getattr(out, 'dtype', '')} for bucket {bi}, "
+            f"expected the bucket buffer's shape {buf.shape} and dtype {buf.dtype}"
+        )
+    if is_varying(out, axis):
+        raise BucketLayoutError(
+            f"comm hook {getattr(hook, '__name__', hook)!r} returned a buffer for bucket {bi} "
+            f"that differs across replicas (it is varying over axis {axis!r}); DDP keeps one "
+            f"replicated copy of the parameters, so the hook must reduce over "
+            f"bucket.axis_name (e.g. jax.lax.pmean(bucket.buffer, bucket.axis_name))"
+        )
+    rec.reduced[bi] = out
+    rec.fired.append(bi)
+    return out
+
+
+def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
+                     acc: Sequence[Any] | None, axis: Any, num_replicas: int,
+                     find_unused: bool) -> Callable:
+    bucket = layout.buckets[bi]
+
+    @jax.custom_vjp
+    def ident(xs):
+        return xs
+
+    def fwd(xs):
+        return [x.value for x in xs], None
+
+    def bwd(_, cts):
+        grads, missing = [], []
+        for j, ct in zip(bucket.leaves, cts, strict=False):
+            info = layout.leaves[j]
+            if isinstance(ct, SymbolicZero):
+                missing.append(info.path)
+                ct = jnp.zeros(info.shape, info.dtype)
+            grads.append(ct if acc is None else ct + acc[j])
+        if missing:
+            rec.unused.extend(missing)
+            if not find_unused:
+                raise UnusedParametersError(unused_message(missing))
+        out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas)
+        return (to_varying(_split(out, grads), axis),)
+
+    ident.defvjp(fwd, bwd, symbolic_zeros=True)
+    return ident
+
+
+def _wrapper(traced: _graph.Traced, groups: Sequence[Sequence[int]],
+             make_ident: Callable[[int], Callable]) -> Callable[[int, dict], None]:
+    """``before(k, env)`` that wraps group ``g``'s parameters before its first use."""
+    uses = _graph.first_uses(traced)
+    invars = traced.closed.jaxpr.invars
+    at: dict[int, list[int]] = {}
+    for gi, g in enumerate(groups):
+        used = [uses[j] for j in g if uses[j] is not None]
+        if used:
+            at.setdefault(min(used), []).append(gi)
+
+    def before(k, env):
+        for gi in at.get(k, ()):
+            vs = [invars[j] for j in groups[gi]]
+            outs = make_ident(gi)([env[v] for v in vs])
+            for v, o in zip(vs, outs, strict=False):
+                env[v] = o
+
+    return before
+
+
+def reduced_value_and_grad(
+    loss: Callable, params: Any, args: tuple, *, layout: BucketLayout, hook: Callable,
+    hook_state: Any, acc: Any, axis: Any, num_replicas: int, find_unused: bool,
+) -> tuple[Any, Any, Any]:
+    """Differentiate ``loss(params, *args) -> (scalar, aux)`` with bucketed reduction.
+
+    Must run inside ``shard_map`` over ``axis`` (``check_vma=True``), with ``params``
+    replicated. ``acc`` (same tree as ``params``, per replica) is added to each bucket's
+    gradients before the hook, or ``None``.
+
+    Returns:
+      ``((loss, aux), grads, new_hook_state)``: the local loss and aux, the reduced
+      (replicated) gradients, and the hook state after every bucket.
+    """
+    leaves, tdef = jax.tree.flatten(params)
+    if len(leaves) != len(layout.leaves):
+        raise BucketLayoutError(
+            f"the model has {len(leaves)} parameters but the bucket layout was built for "
+            f"{len(layout.leaves)}; the parameter tree changed after wrapping in DDP"
+        )
+    acc_leaves = None if acc is None else jax.tree.leaves(acc)
+    varying = to_varying(leaves, axis)
+    traced = _graph.trace(lambda ls, *a: loss(jax.tree.unflatten(tdef, ls), *a), varying, *args)
+    rec = ReduceRecord(hook_state)
+    groups = [b.leaves for b in layout.buckets]
+    before = _wrapper(traced, groups, lambda bi: _bucket_identity(
+        rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused))
+    flat_args = list(varying) + jax.tree.leaves(args)
+
+    def scalar_loss(ls):
+        out, aux = _graph.evaluate(traced, list(ls) + flat_args[len(ls):], before)
+        return out, aux
+
+    (value, aux), _ = jax.value_and_grad(scalar_loss, has_aux=True)(varying)
+    fired = set(rec.fired)
+    for bi, b in enumerate(layout.buckets):
+        if bi in fired:
+            continue
+        # no parameter of this bucket reached the loss: reduce zeros (+ accumulated)
+        paths = list(b.paths)
+        if not find_unused:
+            raise UnusedParametersError(unused_message(paths))
+        rec.unused.extend(paths)
+        zeros = [jnp.zeros(layout.leaves[j].shape, layout.leaves[j].dtype) for j in b.leaves]
+        if acc_leaves is not None:
+            zeros = [z + acc_leaves[j] for z, j in zip(zeros, b.leaves, strict=False)]
+        _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas)
+    out_leaves: list[Any] = [None] * len(leaves)
+    for bi, b in enumerate(layout.buckets):
+        metas = [layout.leaves[j] for j in b.leaves]
+        for j, g in zip(b.leaves, _split(rec.reduced[bi], metas), strict=True):
+            out_leaves[j] = g
+    return (value, aux), jax.tree.unflatten(tdef, out_leaves), rec.state
+
+
+def record_ready_order(loss: Callable, params: Any, args: tuple, axis: Any) -> tuple[
+        list[int], list[int]]:
+    """Trace the backward pass once; return ``(ready_order, unused)`` parameter indices.
+
+    ``ready_order`` lists parameter indices in the order their gradients become complete
+    (the order of the per-parameter identities' backward rules); parameters whose
+    gradient is a symbolic zero (or that the loss never reads) are in ``unused``.
+    Tracing only: call it under ``jax.eval_shape`` inside the ``shard_map``.
+    """
+    leaves, tdef = jax.tree.flatten(params)
+    varying = to_varying(leaves, axis)
+    traced = _graph.trace(lambda ls, *a: loss(jax.tree.unflatten(tdef, ls), *a), varying, *args)
+    order: list[int] = []
+    zero: set[int] = set()
+
+    def make_ident(j):
+        @jax.custom_vjp
+        def ident(xs):
+            return xs
+
+        def fwd(xs):
+            return [x.value for x in xs], None
+
+        def bwd(_, cts):
+            if isinstance(cts[0], SymbolicZero):
+                zero.add(j)
+                return ([None],)
+            order.append(j)
+            return (list(cts),)
+
+        ident.defvjp(fwd, bwd, symbolic_zeros=True)
+        return ident
+
+    before = _wrapper(traced, [[j] for j in range(len(leaves))], make_ident)
+    flat_args = list(varying) + jax.tree.leaves(args)
+
+    def scalar_loss(ls):
+        return _graph.evaluate(traced, list(ls) + flat_args[len(ls):], before)
+
+    jax.value_and_grad(scalar_loss, has_aux=True)(varying)
+    unused = [j for j in range(len(leaves)) if j not in set(order)]
+    return order, unused

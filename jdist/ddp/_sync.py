@@ -1,0 +1,118 @@
+"""Init sync: check that every process wrapped the same model, then broadcast rank 0's.
+
+torch prints the mismatch on one rank and lets the others hang until the timeout; here
+every process gathers every process's parameter description (paths, shapes, dtypes), so
+all of them raise the same :class:`~jdist.errors.ModelMismatchError`, naming the first
+differing path and each rank's entry. Then parameters (and buffers) are broadcast from
+process 0.
+
+Both steps run as small ``shard_map`` programs over the group's mesh (bytes move through
+XLA, as every other collective). With a single process there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jdist.collectives._group import ProcessGroup
+from jdist.ddp._buckets import LeafInfo
+from jdist.ddp._placement import local_first, per_replica
+from jdist.errors import ModelMismatchError
+
+__all__ = ["describe", "first_difference", "gather_bytes", "check_same_model",
+           "broadcast_from_rank0", "init_sync"]
+
+
+def describe(leaves: Sequence[LeafInfo]) -> list[list]:
+    """A JSON-able description: ``[[path, shape, dtype], ...]``."""
+    return [[x.path, list(x.shape), x.dtype] for x in leaves]
+
+
+def first_difference(descs: Sequence[list[list]]) -> str | None:
+    """``None`` if all ranks' descriptions agree, else a message naming the difference."""
+    ref = descs[0]
+    for r, d in enumerate(descs[1:], start=1):
+        if d == ref:
+            continue
+        for k in range(max(len(ref), len(d))):
+            a = ref[k] if k < len(ref) else None
+            b = d[k] if k < len(d) else None
+            if a != b:
+                break
+        per_rank = "; ".join(
+            f"rank {i}: " + (
+                f"{x[k][0]!r} shape {tuple(x[k][1])} dtype {x[k][2]}" if k < len(x)
+                else f"no parameter #{k} (only {len(x)} parameters)")
+            for i, x in enumerate(descs))
+        return (
+            f"DDP expects the same model on every process, but parameter #{k} differs "
+            f"between rank 0 and rank {r} ({len(ref)} vs {len(d)} parameters in all). "
+            f"{per_rank}. Build the same model (same layers, shapes and dtypes) on every "
+            f"process before wrapping it in DistributedDataParallel."
+        )
+    return None
+
+
+def gather_bytes(group: ProcessGroup, data: bytes) -> list[bytes]:
+    """Every process's ``data``, in group-rank order (an in-graph all-gather)."""
+    n_local = len(group.local_devices)
+    ax = group.axis_name
+
+    def gather(x):
+        return jax.lax.all_gather(x, ax, tiled=True)
+
+    prog = jax.jit(jax.shard_map(gather, mesh=group.mesh, in_specs=P(ax), out_specs=P(),
+                                 check_vma=False))
+    lengths = np.asarray(prog(per_replica(jnp.asarray([len(data)], jnp.int32), group)))
+    lengths = lengths.reshape(-1)
+    width = int(lengths.max())
+    buf = np.zeros((1, width), np.uint8)
+    buf[0, :len(data)] = np.frombuffer(data, np.uint8)
+    rows = np.asarray(prog(per_replica(jnp.asarray(buf), group)))
+    rows = rows.reshape(group.num_replicas, width)
+    out = []
+    for r in range(group.size()):
+        i = r * n_local
+        out.append(rows[i, :int(lengths[i])].tobytes())
+    return out
+
+
+def check_same_model(group: ProcessGroup, leaves: Sequence[LeafInfo]) -> None:
+    """Raise :class:`ModelMismatchError` on every process if the models differ."""
+    if group.size() == 1:
+        return
+    mine = json.dumps(describe(leaves)).encode()
+    descs = [json.loads(b.decode()) for b in gather_bytes(group, mine)]
+    msg = first_difference(descs)
+    if msg is not None:
+        raise ModelMismatchError(msg)
+
+
+def broadcast_from_rank0(group: ProcessGroup, tree: Any) -> Any:
+    """Process 0's values of ``tree`` on every process (process-local arrays)."""
+    if group.size() == 1 or not jax.tree.leaves(tree):
+        return tree
+    ax = group.axis_name
+    from jdist.ddp._program import broadcast_from_first
+
+    def body(t):
+        t = jax.tree.map(lambda x: x[0], t)
+        return jax.tree.map(lambda x: x[None], broadcast_from_first(t, ax))
+
+    prog = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P(ax), out_specs=P(ax),
+                                 check_vma=False))
+    return local_first(prog(per_replica(tree, group)))
+
+
+def init_sync(group: ProcessGroup, leaves: Sequence[LeafInfo], params: Any,
+              buffers: Any) -> tuple[Any, Any]:
+    """Check the model across processes, then return rank 0's ``(params, buffers)``."""
+    check_same_model(group, leaves)
+    return broadcast_from_rank0(group, params), broadcast_from_rank0(group, buffers)

@@ -1,0 +1,142 @@
+"""DDP on 8 virtual devices equals full-batch training on one device."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jdist.ddp import DistributedDataParallel as DDP
+from jdist.ddp import _placement
+from jdist.errors import BucketLayoutError
+from tests.ddp.models import MLP, data, max_diff, mse, reference_train
+
+
+@pytest.mark.parametrize("cap, tx", [
+    (None, optax.sgd(0.1)),
+    (0.002, optax.sgd(0.1)),  # ~2 KB buckets: split into several
+    (0.002, optax.adam(1e-2)),
+])
+def test_train_step_equals_full_batch_training(cap, tx):
+    batches = [data(seed=s) for s in range(3)]
+    ref = MLP(rngs=nnx.Rngs(0))
+    ref_losses = reference_train(ref, tx, batches)
+    model = MLP(rngs=nnx.Rngs(0))
+    ddp = DDP(model, bucket_cap_mb=cap)
+    step = ddp.train_step(mse, nnx.Optimizer(model, tx, wrt=nnx.Param))
+    losses = [float(step(b)) for b in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_diff(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param)) < 1e-5
+    assert len(ddp.buckets.buckets) == (1 if cap is None else 2)
+
+
+def test_value_and_grad_returns_replica_mean_and_aux():
+    b = data()
+    ref = MLP(rngs=nnx.Rngs(1))
+    ref_loss, ref_grads = nnx.value_and_grad(mse)(ref, b)
+    ddp = DDP(MLP(rngs=nnx.Rngs(1)), bucket_cap_mb=0.001)
+    f = ddp.value_and_grad(lambda m, b: (mse(m, b), m(b["x"]).shape[0]), has_aux=True)
+    (loss, aux), grads = f(b)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert max_diff(grads, ref_grads) < 1e-6
+    np.testing.assert_array_equal(np.asarray(aux), [8] * 8)  # per replica: 64 / 8 rows
+
+
+def _hlo(ddp, batch):
+    eng = ddp._engine
+    (prog,) = [p for k, p in eng._programs.items() if k[0] == "grad"]
+    _, params, buffers = nnx.split(ddp.module, nnx.Param, ...)
+    args = (_placement.replicated(params, eng.group), eng.buffers_in(buffers), None, None,
+            None, _placement.shard_batch(batch, eng.group), ())
+    text = prog.lower(*args).compile().as_text()
+    return text[text.index("ENTRY"):].splitlines()
+
+
+def test_one_all_reduce_per_bucket_scheduled_inside_backward():
+    ddp = DDP(MLP((16, 64, 64, 64, 4), rngs=nnx.Rngs(0)), bucket_cap_mb=0.01)
+    b = data()
+    ddp.value_and_grad(mse)(b)
+    sizes = [sum(ddp.buckets.leaves[j].size for j in bk.leaves) for bk in ddp.buckets.buckets]
+    assert len(sizes) >= 3
+    lines = _hlo(ddp, b)
+    ars = [(i, re.search(r"= f32\[(\d*)\]", ln).group(1)) for i, ln in enumerate(lines)
+           if " all-reduce(" in ln or " all-reduce-start(" in ln]
+    bucket_ars = [(i, int(n)) for i, n in ars if n]  # the scalar one is the loss mean
+    assert [n for _, n in bucket_ars] == sizes, (ars, sizes)
+    assert len(ars) == len(sizes) + 1
+    # bucket 0's all-reduce runs before the backward matmuls of the earlier layers
+    first_ar = bucket_ars[0][0]
+    later_compute = [i for i, ln in enumerate(lines)
+                     if i > first_ar and ("dot(" in ln or "kind=kCustom" in ln)]
+    assert later_compute, "no backward computation after the first bucket's all-reduce"
+    # and the last bucket's all-reduce waits for the first layer's weight gradient
+    first_layer_grad = [i for i, ln in enumerate(lines)
+                        if "dot(%param" in ln and "lhs_contracting_dims={0}" in ln]
+    assert first_layer_grad and first_ar < first_layer_grad[0] < bucket_ars[-1][0]
+
+
+def test_comm_hook_state_is_threaded_and_registered_once():
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append((bucket.index, bucket.is_last, bucket.parameters))
+        total = jax.lax.psum(bucket.buffer, bucket.axis_name)
+        return total / bucket.num_replicas, state + 1
+
+    b = data()
+    ref = MLP(rngs=nnx.Rngs(0))
+    _, ref_grads = nnx.value_and_grad(mse)(ref, b)
+    ddp = DDP(MLP(rngs=nnx.Rngs(0)), bucket_cap_mb=0.002)
+    ddp.register_comm_hook(jnp.zeros((), jnp.int32), counting_hook)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "register_comm_hook or register_builtin_comm_hook can only be called once.")):
+        ddp.register_comm_hook(None, counting_hook)
+    f = ddp.value_and_grad(mse)
+    _, grads = f(b)
+    _, grads = f(b)
+    assert max_diff(grads, ref_grads) < 1e-6
+    nb = len(ddp.buckets.buckets)
+    assert int(ddp.comm_hook_state) == 2 * nb
+    assert [c[0] for c in calls[-nb:]] == list(range(nb))
+    assert [c[1] for c in calls[-nb:]] == [False] * (nb - 1) + [True]
+
+
+def test_hook_returning_per_replica_values_is_rejected():
+    ddp = DDP(MLP(rngs=nnx.Rngs(0)), comm_hook=lambda s, bk: (bk.buffer, s))
+    with pytest.raises(BucketLayoutError, match="must reduce over"):
+        ddp.value_and_grad(mse)(data())
+
+
+def test_register_after_first_step_is_rejected():
+    ddp = DDP(MLP(rngs=nnx.Rngs(0)))
+    ddp.value_and_grad(mse)(data())
+    with pytest.raises(RuntimeError, match="before the first step"):
+        ddp.register_comm_hook(None, lambda s, b: (jax.lax.pmean(b.buffer, b.axis_name), s))
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(TypeError, match="FunctionalDDP"):
+        DDP({"w": jnp.ones(3)})
+
+    class Empty(nnx.Module):
+        def __call__(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="doesn't have any parameter"):
+        DDP(Empty())
+    ddp = DDP(MLP(rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"60 samples.*8 devices.*60 % 8 = 4"):
+        ddp.value_and_grad(mse)(data(n=60))
+
+
+def test_forward_splits_batch_over_replicas():
+    model = MLP(rngs=nnx.Rngs(0))
+    x = data()["x"]
+    out = DDP(model)(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model(jnp.asarray(x))), rtol=1e-6,
+                               atol=1e-6)
