@@ -228,6 +228,18 @@ def _mean_allreduce(buf, axis, world):
     return jax.lax.psum(buf / jnp.asarray(world, buf.dtype), axis)
 
 
+def _varying(x, axis):
+    """``x`` typed as per-replica over ``axis`` (memories are; ``lax.cond`` needs one type)."""
+    if x is None:
+        return None
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    vma = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+    names = axis if isinstance(axis, tuple) else (axis,)
+    missing = tuple(a for a in names if a not in vma)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _with_warmup(state, bucket, axis, compress):
     """torch's ``iter < start_powerSGD_iter`` switch (a ``lax.cond``), then ``iter += is_last``."""
     idx = bucket.index
@@ -235,12 +247,17 @@ def _with_warmup(state, bucket, axis, compress):
     q = state.q_memory_dict.get(idx)
 
     def warm(_):
-        return _mean_allreduce(bucket.buffer, axis, bucket.num_replicas), err, q
+        out = _mean_allreduce(bucket.buffer, axis, bucket.num_replicas)
+        return out, _varying(err, axis), _varying(q, axis)
+
+    def comp(_):
+        out, e, qq = compress(None)
+        return out, _varying(e, axis), _varying(qq, axis)
 
     if state.start_powerSGD_iter <= 0:
-        out, err2, q2 = compress(None)
+        out, err2, q2 = comp(None)
     else:
-        out, err2, q2 = jax.lax.cond(state.iter < state.start_powerSGD_iter, warm, compress, None)
+        out, err2, q2 = jax.lax.cond(state.iter < state.start_powerSGD_iter, warm, comp, None)
     errs, qs = dict(state.error_dict), dict(state.q_memory_dict)
     if err is not None:
         errs[idx] = err2
