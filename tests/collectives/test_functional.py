@@ -372,3 +372,33 @@ def test_errors_name_the_bad_value_and_fix(mesh8):
         run(lambda v: F.all_to_all(v, 1, 0))
     with pytest.raises(ValueError, match="axis=3 is out of range"):
         run(lambda v: F.all_gather(v, axis=3))
+
+
+def test_replicated_inputs_under_check_vma(mesh8):
+    """Inputs typed invariant (in_specs=P()) count once per replica, as in torch."""
+    c = data(np.float32, shape=(N, 2))
+    ci = data(np.int32, shape=(N, 2), seed=5)
+
+    def body(v, w):
+        res = {
+            "sum": F.all_reduce(v), "prod": F.all_reduce(v, ReduceOp.PRODUCT),
+            "bxor": F.all_reduce(w, ReduceOp.BXOR), "bcast": F.broadcast(v, 3),
+            "reduce": F.reduce(v, 2), "gather": F.all_gather(v), "rs": F.reduce_scatter(v),
+            "a2a": F.all_to_all(v), "shift": F.send_recv(v), "ring": F.ring_all_reduce(v),
+        }
+        return jax.tree.map(lambda o: o[None], res)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=P(), out_specs=P("dp"),
+                              check_vma=True))
+    out = jax.tree.map(np.asarray, f(c, ci))
+    for r in range(N):
+        np.testing.assert_allclose(out["sum"][r], N * c, rtol=1e-6)
+        np.testing.assert_allclose(out["prod"][r], c ** N, rtol=1e-5)
+        np.testing.assert_array_equal(out["bxor"][r], np.zeros_like(ci))  # even count
+        np.testing.assert_array_equal(out["bcast"][r], c)
+        np.testing.assert_allclose(out["reduce"][r], N * c if r == 2 else c, rtol=1e-6)
+        np.testing.assert_array_equal(out["gather"][r], np.stack([c] * N))
+        np.testing.assert_allclose(out["rs"][r], N * c[r:r + 1], rtol=1e-6)
+        np.testing.assert_array_equal(out["a2a"][r], np.concatenate([c[r:r + 1]] * N))
+        np.testing.assert_array_equal(out["shift"][r], c)
+        np.testing.assert_allclose(out["ring"][r], N * c, rtol=1e-6)
