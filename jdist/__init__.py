@@ -14,6 +14,38 @@ from jdist import errors as errors
 from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
 from jdist.collectives import ProcessGroup as ProcessGroup
 from jdist.collectives import ReduceOp as ReduceOp
+from jdist.collectives import Work as Work
+from jdist.collectives import all_gather as all_gather
+from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
+from jdist.collectives import all_gather_object as all_gather_object
+from jdist.collectives import all_reduce as all_reduce
+from jdist.collectives import all_to_all as all_to_all
+from jdist.collectives import barrier as barrier
+from jdist.collectives import broadcast as broadcast
+from jdist.collectives import broadcast_object_list as broadcast_object_list
+from jdist.collectives import destroy_process_group as destroy_process_group
+from jdist.collectives import gather as gather
+from jdist.collectives import gather_object as gather_object
+from jdist.collectives import get_backend as get_backend
+from jdist.collectives import get_default_group as get_default_group
+from jdist.collectives import get_global_rank as get_global_rank
+from jdist.collectives import get_group_rank as get_group_rank
+from jdist.collectives import get_process_group_ranks as get_process_group_ranks
+from jdist.collectives import get_rank as get_rank
+from jdist.collectives import get_world_size as get_world_size
+from jdist.collectives import init_process_group as init_process_group
+from jdist.collectives import irecv as irecv
+from jdist.collectives import is_initialized as is_initialized
+from jdist.collectives import isend as isend
+from jdist.collectives import monitored_barrier as monitored_barrier
+from jdist.collectives import new_group as new_group
+from jdist.collectives import recv as recv
+from jdist.collectives import reduce as reduce
+from jdist.collectives import reduce_scatter as reduce_scatter
+from jdist.collectives import reduce_scatter_tensor as reduce_scatter_tensor
+from jdist.collectives import scatter as scatter
+from jdist.collectives import scatter_object_list as scatter_object_list
+from jdist.collectives import send as send
 
 try:
     __version__ = version("jdist")
@@ -33,6 +65,38 @@ __all__ = [
     "NON_GROUP_MEMBER",
     "ProcessGroup",
     "ReduceOp",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "barrier",
+    "is_initialized",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "new_group",
+    "init_process_group",
+    "destroy_process_group",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "Work",
     "errors",
     "__version__",
 ]

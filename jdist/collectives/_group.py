@@ -29,6 +29,15 @@ __all__ = [
     "make_mesh",
     "resolve_group",
     "local_group",
+    "is_initialized",
+    "get_default_group",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "new_group",
 ]
 
 DEFAULT_AXIS = "dp"
@@ -104,12 +113,30 @@ class ProcessGroup:
 
 
 class GroupState:
-    """Holds the default (WORLD) group and the process's runtime handles."""
+    """Holds the default (WORLD) group and the process's runtime handles.
+
+    Attributes:
+      default_group: the WORLD group, or None before ``init_process_group``.
+      groups: every group made by ``new_group`` on this process (members or not, in
+        creation order; ``NON_GROUP_MEMBER`` entries are not kept).
+      runtime: handles owned by ``jdist.collectives._init`` (store, watchdog, flags).
+      num_new_groups: how many ``new_group`` calls this process made since init; all
+        ranks call ``new_group`` in the same order, so this numbers groups consistently.
+    """
 
     def __init__(self) -> None:
         self.default_group: ProcessGroup | None = None
         self.groups: list[ProcessGroup] = []
         self.runtime: dict = {}
+        self.num_new_groups = 0
+        self.generation = 0  # inits so far in this process (kept across reset)
+
+    def reset(self) -> None:
+        """Forget every group and runtime handle (after ``destroy_process_group``)."""
+        self.default_group = None
+        self.groups = []
+        self.runtime = {}
+        self.num_new_groups = 0
 
     def is_initialized(self) -> bool:
         return self.default_group is not None
@@ -156,4 +183,155 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
         )
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a jdist ProcessGroup or None, got {group!r}")
+    return group
+
+
+# ---------------------------------------------------------------------------
+# Queries on groups (torch.distributed's get_rank / get_world_size / ...)
+# ---------------------------------------------------------------------------
+
+
+def _group_or_default(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    default = group_state.require(what)
+    if group is None:
+        return default
+    if group is NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{what} was given NON_GROUP_MEMBER: this process is not a member of that "
+            f"group; only members may use it (check `group is not jdist.NON_GROUP_MEMBER`)"
+        )
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a jdist ProcessGroup or None, got {group!r}")
+    return group
+
+
+def is_initialized() -> bool:
+    """Whether ``init_process_group`` has run (and ``destroy_process_group`` has not)."""
+    return group_state.is_initialized()
+
+
+def get_default_group() -> ProcessGroup:
+    """The WORLD group made by ``init_process_group``.
+
+    Raises:
+      NotInitializedError: before ``init_process_group``.
+    """
+    return group_state.require("jdist.get_default_group()")
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: WORLD), as ``torch.distributed.get_rank``.
+
+    Returns -1 when ``group`` is ``NON_GROUP_MEMBER``, as torch does for non-members.
+    """
+    if group is NON_GROUP_MEMBER:
+        group_state.require("jdist.get_rank()")
+        return -1
+    return _group_or_default(group, "jdist.get_rank()").rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of processes in ``group`` (default: WORLD); -1 for ``NON_GROUP_MEMBER``."""
+    if group is NON_GROUP_MEMBER:
+        group_state.require("jdist.get_world_size()")
+        return -1
+    return _group_or_default(group, "jdist.get_world_size()").size()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The group's backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU)."""
+    return _group_or_default(group, "jdist.get_backend()").backend
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The WORLD rank of ``group``'s member number ``group_rank``.
+
+    Raises:
+      ValueError: ``group_rank`` is not in ``[0, group size)``.
+    """
+    g = _group_or_default(group, "jdist.get_global_rank()")
+    if not isinstance(group_rank, int) or not 0 <= group_rank < g.size():
+        raise ValueError(
+            f"group_rank {group_rank!r} is not a rank of group {g.name!r}, which has ranks "
+            f"0..{g.size() - 1} (global ranks {list(g.ranks)})"
+        )
+    return g.ranks[group_rank]
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """The rank inside ``group`` of the process with WORLD rank ``global_rank``.
+
+    Raises:
+      ValueError: that process is not a member of ``group``.
+    """
+    g = _group_or_default(group, "jdist.get_group_rank()")
+    if global_rank not in g.ranks:
+        raise ValueError(
+            f"global rank {global_rank!r} is not a member of group {g.name!r} "
+            f"(members: {list(g.ranks)})"
+        )
+    return g.ranks.index(global_rank)
+
+
+def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
+    """The WORLD ranks of ``group``'s members, in group-rank order."""
+    return list(_group_or_default(group, "jdist.get_process_group_ranks()").ranks)
+
+
+def new_group(ranks=None, timeout=None, backend=None) -> ProcessGroup | _NonGroupMember:
+    """A sub-group of WORLD over ``ranks`` (torch's ``new_group``).
+
+    Every WORLD process must call it, in the same order, members or not (as in torch).
+    The group has its own mesh over the members' devices (process-major) and its own
+    axis name ``"pg<k>"``, where ``k`` counts ``new_group`` calls since init.
+
+    Args:
+      ranks: WORLD ranks of the members (sorted and de-duplicated, as torch's default
+        ``sort_ranks=True``); ``None`` means all ranks.
+      timeout: seconds (or ``timedelta``) for blocking calls on the group; default WORLD's.
+      backend: must be None or WORLD's backend (one backend per job here).
+
+    Returns:
+      The new ``ProcessGroup`` on members, ``NON_GROUP_MEMBER`` elsewhere.
+
+    Raises:
+      NotInitializedError: before ``init_process_group``.
+      ValueError: a rank outside ``[0, world_size)`` or an empty list.
+    """
+    world = group_state.require("jdist.new_group()")
+    n = world.size()
+    members = tuple(range(n)) if ranks is None else tuple(sorted(set(int(r) for r in ranks)))
+    bad = [r for r in members if not 0 <= r < n]
+    if bad or not members:
+        raise ValueError(
+            f"new_group(ranks={ranks!r}): ranks must be a non-empty list of WORLD ranks in "
+            f"[0, {n - 1}]; bad: {bad or 'empty list'}"
+        )
+    if backend is not None and str(backend).lower() != world.backend:
+        raise ValueError(
+            f"new_group(backend={backend!r}): this job's backend is {world.backend!r}; "
+            f"pass backend=None"
+        )
+    group_state.num_new_groups += 1
+    k = group_state.num_new_groups
+    if world.rank not in members:
+        return NON_GROUP_MEMBER
+    if timeout is None:
+        seconds = world.timeout
+    else:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    devs = tuple(world.devices_per_rank[r] for r in members)
+    axis = f"pg{k}"
+    group = ProcessGroup(
+        ranks=members,
+        rank=members.index(world.rank),
+        mesh=make_mesh([d for ds in devs for d in ds], axis),
+        axis_name=axis,
+        backend=world.backend,
+        devices_per_rank=devs,
+        name=f"group{k}",
+        timeout=float(seconds),
+        extra={"global_rank": world.rank},
+    )
+    group_state.groups.append(group)
     return group

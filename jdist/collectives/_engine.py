@@ -1,0 +1,199 @@
+"""The machinery under every eager collective: meshes, program cache, execution.
+
+**How a process's array maps to devices.** Eager collectives count *processes*, as
+torch does. Each member contributes one array, placed on its *first* local device of the
+group (``group.devices_per_rank[rank][0]``); the collective runs as one jitted
+``shard_map`` program over the group's *process mesh*: a 1-D mesh with exactly that
+first device of each member, under the group's axis name. Results come back on the
+same device. A process's other devices take no part (they are for in-graph replicas:
+DDP and ``jdist.collectives.functional``), so a 2-process job with 2 devices per
+process gives the same eager results as one with 1 device per process.
+
+Programs are compiled once per (kind, op, shape, dtype, extras) and group, and cached
+on the group (``group.extra["programs"]``); repeated calls only dispatch.
+
+Every member's input is stacked as the global array ``[n, *shape]`` sharded on the
+axis; a program sees ``[1, *shape]`` per member and returns ``[1, *out_shape]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jdist.collectives import _fingerprint as fpr
+from jdist.collectives._group import ProcessGroup, group_state, make_mesh, resolve_group
+from jdist.errors import JdistError, NotInitializedError, PeerFailedError
+
+__all__ = ["member_group", "process_mesh", "local_device", "next_seq", "program",
+           "execute", "to_global", "from_block", "fingerprint_check", "stats",
+           "is_runtime_failure", "peer_failure", "run", "x64"]
+
+
+def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
+    """``group`` (or WORLD) for an eager collective; raises before init."""
+    if group is None and not group_state.is_initialized():
+        raise NotInitializedError(
+            f"jdist.{what} needs the default process group, which has not been "
+            f"initialized; call jdist.init_process_group() first (in every process)"
+        )
+    return resolve_group(group)
+
+
+def _lock(group: ProcessGroup) -> threading.Lock:
+    return group.extra.setdefault("_lock", threading.Lock())
+
+
+def stats(group: ProcessGroup) -> dict:
+    """Counters kept per group: ``compiles`` (programs built) and ``calls``."""
+    return group.extra.setdefault("stats", {"compiles": 0, "calls": 0})
+
+
+def process_mesh(group: ProcessGroup):
+    """The 1-D mesh of each member's first device (see the module docstring)."""
+    pm = group.extra.get("pmesh")
+    if pm is None:
+        pm = make_mesh([ds[0] for ds in group.devices_per_rank], group.axis_name)
+        group.extra["pmesh"] = pm
+    return pm
+
+
+def local_device(group: ProcessGroup):
+    """This process's device in the process mesh."""
+    return group.devices_per_rank[group.rank][0]
+
+
+def next_seq(group: ProcessGroup) -> int:
+    """The group's next collective sequence number (same on every member)."""
+    with _lock(group):
+        seq = group.extra.get("seq", 0)
+        group.extra["seq"] = seq + 1
+    return seq
+
+
+def program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
+            shape: tuple, dtype) -> Callable:
+    """The compiled program for ``key`` on ``group``, built by ``build()`` on first use.
+
+    ``build()`` returns the per-member function ``[1, *shape] -> [1, *out]`` that runs
+    inside ``shard_map`` over the process mesh (axis ``group.axis_name``).
+    """
+    cache = group.extra.setdefault("programs", {})
+    full_key = (key, tuple(shape), np.dtype(dtype).name)
+    fn = cache.get(full_key)
+    if fn is None:
+        pm = process_mesh(group)
+        spec = PartitionSpec(group.axis_name)
+        sharding = NamedSharding(pm, spec)
+        mapped = jax.shard_map(build(), mesh=pm, in_specs=spec, out_specs=spec,
+                               check_vma=False)
+        arg = jax.ShapeDtypeStruct((group.size(), *shape), dtype, sharding=sharding)
+        fn = jax.jit(mapped).lower(arg).compile()
+        cache[full_key] = fn
+        stats(group)["compiles"] += 1
+    return fn
+
+
+def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
+    """Stack this member's ``x`` (``shape``) into the global ``[n, *shape]`` array."""
+    dev = local_device(group)
+    if isinstance(x, jax.Array):
+        block = jax.device_put(x, dev).astype(dtype).reshape((1, *shape))
+    else:
+        block = jax.device_put(np.asarray(x, dtype=dtype).reshape((1, *shape)), dev)
+    pm = process_mesh(group)
+    sharding = NamedSharding(pm, PartitionSpec(group.axis_name))
+    return jax.make_array_from_single_device_arrays((group.size(), *shape), sharding,
+                                                    [block])
+
+
+def from_block(block: jax.Array, as_jax: bool):
+    """Drop the leading member axis of this process's output block."""
+    if as_jax:
+        return block.reshape(block.shape[1:])
+    return np.asarray(block)[0]
+
+
+def is_runtime_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the XLA runtime (a failed collective), not from us."""
+    if isinstance(exc, JdistError):
+        return False
+    return isinstance(exc, (jax.errors.JaxRuntimeError, ValueError, RuntimeError)) and (
+        "gloo" in str(exc).lower() or "connection" in str(exc).lower()
+        or isinstance(exc, jax.errors.JaxRuntimeError))
+
+
+def peer_failure(group: ProcessGroup, what: str, exc: BaseException) -> PeerFailedError:
+    """A :class:`PeerFailedError` for ``exc``, naming the dead ranks when found."""
+    wd = group_state.runtime.get("watchdog")
+    dead = wd.diagnose(group.ranks) if wd is not None else {}
+    if dead:
+        who = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(dead.items()))
+        return PeerFailedError(
+            f"{what} on group {group.name!r} failed because a peer died: {who}. Look at "
+            f"that rank's own error first. (runtime error: {str(exc).splitlines()[0]})"
+        )
+    return PeerFailedError(
+        f"{what} on group {group.name!r} failed in the runtime and no dead rank was "
+        f"found among {list(group.ranks)}: {str(exc).splitlines()[0]}"
+    )
+
+
+def execute(group: ProcessGroup, what: str, fn: Callable, arg: jax.Array) -> jax.Array:
+    """Run ``fn(arg)``; return this process's output block ``[1, *out]``.
+
+    A runtime failure (a peer closed its connection) becomes :class:`PeerFailedError`
+    naming the dead rank.
+    """
+    stats(group)["calls"] += 1
+    try:
+        block = fn(arg).addressable_data(0)
+        block.block_until_ready()
+    except Exception as exc:
+        if is_runtime_failure(exc):
+            raise peer_failure(group, what, exc) from exc
+        raise
+    return block
+
+
+def fingerprint_check(group: ProcessGroup, what: str, fp: np.ndarray) -> None:
+    """All-gather ``fp`` over ``group`` and raise on a mismatch (see ``_fingerprint``)."""
+    axis = group.axis_name
+
+    def build():
+        return lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+    fn = program(group, ("fingerprint",), build, (fpr.FP_LEN,), np.int32)
+    block = execute(group, what, fn, to_global(group, fp, (fpr.FP_LEN,), np.int32))
+    fps = np.asarray(block)[0].reshape(group.size(), fpr.FP_LEN)
+    fpr.check(fps, group.ranks, group.name)
+
+
+def x64(dtype):
+    """A context enabling 64-bit types when ``dtype`` needs them and they are off."""
+    if np.dtype(dtype).itemsize >= 8 and np.dtype(dtype).kind in "iufc":
+        if not jax.config.jax_enable_x64:
+            return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable],
+        x: Any, shape: tuple, dtype, fp: np.ndarray | None, as_jax: bool):
+    """Fingerprint (when ``fp`` is given and checks are on), then run the program.
+
+    Returns this process's result with the member axis dropped (numpy or jax.Array).
+    64-bit dtypes (torch's default ``int64``) keep their width even when JAX's x64 mode
+    is off.
+    """
+    if fp is not None and fpr.debug_enabled():
+        fingerprint_check(group, what, fp)
+    with x64(dtype):
+        fn = program(group, key, build, shape, dtype)
+        block = execute(group, what, fn, to_global(group, x, shape, dtype))
+        return from_block(block, as_jax)

@@ -1,0 +1,286 @@
+"""``init_process_group`` / ``destroy_process_group``: start and stop the runtime.
+
+One process (no ``WORLD_SIZE``, or 1) is the *embedded* case: the default group is
+this process and its local devices, and nothing touches the network. With more
+processes: rendezvous through the store (rank 0 hosts a ``TCPStore`` on
+``MASTER_PORT``; see ``_rendezvous``), rank 0 publishes a free port for JAX's
+coordination service, every rank calls ``jax.distributed.initialize`` (CPU collectives
+over gloo), and the default group is built from ``jax.devices()``: a mesh with axis
+``"dp"`` over every device, process-major. A heartbeat thread (``_watchdog``) lets
+collectives name a rank that died.
+
+``destroy_process_group()`` stops all of it, so a later ``init_process_group`` in the
+same process works (JAX's backends are cleared, so arrays made before are invalid).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+
+from jdist.collectives import _rendezvous as rdzv
+from jdist.collectives._group import (
+    DEFAULT_AXIS,
+    NON_GROUP_MEMBER,
+    ProcessGroup,
+    group_state,
+    make_mesh,
+)
+from jdist.collectives._watchdog import Watchdog
+from jdist.errors import AlreadyInitializedError, RendezvousError
+
+__all__ = ["init_process_group", "destroy_process_group"]
+
+_BACKENDS = ("gloo", "nccl")
+
+
+def _check_backend(backend: Any) -> str | None:
+    """The requested backend name (None = pick by platform); accepts torch's forms."""
+    if backend is None:
+        return None
+    name = str(backend).lower()
+    if name in _BACKENDS:
+        return name
+    if ":" in name:  # "cpu:gloo,cuda:nccl": pick by platform later
+        parts = dict(p.split(":", 1) for p in name.split(",") if ":" in p)
+        if set(parts.values()) <= set(_BACKENDS):
+            return None
+    raise ValueError(
+        f"backend {backend!r} is not supported; use 'gloo' (CPU), 'nccl' (GPU) or None to "
+        f"pick by platform"
+    )
+
+
+def _platform_backend(requested: str | None) -> str:
+    platform = jax.default_backend()
+    picked = "gloo" if platform == "cpu" else "nccl"
+    if requested is not None and requested != picked:
+        raise ValueError(
+            f"backend {requested!r} does not match JAX's platform {platform!r} (which uses "
+            f"{picked!r}); pass backend={picked!r} or None"
+        )
+    return picked
+
+
+def _backends_initialized() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _clear_backends() -> None:
+    import jax.extend.backend as jeb
+
+    jeb.clear_backends()
+
+
+def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> None:
+    if _backends_initialized():
+        if group_state.generation > 1:
+            _clear_backends()  # left over from this process's previous job
+        else:
+            raise RendezvousError(
+                f"init_process_group(world_size={spec.world_size}) must run before any JAX "
+                f"computation in this process (jax.devices(), creating arrays, jit calls "
+                f"all start JAX's runtime); move it to the top of the program"
+            )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Recoverable tasks: a dead peer does not make JAX's coordination service abort the
+    # survivors (they raise PeerFailedError instead) nor block their exit. Teardown is
+    # synchronized by our own store barrier in destroy_process_group.
+    jax.config.update("jax_enable_recoverability", True)
+    seconds = max(1, int(timeout + 0.999))
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=spec.world_size,
+            process_id=spec.rank,
+            cluster_detection_method="deactivate",
+            initialization_timeout=seconds,
+            shutdown_timeout_seconds=min(seconds, 300),
+            coordinator_bind_address=coordinator if spec.rank == 0 else None,
+        )
+    except Exception as exc:
+        raise RendezvousError(
+            f"rank {spec.rank}: jax.distributed.initialize(coordinator={coordinator!r}, "
+            f"num_processes={spec.world_size}) failed: {exc}"
+        ) from exc
+
+
+def _devices_by_rank(world_size: int) -> tuple[tuple[Any, ...], ...]:
+    per: dict[int, list] = {r: [] for r in range(world_size)}
+    for d in jax.devices():
+        per.setdefault(d.process_index, []).append(d)
+    if sorted(per) != list(range(world_size)) or any(not v for v in per.values()):
+        raise RendezvousError(
+            f"JAX sees devices of processes {sorted(per)} but the job has world_size "
+            f"{world_size}; every process needs at least one device"
+        )
+    return tuple(tuple(sorted(per[r], key=lambda d: d.id)) for r in range(world_size))
+
+
+def _make_world(rank: int, devices_per_rank, backend: str, timeout: float) -> ProcessGroup:
+    flat = [d for ds in devices_per_rank for d in ds]
+    return ProcessGroup(
+        ranks=tuple(range(len(devices_per_rank))),
+        rank=rank,
+        mesh=make_mesh(flat, DEFAULT_AXIS),
+        axis_name=DEFAULT_AXIS,
+        backend=backend,
+        devices_per_rank=tuple(devices_per_rank),
+        name="WORLD",
+        timeout=timeout,
+        extra={"global_rank": rank},
+    )
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       world_size: int = -1, rank: int = -1, timeout=None, store=None,
+                       group_name: str = "", pg_options=None, device_id=None) -> None:
+    """Start the default process group (torch's ``init_process_group``).
+
+    Args:
+      backend: ``"gloo"`` (CPU), ``"nccl"`` (GPU), torch's ``"cpu:gloo,cuda:nccl"``, or
+        None to pick by JAX's platform.
+      init_method: ``"env://"`` (default: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+        ``"tcp://host:port?rank=R&world_size=N"`` or ``"file:///path"``.
+      world_size: number of processes (-1: from ``init_method``/environment; none at
+        all means 1, the embedded single process).
+      rank: this process's rank (-1: from ``init_method``/environment).
+      timeout: seconds or ``timedelta`` for the rendezvous and for blocking calls on
+        the group (default 30 minutes, as torch's gloo).
+      store: a store to rendezvous through instead of ``init_method`` (needs explicit
+        ``world_size`` and ``rank``).
+      group_name, pg_options, device_id: accepted for torch compatibility; unused.
+
+    Raises:
+      AlreadyInitializedError: called twice without ``destroy_process_group``.
+      ValueError: bad arguments or a missing environment variable (named).
+      RendezvousError: world sizes disagree, a rank is claimed twice, or JAX failed.
+      RendezvousTimeoutError: ranks missing after ``timeout`` (named).
+    """
+    del group_name, pg_options, device_id
+    if group_state.is_initialized():
+        raise AlreadyInitializedError(
+            "trying to initialize the default process group twice! (call "
+            "jdist.destroy_process_group() first to start a new one)"
+        )
+    seconds = rdzv.parse_timeout(timeout)
+    requested = _check_backend(backend)
+    spec = rdzv.parse_init(init_method, world_size, rank, store)
+    group_state.generation += 1
+    if spec.world_size == 1:
+        devices = (tuple(jax.local_devices()),)
+        world = _make_world(0, devices, _platform_backend(requested), seconds)
+        group_state.runtime = {"store": store, "watchdog": None, "jax": False,
+                               "owns_store": False}
+        group_state.default_group = world
+        return
+    own_store = store is None
+    if own_store:
+        store = rdzv.make_store(spec, seconds)
+    try:
+        host = spec.host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        res = rdzv.rendezvous(store, spec, seconds, group_state.generation, host)
+        _start_jax(spec, res.coordinator, seconds)
+        world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
+                            _platform_backend(requested), seconds)
+    except BaseException:
+        if own_store:
+            _close_store(store)
+        raise
+    interval = float(os.environ.get("JDIST_HEARTBEAT_INTERVAL", "1.0"))
+    hosted = 0 if own_store and spec.kind in ("env", "tcp") else None
+    watchdog = Watchdog(store, spec.rank, res.infos, group_state.generation, interval,
+                        store_host_rank=hosted)
+    watchdog.start()
+    group_state.runtime = {"store": store, "watchdog": watchdog, "jax": True,
+                           "owns_store": own_store, "spec": spec}
+    group_state.default_group = world
+
+
+def _close_store(store) -> None:
+    for name in ("close", "shutdown"):
+        fn = getattr(store, name, None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:
+                pass
+            return
+
+
+def _store_barrier(store, key: str, count: int, wait: float, arrive: bool = True) -> None:
+    """Add one to ``key`` (when ``arrive``) and wait until it reaches ``count``.
+
+    Best effort: teardown must not hang on a peer that is gone.
+    """
+    try:
+        if arrive:
+            store.add(key, 1)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if store.check([key]) and int(store.get(key)) >= count:
+                return
+            time.sleep(0.01)
+    except Exception:
+        pass
+
+
+def _shutdown_jax(rt: dict) -> None:
+    if rt.get("jax"):
+        try:
+            jax.distributed.shutdown()
+        except Exception:
+            pass
+        _clear_backends()
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Tear down ``group``, or everything (the default group, JAX's runtime, the store).
+
+    After the full teardown ``init_process_group`` may be called again. Destroying a
+    sub-group only forgets it (its programs are dropped).
+
+    Raises:
+      NotInitializedError: nothing to destroy.
+    """
+    world = group_state.require("jdist.destroy_process_group()")
+    if group is not None and group is not world:
+        if group is NON_GROUP_MEMBER:
+            return
+        group.extra.clear()
+        group_state.groups = [g for g in group_state.groups if g is not group]
+        return
+    rt = group_state.runtime
+    queues = rt.get("queues")
+    if queues is not None:
+        queues.shutdown()
+    watchdog = rt.get("watchdog")
+    dead = dict(watchdog.dead) if watchdog is not None else {}
+    if watchdog is not None:
+        watchdog.stop()
+    for g in [world, *group_state.groups]:
+        g.extra.clear()
+    store, spec = rt.get("store"), rt.get("spec")
+    gen, wait = group_state.generation, min(world.timeout, 30.0)
+    if store is not None and spec is not None and not dead:
+        # every rank is done with collectives before JAX's runtime goes away
+        _store_barrier(store, f"jdist/bye/{gen}", spec.world_size, wait)
+    host = spec is None or spec.rank == 0  # rank 0 hosts JAX's service (and the store)
+    left = f"jdist/left/{gen}"
+    if not host:
+        _shutdown_jax(rt)
+        if store is not None and not dead:
+            _store_barrier(store, left, 0, 0.0)
+    else:
+        if store is not None and spec is not None and not dead:
+            # the clients disconnect from JAX's service and the store before it stops
+            _store_barrier(store, left, spec.world_size - 1, wait, arrive=False)
+        _shutdown_jax(rt)
+    if store is not None and rt.get("owns_store"):
+        _close_store(store)
+    group_state.reset()

@@ -1,0 +1,145 @@
+"""Dead-peer detection: heartbeats through the store, plus a local process check.
+
+Every rank of a multi-process job runs one daemon thread that bumps the counter
+``jdist/hb/<generation>/<rank>`` in the store every ``interval`` seconds. When an eager
+collective fails (gloo reports "Connection closed by peer") or a store wait runs long,
+:meth:`Watchdog.diagnose` finds which ranks are gone:
+
+- a rank on this host whose process no longer exists (or is a zombie) is dead at once;
+- otherwise a rank whose counter did not move for ``3 * interval`` seconds is dead;
+- if the store itself is unreachable, its host (rank 0) is dead.
+
+The caller raises :class:`jdist.errors.PeerFailedError` naming those ranks. All store
+traffic of the runtime after init goes through :attr:`Watchdog.lock` (one client).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+__all__ = ["Watchdog", "process_alive"]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+class Watchdog:
+    """Heartbeat sender and failure diagnosis for one process of a job.
+
+    Args:
+      store: the job's store client (used only under :attr:`lock`).
+      rank: this process's WORLD rank.
+      infos: each rank's rendezvous info (``host``, ``pid``).
+      generation: the init generation (keys are per generation).
+      interval: seconds between heartbeats.
+      store_host_rank: the rank hosting the store (0), or None for a file/hash store.
+    """
+
+    def __init__(self, store, rank: int, infos, generation: int, interval: float = 1.0,
+                 store_host_rank: int | None = 0) -> None:
+        self.store = store
+        self.rank = rank
+        self.infos = tuple(infos)
+        self.interval = float(interval)
+        self.prefix = f"jdist/hb/{generation}/"
+        self.store_host_rank = store_host_rank
+        self.lock = threading.Lock()
+        self.dead: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jdist-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval + 1.0)
+
+    def _beat(self) -> bool:
+        try:
+            with self.lock:
+                self.store.add(self.prefix + str(self.rank), 1)
+            return True
+        except Exception:  # the store host may be gone; diagnosis reports it
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if not self._beat():
+                if self._stop.wait(self.interval):
+                    return
+
+    def _counters(self, ranks) -> dict[int, int] | None:
+        out = {}
+        try:
+            with self.lock:
+                for r in ranks:
+                    key = self.prefix + str(r)
+                    out[r] = int(self.store.get(key)) if self.store.check([key]) else -1
+        except Exception:
+            return None
+        return out
+
+    def diagnose(self, ranks, wait: float | None = None) -> dict[int, str]:
+        """Which of ``ranks`` (WORLD ranks) are dead, with a reason for each.
+
+        Waits up to ``wait`` seconds (default ``3 * interval + 0.5``) to see whether
+        heartbeat counters move. Dead ranks are remembered in :attr:`dead`.
+        """
+        wait = 3 * self.interval + 0.5 if wait is None else wait
+        here = socket.gethostname()
+        others = [r for r in ranks if r != self.rank]
+        dead = {r: self.dead[r] for r in others if r in self.dead}
+        for r in others:
+            info = self.infos[r]
+            if info.get("host") == here and not process_alive(int(info["pid"])):
+                dead[r] = f"its process (pid {info['pid']}) has exited"
+        if dead:
+            self.dead.update(dead)
+            return dead
+        first = self._counters(others)
+        if first is None:
+            if self.store_host_rank is not None and self.store_host_rank != self.rank:
+                dead[self.store_host_rank] = "the store it hosts is unreachable"
+            self.dead.update(dead)
+            return dead
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            for r in others:
+                info = self.infos[r]
+                if info.get("host") == here and not process_alive(int(info["pid"])):
+                    dead[r] = f"its process (pid {info['pid']}) has exited"
+            if dead:
+                break
+        if not dead:
+            second = self._counters(others)
+            if second is None:
+                if self.store_host_rank is not None and self.store_host_rank != self.rank:
+                    dead[self.store_host_rank] = "the store it hosts is unreachable"
+            else:
+                for r in others:
+                    if second[r] == first[r]:
+                        dead[r] = f"it sent no heartbeat for {wait:.1f} s"
+        self.dead.update(dead)
+        return dead

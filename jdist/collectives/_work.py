@@ -1,0 +1,117 @@
+"""``Work``: the handle of an ``async_op=True`` collective, and the queues that run them.
+
+Async collectives of a group run on one FIFO worker thread per group, so they execute
+in issue order on every rank (as torch's process-group queue guarantees); a blocking
+collective issued while async ones are pending joins the same queue. Point-to-point
+operations run on one FIFO thread per (direction, peer) channel, so ``isend`` to one
+peer and ``irecv`` from another proceed concurrently (a ring of ``isend``/``irecv``
+does not deadlock) while messages on one channel stay ordered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from jdist.errors import CollectiveTimeoutError
+
+__all__ = ["Work", "Queues"]
+
+
+class Work:
+    """A pending (or finished) collective, as torch's ``Work``.
+
+    ``wait(timeout=None)`` blocks until it finishes and returns its result (the array
+    or list the blocking call would return); it re-raises the collective's error.
+    """
+
+    def __init__(self, future: cf.Future, what: str) -> None:
+        self._future = future
+        self._what = what
+
+    @classmethod
+    def done(cls, value: Any, what: str) -> Work:
+        """A Work that has already finished with ``value``."""
+        fut: cf.Future = cf.Future()
+        fut.set_result(value)
+        return cls(fut, what)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (at most ``timeout`` seconds; None = no limit); return the result.
+
+        Raises:
+          CollectiveTimeoutError: not finished within ``timeout``.
+        """
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"{self._what} did not complete within {timeout} s; check that every "
+                f"member rank issued it (Work.wait(timeout=None) waits without limit)"
+            ) from None
+
+    def result(self) -> Any:
+        """The result (waits, like ``wait()``)."""
+        return self.wait()
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (successfully or not)."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether it finished without an error."""
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """Its error once finished, else None (does not wait)."""
+        return self._future.exception() if self._future.done() else None
+
+    def get_future(self) -> cf.Future:
+        """The underlying ``concurrent.futures.Future``."""
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "completed" if self._future.done() else "pending"
+        return f"Work({self._what}, {state})"
+
+
+class Queues:
+    """FIFO worker threads keyed by name (one per group, one per p2p channel)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[Any, cf.ThreadPoolExecutor] = {}
+        self._last: dict[Any, cf.Future] = {}
+
+    def submit(self, key: Any, fn: Callable[[], Any]) -> cf.Future:
+        """Queue ``fn`` on ``key``'s thread; return its future."""
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"jdist-{key}")
+                self._pools[key] = pool
+            fut = pool.submit(fn)
+            self._last[key] = fut
+        return fut
+
+    def pending(self, key: Any) -> bool:
+        """Whether ``key``'s queue still has unfinished work."""
+        fut = self._last.get(key)
+        return fut is not None and not fut.done()
+
+    def call(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` now, or behind ``key``'s pending work when there is some."""
+        if self.pending(key):
+            return self.submit(key, fn).result()
+        return fn()
+
+    def shutdown(self) -> None:
+        """Stop every thread (pending work is abandoned, not waited for)."""
+        with self._lock:
+            pools, self._pools, self._last = self._pools, {}, {}
+        for pool in pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
