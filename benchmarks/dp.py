@@ -1,0 +1,94 @@
+"""DataParallel overhead: forward+backward of an MLP at batch 1024, 8 devices vs 1 device.
+
+Runs both in one process and prints their times and the ratio. On a CPU-only machine the
+8 devices are virtual (``--xla_force_host_platform_device_count``) and share its cores,
+so no speedup is possible there: the ratio measures what DataParallel costs (dispatch,
+copies, gather); the goal on a 2-core machine is <= 1.5x. On a multi-GPU machine it is a
+speedup.
+
+  python benchmarks/dp.py [--batch 1024] [--devices 8] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def _setup(devices: int) -> None:
+    flag = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = " ".join(
+        [f for f in os.environ.get("XLA_FLAGS", "").split()
+         if not f.startswith("--xla_force_host_platform_device_count")] + [flag])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _time(fn, reps: int) -> float:
+    import jax
+
+    for _ in range(3):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    if "jax" not in sys.modules:
+        _setup(args.devices)
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.dp import DataParallel
+
+    if len(jax.local_devices()) < args.devices:
+        raise SystemExit(f"need {args.devices} devices, found {len(jax.local_devices())}")
+    keys = jax.random.split(jax.random.key(0), 4)
+    d_in, h, d_out = 256, args.hidden, 10
+    params = {"w1": jax.random.normal(keys[0], (d_in, h)) / d_in ** 0.5, "b1": jnp.zeros(h),
+              "w2": jax.random.normal(keys[1], (h, h)) / h ** 0.5, "b2": jnp.zeros(h),
+              "w3": jax.random.normal(keys[2], (h, d_out)) / h ** 0.5, "b3": jnp.zeros(d_out)}
+    x = jax.random.normal(keys[3], (args.batch, d_in))
+    y = jnp.zeros((args.batch, d_out))
+
+    def mlp(p, x):
+        x = jax.nn.relu(x @ p["w1"] + p["b1"])
+        x = jax.nn.relu(x @ p["w2"] + p["b2"])
+        return x @ p["w3"] + p["b3"]
+
+    mse = jax.jit(lambda out, y: jnp.mean((out - y) ** 2))
+    single = jax.jit(jax.value_and_grad(lambda p: mse(mlp(p, x), y)))
+    dp = DataParallel((mlp, params), device_ids=range(args.devices))
+    through_dp = jax.value_and_grad(lambda p: mse(dp.apply(p, x), y))
+
+    l1, g1 = single(params)
+    l8, g8 = through_dp(params)
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True))
+    t1 = _time(lambda: single(params), args.reps)
+    t8 = _time(lambda: through_dp(params), args.reps)
+    res = {"one_device_ms": t1 * 1e3, "data_parallel_ms": t8 * 1e3, "ratio": t8 / t1,
+           "max_grad_diff": err, "loss_diff": abs(float(l1) - float(l8))}
+    print(f"MLP {d_in}-{h}-{h}-{d_out}, batch {args.batch}, forward+backward "
+          f"({jax.default_backend()}, {os.cpu_count()} cpus)")
+    print(f"  one device (jit):                {res['one_device_ms']:8.2f} ms")
+    print(f"  DataParallel over {args.devices} devices:     {res['data_parallel_ms']:8.2f} ms")
+    print(f"  ratio DataParallel / one device: {res['ratio']:8.2f}x   "
+          f"(max |grad diff| {err:.2e})")
+    return res
+
+
+if __name__ == "__main__":
+    main()
