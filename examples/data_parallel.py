@@ -61,6 +61,7 @@ def main(argv=None) -> dict:
     import numpy as np
     import optax
     from flax import nnx
+
     from jdist.dp import DataParallel
 
     x_all, y_all = _digits(np)
