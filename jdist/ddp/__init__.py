@@ -11,6 +11,9 @@ from jdist.ddp._buckets import (
     compute_bucket_assignment_by_size as compute_bucket_assignment_by_size,
 )
 from jdist.ddp._ddp import DistributedDataParallel as DistributedDataParallel
+from jdist.ddp._functional import FunctionalDDP as FunctionalDDP
+from jdist.ddp._join import Join as Join
+from jdist.ddp._syncbn import convert_sync_batchnorm as convert_sync_batchnorm
 from jdist.ddp.hooks._base import CommHook as CommHook
 from jdist.ddp.hooks._base import GradBucket as GradBucket
 
@@ -19,6 +22,9 @@ __all__ = [
     "BucketLayout",
     "CommHook",
     "DistributedDataParallel",
+    "FunctionalDDP",
+    "Join",
+    "convert_sync_batchnorm",
     "GradBucket",
     "compute_bucket_assignment_by_size",
     "hooks",

@@ -45,6 +45,11 @@ def _split(module):
     return nnx.split(module, nnx.Param, ...)
 
 
+def _merge(gdef, *states):
+    """``nnx.merge`` with fresh Variables created at the current trace level."""
+    return nnx.merge(gdef, *(jax.tree.map(lambda x: x, s) for s in states))
+
+
 class DistributedDataParallel:
     """Data-parallel training of an NNX module with torch's DDP semantics.
 
@@ -114,6 +119,17 @@ class DistributedDataParallel:
         """False inside :meth:`no_sync`."""
         return self._engine.require_backward_grad_sync
 
+    def replica_buffers(self) -> Any:
+        """Buffers of this process's replicas, stacked on a leading axis (or ``None``).
+
+        ``ddp.module`` shows the first local replica's; replicas differ after a
+        ``no_sync`` step or with ``broadcast_buffers=False``.
+        """
+        from jdist.ddp._placement import local_rows
+
+        st = self._engine.buf_stacked
+        return None if st is None else local_rows(st)
+
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce buckets with ``hook(state, bucket) -> (buffer, new_state)``.
 
@@ -129,10 +145,7 @@ class DistributedDataParallel:
     @property
     def comm_hook_state(self) -> Any:
         """The hook state of this process's first replica (after the last step)."""
-        st = self._engine.hook_state
-        from jdist.ddp._placement import local_first
-
-        return None if st is None else local_first(st)
+        return self._engine.user_hook_state()
 
     def no_sync(self):
         """Context manager: steps inside accumulate local gradients, no collective.
@@ -154,7 +167,7 @@ class DistributedDataParallel:
     # ------------------------------------------------------------------ pure pieces
     def _loss(self, gdef, loss_fn: Callable, has_aux: bool) -> Callable:
         def pure(params, buffers, batch, extra):
-            m = nnx.merge(gdef, params, buffers)
+            m = _merge(gdef, params, buffers)
             out = loss_fn(m, batch, *extra)
             value, aux = out if has_aux else (out, None)
             _, _, new_buffers = _split(m)
@@ -169,7 +182,7 @@ class DistributedDataParallel:
         key = ("call", gdef)
 
         def apply(p, b, xs):
-            m = nnx.merge(gdef, p, b)
+            m = _merge(gdef, p, b)
             out = m(*xs)
             return out, _split(m)[2]
 
@@ -189,6 +202,7 @@ class DistributedDataParallel:
         """
 
         def f(batch, *args):
+            self._engine.remember(f, batch, args)
             gdef, params, buffers = _split(self.module)
             out = self._engine.grad_step(("vg", gdef, loss_fn, has_aux),
                                          self._loss(gdef, loss_fn, has_aux),
@@ -214,11 +228,12 @@ class DistributedDataParallel:
                 "wrt=nnx.Param)")
 
         def step(batch, *args):
+            self._engine.remember(step, batch, args)
             gdef, params, buffers = _split(self.module)
             ogdef, ostate = nnx.split(optimizer)
 
             def update(p, grads, os, b):
-                model = nnx.merge(gdef, p, b)
+                model = _merge(gdef, p, b)
                 opt = nnx.merge(ogdef, os)
                 opt.update(model, grads)
                 return _split(model)[1], nnx.split(opt)[1]

@@ -20,6 +20,7 @@ from jdist.collectives._group import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
 from jdist.ddp._xla import bucket_compiler_options
+from jdist.ddp.hooks._base import GradBucket
 from jdist.errors import UnusedParametersError
 
 __all__ = ["Engine", "HOOK_ONCE_MSG"]
@@ -69,13 +70,62 @@ class Engine:
                 f"has already run {self.steps} step(s). Register the hook right after wrapping."
             )
         self.hook = hook
-        self.hook_state = _placement.per_replica(state, self.group)
+        self._user_hook_state = state
+        self._hook_static = None
+        self._hook_ready = False
+
+    def _prepare_hook(self) -> None:
+        """Give the hook its per-bucket state for the final layout (``hooks._state``)."""
+        if self.hook is None or self._hook_ready:
+            return
+        from jdist.ddp.hooks import init_hook_state, split_static
+
+        n = len(self.layout.buckets)
+        buckets = [
+            GradBucket(
+                index=b.index,
+                buffer=jax.ShapeDtypeStruct((sum(self.leaves[j].size for j in b.leaves),),
+                                            b.dtype),
+                gradients=tuple(jax.ShapeDtypeStruct(self.leaves[j].shape, self.leaves[j].dtype)
+                                for j in b.leaves),
+                parameters=b.paths, is_last=b.index == n - 1,
+                axis_name=self.group.axis_name, num_replicas=self.group.num_replicas)
+            for b in self.layout.buckets]
+        state = init_hook_state(self.hook, self._user_hook_state, buckets)
+        arrays, self._hook_static = split_static(state)
+        self.hook_state = _placement.per_replica(arrays, self.group)
+        self._hook_ready = True
+
+    def _traced_hook(self) -> Callable:
+        """The registered hook with its static state leaves put back (or the default)."""
+        if self.hook is None:
+            return _reducer.mean_allreduce_hook
+        from jdist.ddp.hooks import merge_static, split_static
+
+        hook, static = self.hook, self._hook_static
+
+        def run(arrays, bucket):
+            out, new = hook(merge_static(arrays, static), bucket)
+            return out, split_static(new)[0]
+
+        run.__name__ = getattr(hook, "__name__", "comm_hook")
+        return run
+
+    def user_hook_state(self) -> Any:
+        """The hook state of this process's first replica, static leaves included."""
+        if self.hook is None:
+            return None
+        if not self._hook_ready:
+            return self._user_hook_state
+        from jdist.ddp.hooks import merge_static
+
+        return merge_static(_placement.local_first(self.hook_state), self._hook_static)
 
     def _config(self) -> _program.Config:
         return _program.Config(
             mesh=self.group.mesh, axis=self.group.axis_name,
             num_replicas=self.group.num_replicas, layout=self.layout,
-            hook=self.hook or _reducer.mean_allreduce_hook, find_unused=self.find_unused,
+            hook=self._traced_hook(), find_unused=self.find_unused,
             compiler_options=self.compiler_options)
 
     # ----------------------------------------------------------------- layout
@@ -97,8 +147,8 @@ class Engine:
         if seen["unused"]:
             raise UnusedParametersError(_reducer.unused_message(
                 [self.leaves[j].path for j in seen["unused"]]))
+        # programs built so far (forward, no_sync) never reduce, so they stay valid
         self.layout = _buckets.rebuilt_layout(self.leaves, seen["order"], self.bucket_cap_mb)
-        self._programs.clear()
 
     def _check_find_unused(self, loss, params, buffers, batch, extra) -> None:
         if self._warned_unused:
@@ -153,20 +203,28 @@ class Engine:
         buffers = self.buffers_in(module_buffers)
         if sync:
             self.ensure_layout(loss, params, buffers, batch, extra)
+            self._prepare_hook()
         has_acc = self.acc is not None
-        pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None)
+        js = self.join_state
+        mode = None if js is None else js.mode
+        pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None, mode)
         prog = self._programs.get(pkey)
         if prog is None:
             prog = _program.grad_program(self._config(), loss, update, sync=sync,
-                                         sync_buffers=self.sync_buffers, has_acc=has_acc)
+                                         sync_buffers=self.sync_buffers, has_acc=has_acc,
+                                         join=mode)
             self._programs[pkey] = prog
-        out = prog(params, buffers, self.hook_state, self.acc, opt_state, batch, extra)
+        active = None if js is None else _placement.per_replica(
+            jax.numpy.float32(1.0 if js.active else 0.0), g)
+        out = prog(params, buffers, self.hook_state, self.acc, opt_state, batch, extra, active)
         jax.block_until_ready(out)
-        value, aux, grads, new_buffers, hstate, acc, new_params, new_opt = out
+        value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
         self.hook_state = hstate
         self.acc = acc
         self.last_synced = sync
         self.steps += 1
+        if js is not None:
+            js.after_step(int(n_active), g.num_replicas)
         if not sync:
             value = jax.numpy.mean(_placement.local_rows(value))
         return dict(loss=value, aux=_placement.local_rows(aux), grads=grads,
@@ -190,6 +248,11 @@ class Engine:
         jax.block_until_ready(out)
         self.last_synced = self.require_backward_grad_sync
         return _placement.local_rows(out), self.buffers_out(new_buffers)
+
+    def remember(self, step: Callable, batch: Any, args: tuple) -> None:
+        """Under ``join()``: the last step call, replayed by processes out of inputs."""
+        if self.join_state is not None and self.join_state.active:
+            self.join_state.last = (step, batch, args)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jdist.ddp._buckets import BucketLayout
 from jdist.ddp._reducer import reduced_value_and_grad, to_varying
 
-__all__ = ["Config", "broadcast_from_first", "grad_program", "forward_program",
+__all__ = ["Config", "JoinMode", "broadcast_from_first", "grad_program", "forward_program",
            "ready_order_program"]
 
 
@@ -47,18 +47,7 @@ def _is_key(x) -> bool:
 
 def broadcast_from_first(tree: Any, axis: str) -> Any:
     """Inside ``shard_map``: every replica takes replica 0's value (any dtype)."""
-    first = jax.lax.axis_index(axis) == 0
-
-    def one(x):
-        if _is_key(x):
-            impl = jax.random.key_impl(x)
-            return jax.random.wrap_key_data(one(jax.random.key_data(x)), impl=impl)
-        dt = x.dtype
-        v = x.astype(jnp.int32) if dt == jnp.bool_ else x
-        v = jax.lax.psum(jnp.where(first, v, jnp.zeros_like(v)), axis)
-        return v.astype(dt)
-
-    return jax.tree.map(one, tree)
+    return _broadcast_from(tree, axis, 0)
 
 
 def _squeeze(tree):
@@ -69,51 +58,101 @@ def _expand(tree, axis):
     return jax.tree.map(lambda x: to_varying(x, axis)[None], tree)
 
 
+def _broadcast_from(tree: Any, axis: str, src) -> Any:
+    """Every replica takes replica ``src``'s value (``src`` replicated int)."""
+    mine = jax.lax.axis_index(axis) == src
+
+    def one(x):
+        if _is_key(x):
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(one(jax.random.key_data(x)), impl=impl)
+        v = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+        return jax.lax.psum(jnp.where(mine, v, jnp.zeros_like(v)), axis).astype(x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def _keep_where(ok, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+class JoinMode(NamedTuple):
+    """Static join() settings of a program (see :mod:`jdist.ddp._join`)."""
+
+    divide_by_initial_world_size: bool
+    throw_on_early_termination: bool
+
+
 def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: bool,
-                 sync_buffers: bool, has_acc: bool) -> Callable:
-    """``f(params, buffers, hstate, acc, opt_state, batch, extra) -> outputs`` (jitted).
+                 sync_buffers: bool, has_acc: bool, join: JoinMode | None = None) -> Callable:
+    """``f(params, buffers, hstate, acc, opt_state, batch, extra, active) -> outputs``.
 
-    Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state)``: ``loss`` is
-    the replica mean when ``sync`` else per replica; ``grads`` reduced (``None`` when not
-    ``sync``); ``acc`` the local accumulated gradients when not ``sync`` (else ``None``);
-    ``params``/``opt_state`` updated when ``update`` is given and ``sync``.
+    Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
+    ``loss`` is the replica mean when ``sync`` else per replica; ``grads`` reduced
+    (``None`` when not ``sync``); ``acc`` the local accumulated gradients when not
+    ``sync`` (else ``None``); ``params``/``opt_state`` updated when ``update`` is given
+    and ``sync`` (else ``None``). Under ``join``, ``active`` holds 1.0 for replicas that
+    still have inputs (0.0 for the others, whose gradients count as zeros and whose
+    buffers are kept) and ``n_active`` is their number; otherwise both are ``None``.
     """
-    ax = cfg.axis
+    ax, nrep = cfg.axis, cfg.num_replicas
 
-    def body(params, buffers, hstate, acc, opt_state, batch, extra):
+    def body(params, buffers, hstate, acc, opt_state, batch, extra, active):
         buffers, hstate = _squeeze(buffers), _squeeze(hstate)
         acc = _squeeze(acc) if has_acc else None
+        scale = post = n_active = None
+        if join is not None:
+            scale = active[0]
+            n_active = jax.lax.psum(scale, ax)
+            if not join.divide_by_initial_world_size:
+                post = nrep / jnp.maximum(n_active, 1.0)
         if sync_buffers:
-            buffers = broadcast_from_first(buffers, ax)
-
-        def f(p, b, x, e):
-            return loss(p, b, x, e)
+            if join is None:
+                buffers = broadcast_from_first(buffers, ax)
+            else:  # torch: the highest replica that still has inputs is the source
+                idx = jnp.where(scale > 0, jax.lax.axis_index(ax), -1)
+                buffers = _broadcast_from(buffers, ax, jnp.maximum(jax.lax.pmax(idx, ax), 0))
+        old_buffers = buffers
 
         if sync:
             (value, (aux, new_buffers)), grads, hstate = reduced_value_and_grad(
-                f, params, (buffers, batch, extra), layout=cfg.layout, hook=cfg.hook,
-                hook_state=hstate, acc=acc, axis=ax, num_replicas=cfg.num_replicas,
-                find_unused=cfg.find_unused)
-            value = jax.lax.pmean(value, ax)
+                loss, params, (buffers, batch, extra), layout=cfg.layout, hook=cfg.hook,
+                hook_state=hstate, acc=acc, axis=ax, num_replicas=nrep,
+                find_unused=cfg.find_unused, scale=scale, post=post)
+            if join is None:
+                value = jax.lax.pmean(value, ax)
+            else:
+                value = jax.lax.psum(value * scale, ax) / jnp.maximum(n_active, 1.0)
             new_acc = None
             if update is not None:
-                params, opt_state = update(params, grads, opt_state, buffers)
+                new_params, new_opt = update(params, grads, opt_state, buffers)
+                if join is not None:
+                    ok = n_active > 0
+                    if join.throw_on_early_termination:
+                        ok = n_active >= nrep
+                    new_params = _keep_where(ok, new_params, params)
+                    new_opt = _keep_where(ok, new_opt, opt_state)
+                params, opt_state = new_params, new_opt
         else:
             pv = to_varying(params, ax)
             (value, (aux, new_buffers)), local = jax.value_and_grad(
-                lambda p: f(p, buffers, batch, extra), has_aux=True)(pv)
+                lambda p: loss(p, buffers, batch, extra), has_aux=True)(pv)
+            if scale is not None:
+                local = jax.tree.map(lambda g: g * scale.astype(g.dtype), local)
             new_acc = local if acc is None else jax.tree.map(jnp.add, acc, local)
             grads = None
             value = to_varying(value, ax)[None]
+        if join is not None:
+            new_buffers = _keep_where(scale > 0, new_buffers, old_buffers)
         if update is None or not sync:
             params = opt_state = None  # unchanged: do not copy them out
         return (value, _expand(aux, ax), grads, _expand(new_buffers, ax),
                 _expand(hstate, ax), None if new_acc is None else _expand(new_acc, ax),
-                params, opt_state)
+                params, opt_state, n_active)
 
     rep, row = P(), P(ax)
-    in_specs = (rep, row, row, row, rep, row, rep)
-    out_specs = (rep if sync else row, row, rep, row, row, row, rep, rep)
+    in_specs = (rep, row, row, row, rep, row, rep, row)
+    out_specs = (rep if sync else row, row, rep, row, row, row, rep, rep, rep)
     return jax.jit(jax.shard_map(body, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=True), compiler_options=cfg.compiler_options or None)
 

@@ -121,8 +121,11 @@ def _split(buf: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
 
 
 def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
-              grads: Sequence[jax.Array], axis: Any, num_replicas: int) -> jax.Array:
+              grads: Sequence[jax.Array], axis: Any, num_replicas: int,
+              scale: Any = None, post: Any = None) -> jax.Array:
     bucket = layout.buckets[bi]
+    if scale is not None:  # join(): replicas out of inputs contribute zeros
+        grads = [g * scale.astype(g.dtype) for g in grads]
     buf = _flat(grads, jnp.dtype(bucket.dtype))
     gb = GradBucket(
         index=bi, buffer=buf, gradients=tuple(grads), parameters=bucket.paths,
@@ -142,6 +145,8 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
             f"replicated copy of the parameters, so the hook must reduce over "
             f"bucket.axis_name (e.g. jax.lax.pmean(bucket.buffer, bucket.axis_name))"
         )
+    if post is not None:
+        out = out * post.astype(out.dtype)
     rec.reduced[bi] = out
     rec.fired.append(bi)
     return out
@@ -149,7 +154,7 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
 
 def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
                      acc: Sequence[Any] | None, axis: Any, num_replicas: int,
-                     find_unused: bool) -> Callable:
+                     find_unused: bool, scale: Any, post: Any) -> Callable:
     bucket = layout.buckets[bi]
 
     @jax.custom_vjp
@@ -171,7 +176,7 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             rec.unused.extend(missing)
             if not find_unused:
                 raise UnusedParametersError(unused_message(missing))
-        out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas)
+        out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post)
         return (to_varying(_split(out, grads), axis),)
 
     ident.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -202,12 +207,15 @@ def _wrapper(traced: _graph.Traced, groups: Sequence[Sequence[int]],
 def reduced_value_and_grad(
     loss: Callable, params: Any, args: tuple, *, layout: BucketLayout, hook: Callable,
     hook_state: Any, acc: Any, axis: Any, num_replicas: int, find_unused: bool,
+    scale: Any = None, post: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Differentiate ``loss(params, *args) -> (scalar, aux)`` with bucketed reduction.
 
     Must run inside ``shard_map`` over ``axis`` (``check_vma=True``), with ``params``
     replicated. ``acc`` (same tree as ``params``, per replica) is added to each bucket's
-    gradients before the hook, or ``None``.
+    gradients before the hook, or ``None``. ``scale`` (a per-replica scalar) multiplies
+    the gradients before the hook and ``post`` (replicated) the reduced buffer after it;
+    ``join()`` uses them to zero the contribution of replicas that ran out of inputs.
 
     Returns:
       ``((loss, aux), grads, new_hook_state)``: the local loss and aux, the reduced
@@ -225,7 +233,7 @@ def reduced_value_and_grad(
     rec = ReduceRecord(hook_state)
     groups = [b.leaves for b in layout.buckets]
     before = _wrapper(traced, groups, lambda bi: _bucket_identity(
-        rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused))
+        rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused, scale, post))
     flat_args = list(varying) + jax.tree.leaves(args)
 
     def scalar_loss(ls):
@@ -245,7 +253,7 @@ def reduced_value_and_grad(
         zeros = [jnp.zeros(layout.leaves[j].shape, layout.leaves[j].dtype) for j in b.leaves]
         if acc_leaves is not None:
             zeros = [z + acc_leaves[j] for z, j in zip(zeros, b.leaves, strict=False)]
-        _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas)
+        _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas, scale, post)
     out_leaves: list[Any] = [None] * len(leaves)
     for bi, b in enumerate(layout.buckets):
         metas = [layout.leaves[j] for j in b.leaves]

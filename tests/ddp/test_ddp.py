@@ -52,7 +52,7 @@ def _hlo(ddp, batch):
     (prog,) = [p for k, p in eng._programs.items() if k[0] == "grad"]
     _, params, buffers = nnx.split(ddp.module, nnx.Param, ...)
     args = (_placement.replicated(params, eng.group), eng.buffers_in(buffers), None, None,
-            None, _placement.shard_batch(batch, eng.group), ())
+            None, _placement.shard_batch(batch, eng.group), (), None)
     text = prog.lower(*args).compile().as_text()
     return text[text.index("ENTRY"):].splitlines()
 

@@ -1,0 +1,160 @@
+"""``FunctionalDDP``: DDP for Linen modules and plain parameter pytrees.
+
+The functional entry point holds ``params`` (any pytree of arrays), optional ``buffers``
+(e.g. Linen's ``batch_stats``) and an optax state, and runs the same engine as the NNX
+wrapper. Loss functions take the arrays explicitly::
+
+    variables = linen_model.init(key, x)
+    ddp = FunctionalDDP(variables["params"])
+    step = ddp.train_step(
+        lambda p, b: loss(linen_model.apply({"params": p}, b["x"]), b["y"]),
+        optax.sgd(0.1))
+    for batch in loader:
+        step(batch)                      # updates ddp.params and ddp.opt_state
+
+With ``buffers``, functions take and return them:
+``loss_fn(params, buffers, batch, *args) -> (loss, new_buffers)`` and
+``apply_fn(params, buffers, *inputs) -> (outputs, new_buffers)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.ddp import _sync
+from jdist.ddp._buckets import BucketLayout
+from jdist.ddp._ddp import NO_PARAMS_MSG, leaf_infos
+from jdist.ddp._engine import Engine
+
+__all__ = ["FunctionalDDP"]
+
+
+class FunctionalDDP:
+    """DDP over explicit parameter pytrees (Linen, Equinox arrays, hand-written models).
+
+    Args:
+      params: the trainable parameters (a pytree of arrays).
+      buffers: optional non-trained state threaded through loss and apply functions.
+      Other arguments: as :class:`DistributedDataParallel`.
+    """
+
+    def __init__(self, params: Any, *, buffers: Any = None,
+                 process_group: ProcessGroup | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 init_sync: bool = True, comm_hook: Any = None,
+                 compiler_options: dict | None = None):
+        self.process_group = resolve_group(process_group)
+        infos = leaf_infos(params)
+        if not infos:
+            raise ValueError(NO_PARAMS_MSG)
+        self._has_buffers = buffers is not None
+        if init_sync and self.process_group.size() > 1:
+            params, synced = _sync.init_sync(self.process_group, infos, params,
+                                             buffers if broadcast_buffers else None)
+            if broadcast_buffers:
+                buffers = synced
+        self.params = params
+        self.buffers = buffers
+        self.opt_state: Any = None
+        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
+                              find_unused_parameters=find_unused_parameters,
+                              broadcast_buffers=broadcast_buffers,
+                              compiler_options=compiler_options)
+        if comm_hook is not None:
+            state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
+            self.register_comm_hook(state, hook)
+
+    @property
+    def buckets(self) -> BucketLayout:
+        """The bucket layout (rebuilt in gradient-ready order at the first step)."""
+        return self._engine.layout
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """As :meth:`DistributedDataParallel.register_comm_hook`."""
+        self._engine.register_comm_hook(state, hook)
+
+    def no_sync(self):
+        """As :meth:`DistributedDataParallel.no_sync`."""
+        return self._engine.no_sync()
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """As :meth:`DistributedDataParallel.join`."""
+        from jdist.ddp._join import Join
+
+        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
+                    enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    def _pure(self, loss_fn: Callable, has_aux: bool) -> Callable:
+        with_buffers = self._has_buffers
+
+        def pure(params, buffers, batch, extra):
+            if with_buffers:
+                out, new_buffers = loss_fn(params, buffers, batch, *extra)
+            else:
+                out, new_buffers = loss_fn(params, batch, *extra), None
+            value, aux = out if has_aux else (out, None)
+            return value, (aux, new_buffers)
+
+        return pure
+
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False) -> Callable:
+        """``f(batch, *args) -> (loss, grads)``; see :meth:`DistributedDataParallel.value_and_grad`."""  # noqa: E501
+
+        def f(batch, *args):
+            self._engine.remember(f, batch, args)
+            out = self._engine.grad_step(("vg", loss_fn, has_aux), self._pure(loss_fn, has_aux),
+                                         self.params, self.buffers, batch, args)
+            if self._has_buffers:
+                self.buffers = out["buffers"]
+            value = (out["loss"], out["aux"]) if has_aux else out["loss"]
+            return value, out["grads"]
+
+        return f
+
+    def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation,
+                   has_aux: bool = False) -> Callable:
+        """``step(batch, *args) -> loss`` updating ``self.params`` and ``self.opt_state``."""
+
+        def update(p, grads, opt_state, buffers):
+            del buffers
+            updates, opt_state = tx.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state
+
+        def step(batch, *args):
+            self._engine.remember(step, batch, args)
+            if self.opt_state is None:
+                self.opt_state = tx.init(self.params)
+            out = self._engine.grad_step(("train", loss_fn, tx, has_aux),
+                                         self._pure(loss_fn, has_aux), self.params,
+                                         self.buffers, batch, args, update=update,
+                                         opt_state=self.opt_state)
+            if self._has_buffers:
+                self.buffers = out["buffers"]
+            if self._engine.require_backward_grad_sync:
+                self.params, self.opt_state = out["params"], out["opt_state"]
+            return (out["loss"], out["aux"]) if has_aux else out["loss"]
+
+        return step
+
+    def apply(self, apply_fn: Callable) -> Callable:
+        """``f(*inputs) -> outputs``: ``apply_fn(params, *inputs)`` over the split batch."""
+        with_buffers = self._has_buffers
+
+        def pure(p, b, xs):
+            if with_buffers:
+                return apply_fn(p, b, *xs)
+            return apply_fn(p, *xs), None
+
+        def f(*inputs):
+            out, new_buffers = self._engine.forward(("apply", apply_fn), pure, self.params,
+                                                    self.buffers, tuple(inputs))
+            if with_buffers:
+                self.buffers = new_buffers
+            return out
+
+        return f
