@@ -122,6 +122,7 @@ class ZeroRedundancyOptimizer:
         self.average_gradients = bool(average_gradients)
         self.layout: _Layout | None = None
         self._consolidated: dict | None = None
+        self._steps: dict = {}
 
     # ---- the pure transformation -------------------------------------------------
     def _set_layout(self, params):
@@ -161,6 +162,33 @@ class ZeroRedundancyOptimizer:
 
     def update(self, grads, state: ZeroState, params=None, **extra):
         """Inside ``shard_map``: reduce-scatter, shard update, all-gather (see module doc)."""
+        return self._update(grads, state, params, self.average_gradients, **extra)
+
+    def step(self, params, grads, state: ZeroState):
+        """Outside ``shard_map``: one ZeRO step with *already averaged* gradients.
+
+        The torch pattern with DDP: DDP all-reduces the gradients, then each replica
+        updates its shard and the shards are all-gathered. ``params`` and ``grads`` are
+        replicated trees (e.g. ``nnx.state(model, nnx.Param)`` and the grads from
+        ``ddp.value_and_grad``); returns ``(new_params, new_state)``.
+        """
+        if self.layout is None:
+            self._set_layout(params)
+        mesh = self.group.mesh
+        specs = self.state_partition_specs(state)
+        key = (jax.tree.structure(params), jax.tree.structure(state))
+        fn = self._steps.get(key)
+        if fn is None:
+            def body(p, g, s):
+                u, s = self._update(g, s, p, False)
+                return jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u), s
+
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs),
+                                       out_specs=(P(), specs), check_vma=False))
+            self._steps[key] = fn
+        return fn(_on_mesh(params, mesh), _on_mesh(grads, mesh), state)
+
+    def _update(self, grads, state, params, average, **extra):
         if params is None:
             raise ValueError("ZeroRedundancyOptimizer.update needs params (to slice this "
                              "replica's shard); call update(grads, state, params)")
@@ -170,7 +198,7 @@ class ZeroRedundancyOptimizer:
         layout = self.layout or self._set_layout(params)
         n = self.num_replicas
         g = _flatten(grads, layout, n)
-        if self.average_gradients:
+        if average:
             g = {k: jax.lax.psum_scatter(v, self.axis, scatter_dimension=0, tiled=True)
                  / jnp.asarray(n, v.dtype) for k, v in g.items()}
         else:
@@ -248,6 +276,20 @@ class ZeroRedundancyOptimizer:
         specs = self.state_partition_specs(flat)
         return jax.tree.map(
             lambda x, s: _global(np.asarray(x), NamedSharding(self.group.mesh, s)), flat, specs)
+
+
+def _on_mesh(tree, mesh):
+    """Leaves as arrays replicated on ``mesh`` (kept if already there)."""
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh == mesh and sh.is_fully_replicated:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise ValueError("step() needs replicated parameters and gradients on the "
+                             "optimizer's mesh, got an array sharded over other devices")
+        return _global(np.asarray(x), NamedSharding(mesh, P()))
+
+    return jax.tree.map(one, tree)
 
 
 def _replicated(tree, mesh):

@@ -124,3 +124,36 @@ def test_bad_arguments_raise_with_the_value():
         DistributedOptimizer(sgd, compression="fp16")
     with pytest.raises(ValueError, match="op must be ReduceOp.AVG or ReduceOp.SUM"):
         DistributedOptimizer(sgd, op=ReduceOp.MAX)
+
+
+def test_equals_ddp_averaged_grads_then_tx():
+    """DistributedOptimizer on per-replica local grads == tx on DDP's reduced grads."""
+    from flax import nnx
+
+    from jdist.ddp import DistributedDataParallel as DDP
+    from tests.ddp.models import MLP, data, mse
+
+    model = MLP((16, 32, 4), rngs=nnx.Rngs(0))
+    params = jax.device_get(nnx.state(model, nnx.Param))
+    batch = data(n=64)
+    _, ddp_grads = DDP(MLP((16, 32, 4), rngs=nnx.Rngs(0))).value_and_grad(mse)(batch)
+    gdef = nnx.graphdef(model)
+
+    def local_grads(p, b):
+        return jax.grad(lambda q: mse(nnx.merge(gdef, q), b))(p)
+
+    per_replica = [local_grads(params, {k: v[i * 8:(i + 1) * 8] for k, v in batch.items()})
+                   for i in range(N)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_replica)
+    tx = optax.adam(1e-2)
+    mesh = make_mesh(jax.devices()[:N], "dp")
+    dtx = DistributedOptimizer(tx)
+
+    def body(p, g):
+        u, _ = dtx.update(jax.tree.map(lambda x: x[0], g), dtx.init(p), p)
+        return u
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(),
+                              check_vma=False))
+    want, _ = tx.update(jax.device_get(ddp_grads), tx.init(params), params)
+    tree_allclose(f(params, stacked), want, rtol=1e-5, atol=1e-6)

@@ -137,3 +137,31 @@ def test_ddp_mode_collectives_and_partition():
         ZeroRedundancyOptimizer(tx).init({})
     with pytest.raises(TypeError, match="expects an optax GradientTransformation"):
         ZeroRedundancyOptimizer(object())
+
+
+def test_zero_step_after_ddp_gradients_equals_plain_optax():
+    """torch's pattern: DDP averages gradients, ZeRO steps its shard and gathers."""
+    from flax import nnx
+
+    from jdist.ddp import DistributedDataParallel as DDP
+    from tests.ddp.models import MLP, data, mse
+
+    tx = optax.adam(1e-2)
+    model = MLP((16, 32, 4), rngs=nnx.Rngs(0))
+    ref_params = jax.device_get(nnx.state(model, nnx.Param))
+    ddp = DDP(model)
+    zero = ZeroRedundancyOptimizer(tx)
+    state = zero.init(nnx.state(model, nnx.Param))
+    vg = ddp.value_and_grad(mse)
+    ref_state, all_grads = tx.init(ref_params), []
+    for i in range(3):
+        _, grads = vg(data(seed=i))
+        all_grads.append(jax.device_get(grads))
+        new_params, state = zero.step(nnx.state(ddp.module, nnx.Param), grads, state)
+        nnx.update(ddp.module, new_params)
+    for grads in all_grads:
+        u, ref_state = tx.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+    tree_allclose(jax.device_get(nnx.state(ddp.module, nnx.Param)), ref_params,
+                  rtol=1e-6, atol=1e-6)
+    assert local_bytes(state) < sum(np.asarray(x).nbytes for x in jax.tree.leaves(ref_state))
