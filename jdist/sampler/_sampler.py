@@ -116,7 +116,7 @@ class DistributedSampler:
         self._start = 0  # where the next __iter__ begins (set by load_state_dict)
         self._base = 0  # offset of the current iterator in the epoch
         self._iterator = None  # the live list iterator of this epoch
-        self._iterated_epoch = None  # epoch of the last pass that started from 0
+        self._iterated_epoch = None  # epoch of the last pass from 0 since the epoch changed
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch; with shuffling, each epoch has its own order (seed + epoch).
@@ -129,6 +129,7 @@ class DistributedSampler:
             self._start = 0
             self._base = 0
             self._iterator = None
+            self._iterated_epoch = None
         self.epoch = epoch
 
     def indices(self) -> np.ndarray:
