@@ -35,7 +35,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
           "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?([%\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 
 
@@ -262,6 +262,9 @@ def comm_report(fn: Any, *args, **kwargs) -> CommReport:
         return CommReport(tuple(parse_hlo_collectives(fn)), "hlo text")
     if hasattr(fn, "lower") and not hasattr(fn, "compile"):
         fn = fn.lower(*args, **kwargs)
+    elif not hasattr(fn, "as_text"):
+        raise TypeError(f"comm_report expects a jitted function, Lowered, Compiled or HLO "
+                        f"text, got {type(fn).__name__}; wrap plain functions in jax.jit first")
     elif args or kwargs:
         raise TypeError(f"arguments given, but {type(fn).__name__} is already lowered/compiled")
     if hasattr(fn, "compile"):  # Lowered: what the program asks for
