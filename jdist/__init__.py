@@ -12,8 +12,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 from jdist import errors as errors
 from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
+from jdist.collectives import FileStore as FileStore
+from jdist.collectives import HashStore as HashStore
+from jdist.collectives import PrefixStore as PrefixStore
 from jdist.collectives import ProcessGroup as ProcessGroup
 from jdist.collectives import ReduceOp as ReduceOp
+from jdist.collectives import Store as Store
+from jdist.collectives import TCPStore as TCPStore
 from jdist.collectives import Work as Work
 from jdist.collectives import all_gather as all_gather
 from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
@@ -62,6 +67,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Store",
+    "TCPStore",
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
     "NON_GROUP_MEMBER",
     "ProcessGroup",
     "ReduceOp",

@@ -19,6 +19,7 @@ __all__ = [
     "StoreError",
     "StoreTimeoutError",
     "StoreAuthError",
+    "StoreValueTooLargeError",
     "GroupMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -92,6 +93,14 @@ class StoreAuthError(StoreError, PermissionError):
 
     Fix: give every process of the job the same ``JDIST_AUTH_TOKEN`` (``jdist-run`` sets
     one per job) or pass the same ``auth_token=``.
+    """
+
+
+class StoreValueTooLargeError(StoreError, ValueError):
+    """A store value (or one request) is bigger than the store's size cap.
+
+    Fix: store large payloads elsewhere (a file, a collective) and put only a reference
+    in the store, or raise ``max_value_bytes`` on the TCPStore server and clients.
     """
 
 
