@@ -171,6 +171,8 @@ def nnx_apply(graphdef: Any, call: Callable | None = None) -> Callable:
     holds the variables the call replaced (batch statistics, RNG counts, sown values).
     """
     def fn(state, args, kwargs):
+        # fresh Variables, owned by the current trace (merge would reuse the caller's)
+        state = jax.tree_util.tree_map(lambda a: a, state)
         before = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
         module = nnx.merge(graphdef, state)
         out = module(*args, **kwargs) if call is None else call(module, *args, **kwargs)

@@ -124,6 +124,11 @@ def test_batchnorm_each_replica_uses_its_chunk_and_replica0_update_is_kept():
     close(out, jnp.concatenate([o for _, o in refs]))
     close(model.mean.get_value(), refs[0][0].mean.get_value())
     close(model.var.get_value(), refs[0][0].var.get_value())
+    # the same inside nnx.jit (computed as a vmap over replicas)
+    traced = nnx.BatchNorm(3, momentum=0.5, rngs=nnx.Rngs(0))
+    out_jit = nnx.jit(lambda m, x: m(x))(DataParallel(traced, device_ids=[0, 1, 2, 3]), x)
+    close(out_jit, out)
+    close(traced.mean.get_value(), refs[0][0].mean.get_value())
 
 
 def test_output_device_and_cpu_target():
