@@ -1,0 +1,81 @@
+"""DistributedSampler: jdist vs torch, time to produce all indices of one rank.
+
+Run: ``PYTHONPATH=. python benchmarks/sampler.py [--repeats 3] [--sizes 1000000 10000000]``
+
+For each dataset size it times, in the same run and on the same seeds:
+
+* ``list(sampler)`` for torch's and jdist's sampler (what a data loader consumes),
+  with 1 and 8 replicas (rank 0);
+* jdist's ``sampler.indices()`` (the same indices as an int64 numpy array);
+* the permutation alone: ``torch.randperm`` vs ``jdist.sampler.randperm``.
+
+and prints jdist/torch ratios (lower is better; the goal is <= 3x). It also checks
+that both produce identical indices. Timings are medians of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler as TorchSampler
+
+from jdist.sampler import DistributedSampler, randperm
+
+
+def _median_time(fn, repeats):
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def _torch_randperm(n, seed):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.randperm(n, generator=g)
+
+
+def run(sizes, repeats):
+    rows = []
+    for n in sizes:
+        seed, epoch = 1234, 3
+        t_torch, perm_t = _median_time(lambda n=n: _torch_randperm(n, seed + epoch), repeats)
+        t_ours, perm_j = _median_time(lambda n=n: randperm(n, seed + epoch), repeats)
+        assert np.array_equal(perm_t.numpy(), perm_j), "randperm differs from torch"
+        rows.append((n, "randperm (whole permutation)", t_torch, t_ours))
+        for replicas in (1, 8):
+            theirs = TorchSampler(range(n), replicas, 0, True, seed)
+            ours = DistributedSampler(n, replicas, 0, True, seed)
+            theirs.set_epoch(epoch)
+            ours.set_epoch(epoch)
+            t_torch, list_t = _median_time(lambda s=theirs: list(s), repeats)
+            t_ours, list_j = _median_time(
+                lambda s=ours, e=epoch: (s.set_epoch(e + 1), s.set_epoch(e), list(s))[2],
+                repeats)
+            assert list_t == list_j, "sampler indices differ from torch"
+            rows.append((n, f"list(sampler), {replicas} replicas", t_torch, t_ours))
+            t_np, arr = _median_time(lambda s=ours: s.indices(), repeats)
+            assert arr.tolist() == list_t
+            rows.append((n, f"sampler.indices() (numpy), {replicas} replicas", t_torch, t_np))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = run(args.sizes, args.repeats)
+    print(f"{'n':>10}  {'what':<42} {'torch s':>9} {'jdist s':>9} {'jdist/torch':>11}")
+    for n, what, t_torch, t_ours in rows:
+        print(f"{n:>10}  {what:<42} {t_torch:>9.3f} {t_ours:>9.3f} {t_ours / t_torch:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()
