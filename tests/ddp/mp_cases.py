@@ -95,6 +95,26 @@ def join_linear(rank, world, n_batches, divide=True, group=None):
     return np.asarray(model.w[...])
 
 
+def no_sync_vec(rank, group=None):
+    """torch's no_sync example: local grads [1,1] (rank 0) and [2,1] (rank 1), twice."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jdist.ddp import DistributedDataParallel as DDP
+
+    class Vec(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(2))
+
+    ddp = DDP(Vec(), process_group=group)
+    f = ddp.value_and_grad(lambda m, x: jnp.sum(m.w[...] * x))
+    x = np.array([[1.0, 1.0]] if rank == 0 else [[2.0, 1.0]], np.float32)
+    with ddp.no_sync():
+        f(x)
+    _, grads = f(x)
+    return np.asarray(grads["w"][...])
+
+
 def multiprocess_main():
     """2 processes x 2 devices: training, init sync, model mismatch, join."""
     import jax
