@@ -11,6 +11,9 @@ For each dataset size it times, in the same run and on the same seeds:
 
 and prints jdist/torch ratios (lower is better; the goal is <= 3x). It also checks
 that both produce identical indices. Timings are medians of ``--repeats`` runs.
+
+``--large`` also compares ``randperm`` with torch at n = 214748363 and 214748364, the two
+sides of torch's switch to its inside-out algorithm (needs about 4 GB and a minute).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ def _torch_randperm(n, seed):
 
 def run(sizes, repeats):
     rows = []
+    seed, epoch = 1234, 3
     for n in sizes:
-        seed, epoch = 1234, 3
         t_torch, perm_t = _median_time(lambda n=n: _torch_randperm(n, seed + epoch), repeats)
         t_ours, perm_j = _median_time(lambda n=n: randperm(n, seed + epoch), repeats)
         assert np.array_equal(perm_t.numpy(), perm_j), "randperm differs from torch"
@@ -66,11 +69,28 @@ def run(sizes, repeats):
     return rows
 
 
+def check_large():
+    from jdist.sampler import TORCH_SWAP_LIMIT
+
+    for n, seed in [(TORCH_SWAP_LIMIT - 1, 2**32 + 3), (TORCH_SWAP_LIMIT, 5)]:
+        t_torch, perm_t = _median_time(lambda n=n, s=seed: _torch_randperm(n, s).numpy(), 1)
+        t_ours, perm_j = _median_time(lambda n=n, s=seed: randperm(n, s, dtype=np.int32), 1)
+        same = bool(np.array_equal(perm_t, perm_j))
+        del perm_t, perm_j
+        print(f"randperm n={n} seed={seed}: identical={same}  torch {t_torch:.1f}s  "
+              f"jdist {t_ours:.1f}s  ratio {t_ours / t_torch:.2f}x")
+        assert same, f"randperm differs from torch at n={n}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--large", action="store_true",
+                        help="also check randperm at torch's algorithm switch (~4 GB)")
     args = parser.parse_args()
+    if args.large:
+        check_large()
     rows = run(args.sizes, args.repeats)
     print(f"{'n':>10}  {'what':<42} {'torch s':>9} {'jdist s':>9} {'jdist/torch':>11}")
     for n, what, t_torch, t_ours in rows:

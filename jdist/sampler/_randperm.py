@@ -31,9 +31,11 @@ final, and each target beyond the chunk receives ``V`` of its last writer. Chunk
 the work in cache; the only scattered memory accesses are one read and one write per
 step, as in torch's own loop.
 
-For ``n >= 2**32 // 20`` torch switches to an "inside-out" shuffle over 64-bit draws;
-:func:`randperm` refuses such sizes with a clear error rather than return a different
-order.
+For ``n >= 2**32 // 20`` torch switches to an "inside-out" shuffle over 64-bit draws
+(``z = random64() % (i + 1); a[i] = a[z]; a[z] = i`` for ``i`` in ``0 .. n-1``, where
+``random64`` joins two 32-bit draws, the first as the high half). It is vectorized the
+same way: chunks of steps, grouped by ``z``, each reading the latest earlier write to
+its ``z`` or, failing that, the value moved in there (a pointer chain).
 """
 
 from __future__ import annotations
@@ -63,13 +65,6 @@ def _check_n(n) -> int:
         ) from None
     if n < 0:
         raise ValueError(f"randperm: n must be non-negative, got {n}")
-    if n >= TORCH_SWAP_LIMIT:
-        raise ValueError(
-            f"randperm: n={n} is too large: for n >= {TORCH_SWAP_LIMIT} torch.randperm "
-            "switches to an inside-out shuffle over 64-bit draws, which jdist does not "
-            "reproduce; use shuffle=False or shuffle a smaller index space (for example "
-            "shards or blocks of the dataset)"
-        )
     return n
 
 
@@ -103,11 +98,16 @@ def _draws(seed: int):
 
 
 def _group_by_target(off: np.ndarray, span: int) -> np.ndarray:
-    """Step indices sorted by target offset, ties in step order (stable radix sort)."""
+    """Step indices sorted by target (``0 <= off < span``), ties in step order.
+
+    A stable LSD radix sort over 16-bit digits (numpy sorts uint16 by counting).
+    """
     order = np.argsort((off & 0xFFFF).astype(np.uint16), kind="stable")
-    if span > 0xFFFF:
-        high = (off >> 16).astype(np.uint16)[order]
-        order = order[np.argsort(high, kind="stable")]
+    shift = 16
+    while span > (1 << shift):
+        digit = ((off >> shift) & 0xFFFF).astype(np.uint16)[order]
+        order = order[np.argsort(digit, kind="stable")]
+        shift += 16
     return order
 
 
@@ -149,11 +149,61 @@ def _apply_chunk(a: np.ndarray, s: int, off: np.ndarray, steps: np.ndarray) -> N
     a[s : s + size] = out
 
 
+def _apply_inside_out_chunk(a: np.ndarray, s: int, z: np.ndarray, steps: np.ndarray) -> None:
+    """Steps ``i = s .. s+C-1`` of torch's inside-out shuffle (``a[i] = a[z_i]; a[z_i] =
+    i``, with ``z_i <= i``) applied to ``a`` in place.
+
+    Position ``z_i`` holds, just before step ``i``: ``t`` for the latest earlier chunk
+    step ``t`` with ``z_t = z_i``; else, if ``z_i < s``, its value from before the chunk;
+    else the value that step ``z_i`` moved in (a pointer to a smaller step).
+    """
+    size = z.size
+    absolute = steps + s
+    order = _group_by_target(z, s + size)
+    z_sorted = z[order]
+    same = z_sorted[1:] == z_sorted[:-1]
+    pred = np.full(size, -1, np.int64)
+    pred[order[1:][same]] = order[:-1][same]
+    is_last = np.empty(size, bool)
+    is_last[:-1] = ~same
+    is_last[-1] = True
+    last_z = z_sorted[is_last]
+    last_step = order[is_last]
+    # moved-in value of each chunk position, as a root value or a pointer to another step
+    root_value = np.where(pred >= 0, pred + s, a[np.minimum(z, max(s - 1, 0))])
+    self_swap = z == absolute
+    root_value[self_swap] = absolute[self_swap]
+    chase = (pred < 0) & ~self_swap & (z >= s)
+    ptr = np.where(chase, z - s, steps)
+    moved_in = root_value[_resolve_roots(ptr)]
+    # final values: the last writer's index, else the moved-in value
+    inside = int(np.searchsorted(last_z, s))
+    final = moved_in
+    final[last_z[inside:] - s] = last_step[inside:] + s
+    a[last_z[:inside]] = last_step[:inside] + s
+    a[s : s + size] = final
+
+
+def _inside_out(n: int, seed: int, dtype) -> np.ndarray:
+    """torch's permutation for ``n >= TORCH_SWAP_LIMIT`` (64-bit draws, inside-out)."""
+    a = np.empty(n, dtype=dtype)
+    bit_gen = _draws(seed)
+    steps_all = np.arange(_CHUNK, dtype=np.int64)
+    for s in range(0, n, _CHUNK):
+        e = min(s + _CHUNK, n)
+        raw = bit_gen.random_raw(2 * (e - s))
+        draw64 = (raw[0::2] << np.uint64(32)) | raw[1::2]  # random64(): hi, then lo
+        z = (draw64 % np.arange(s + 1, e + 1, dtype=np.uint64)).astype(np.int64)
+        _apply_inside_out_chunk(a, s, z, steps_all[: e - s])
+    return a
+
+
 def randperm(n: int, seed: int, *, dtype=np.int64) -> np.ndarray:
     """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` without torch.
 
     Bit-exact with torch's CPU generator for every ``seed`` torch accepts (only its low
-    32 bits matter) and every ``n < TORCH_SWAP_LIMIT`` (214748364).
+    32 bits matter), for both of torch's algorithms: the forward swap pass below
+    ``TORCH_SWAP_LIMIT`` (214748364) and the inside-out pass from there on.
 
     Args:
       n: length of the permutation.
@@ -164,8 +214,7 @@ def randperm(n: int, seed: int, *, dtype=np.int64) -> np.ndarray:
       A numpy array holding a permutation of ``range(n)``.
 
     Raises:
-      ValueError: ``n`` is negative or ``>= TORCH_SWAP_LIMIT``, or ``seed`` is out of
-        range.
+      ValueError: ``n`` is negative or ``seed`` is out of range.
 
     Examples:
       >>> randperm(10, 0).tolist()
@@ -174,6 +223,8 @@ def randperm(n: int, seed: int, *, dtype=np.int64) -> np.ndarray:
     n = _check_n(n)
     seed = check_seed(seed)
     work_dtype = np.int32 if n < 2**31 else np.int64
+    if n >= TORCH_SWAP_LIMIT:
+        return _inside_out(n, seed, work_dtype).astype(dtype, copy=False)
     a = np.arange(n, dtype=work_dtype)
     if n <= 1:
         return a.astype(dtype)

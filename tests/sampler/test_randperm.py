@@ -6,8 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jdist.sampler import TORCH_SWAP_LIMIT, randperm
-from jdist.sampler._randperm import _CHUNK
+from jdist.sampler import _randperm as randperm_module
+from jdist.sampler import randperm
+from jdist.sampler._randperm import _CHUNK, _inside_out
 
 
 def torch_perm(n, seed, dtype=torch.int64):
@@ -25,6 +26,19 @@ def loop_perm(n, seed):
     for i in range(n - 1):
         j = i + draws[i] % (n - i)
         a[i], a[j] = a[j], a[i]
+    return np.array(a, dtype=np.int64)
+
+
+def loop_inside_out(n, seed):
+    """torch's algorithm for n >= 2**32 // 20, one step at a time."""
+    bit_gen = np.random.MT19937(0)
+    bit_gen._legacy_seeding(seed & 0xFFFFFFFF)
+    draws = bit_gen.random_raw(2 * n).tolist()
+    a = [0] * n
+    for i in range(n):
+        z = ((draws[2 * i] << 32) | draws[2 * i + 1]) % (i + 1)
+        a[i] = a[z]
+        a[z] = i
     return np.array(a, dtype=np.int64)
 
 
@@ -49,6 +63,25 @@ def test_chunk_and_radix_boundaries_match_torch(n):
 @settings(max_examples=60, deadline=None)
 def test_matches_plain_swap_loop(n, seed):
     np.testing.assert_array_equal(randperm(n, seed), loop_perm(n, seed))
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 64, _CHUNK])
+def test_inside_out_matches_its_loop(monkeypatch, chunk):
+    # torch runs this algorithm only for n >= 214748364 (checked against torch by
+    # `benchmarks/sampler.py --large`); here its vectorization is checked at small n
+    # with small chunks, so that chunk boundaries and pointer chains are exercised
+    monkeypatch.setattr(randperm_module, "_CHUNK", chunk)
+    for n in [1, 2, 3, 5, 9, 31, 100, 1000, 4099]:
+        for seed in (0, 2**32 + 9):
+            np.testing.assert_array_equal(_inside_out(n, seed, np.int64),
+                                          loop_inside_out(n, seed), err_msg=str(n))
+
+
+def test_large_n_switches_to_inside_out(monkeypatch):
+    monkeypatch.setattr(randperm_module, "TORCH_SWAP_LIMIT", 100)
+    np.testing.assert_array_equal(randperm(99, 3), loop_perm(99, 3))
+    np.testing.assert_array_equal(randperm(100, 3), loop_inside_out(100, 3))
+    np.testing.assert_array_equal(randperm(5000, 3), loop_inside_out(5000, 3))
 
 
 def test_seed_is_truncated_to_32_bits_like_torch():
@@ -76,8 +109,6 @@ def test_bad_arguments_raise_clear_errors():
         randperm(-1, 0)
     with pytest.raises(TypeError, match="n must be an int, got 2.5"):
         randperm(2.5, 0)
-    with pytest.raises(ValueError, match=f"n={TORCH_SWAP_LIMIT} is too large.*shuffle=False"):
-        randperm(TORCH_SWAP_LIMIT, 0)
     with pytest.raises(ValueError, match="seed 18446744073709551616 is outside"):
         randperm(10, 2**64)
     with pytest.raises(ValueError, match="is outside"):
