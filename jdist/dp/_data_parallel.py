@@ -70,9 +70,18 @@ class Runtime:
 _default_runtime = Runtime(default_cache)
 
 
+def _is_concrete(x: Any) -> bool:
+    """True for arrays and for tracers with known values (``jax.grad`` run eagerly)."""
+    if not isinstance(x, jax.core.Tracer):
+        return True
+    try:
+        return bool(jax._src.core.is_concrete(x))
+    except AttributeError:  # private API moved: treat as traced (correct, just unplaced)
+        return False
+
+
 def _concrete(tree: Any) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) and not jax._src.core.is_concrete(x)
-                   for x in jax.tree_util.tree_leaves(tree))
+    return all(_is_concrete(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 @jax.jit
@@ -314,7 +323,7 @@ def data_parallel(module: Any, inputs: Any, device_ids: Sequence | None = None,
     """
     devices = resolve_devices(device_ids)
     out_dev = devices[0] if output_device is None else resolve_target(output_device)
-    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    inputs = () if inputs is None else inputs if isinstance(inputs, tuple) else (inputs,)
     kwargs = dict(module_kwargs or {})
     if isinstance(module, nnx.Module):
         return _forward(module, inputs, kwargs, devices, out_dev, _check_dim(dim),

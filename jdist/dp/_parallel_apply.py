@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 import traceback
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -235,8 +236,26 @@ def _prepare(fn: Callable | None, replica: Any):
     return replica, prog, None
 
 
+def _await(arrays: list, timeout: float | None, index: int, where: Any) -> None:
+    if timeout is None:
+        jax.block_until_ready(arrays)
+        return
+    deadline = time.monotonic() + timeout
+    pending = [a for a in jax.tree_util.tree_leaves(arrays) if hasattr(a, "is_ready")]
+    while pending:
+        pending = [a for a in pending if not a.is_ready()]
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"parallel_apply: replica {index} on device {where} did not finish within "
+                f"{timeout} s; raise timeout= or look for a hung computation on that device")
+        if pending:
+            time.sleep(0.001)
+    jax.block_until_ready(arrays)  # surfaces a runtime error of a finished computation
+
+
 def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
-                   kwargs: Sequence | None = None, devices: Sequence | None = None) -> list:
+                   kwargs: Sequence | None = None, devices: Sequence | None = None,
+                   timeout: float | None = None) -> list:
     """Apply ``fn(replica_i, *inputs_i, **kwargs_i)`` on every replica; outputs in order.
 
     Every replica's compiled program is dispatched before any result is awaited, so the
@@ -250,6 +269,8 @@ def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
       inputs: per-replica positional arguments (a tuple, or one value).
       kwargs: per-replica keyword-argument dicts, or None.
       devices: per-replica devices; when given, each replica's arguments are put there.
+      timeout: seconds to wait for all results (None: no limit); on expiry a
+        ``TimeoutError`` names the first unfinished replica and its device.
 
     Returns:
       The list of outputs, each on its replica's device.
@@ -267,6 +288,9 @@ def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
     devs = resolve_devices(devices) if devices is not None else None
     if devs is not None and len(devs) != n:
         raise ValueError(f"parallel_apply got {n} replicas but {len(devs)} devices")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout}")
+    deadline = None if timeout is None else time.monotonic() + timeout
     pending, errors = [], {}
     for i, (rep, inp, kw) in enumerate(zip(replicas, inputs, kwargs, strict=True)):
         args = tuple(inp) if isinstance(inp, (tuple, list)) else (inp,)
@@ -285,8 +309,12 @@ def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
             outs.append(None)
             continue
         arrays, aux, meta = result
+        if timeout is not None:
+            remaining = max(0.0, deadline - time.monotonic())
         try:
-            jax.block_until_ready(arrays)
+            _await(arrays, None if timeout is None else remaining, i, where)
+        except TimeoutError:
+            raise
         except Exception as e:  # noqa: BLE001
             errors.setdefault(i, replica_error(e, i, where))
         if graphdef is not None and aux is not None:

@@ -166,6 +166,11 @@ def resolve_devices(devices: Sequence | None) -> tuple:
                     f"local devices (indices 0..{len(local) - 1})")
             out.append(local[int(d)])
         elif isinstance(d, jax.Device):
+            if d.process_index != jax.process_index():
+                raise ValueError(
+                    f"device {d} belongs to process {d.process_index}, not this one "
+                    f"({jax.process_index()}); DataParallel runs on this process's devices "
+                    f"(jax.local_devices()); use jdist.ddp across processes")
             out.append(d)
         else:
             raise TypeError(f"devices must be jax devices or ints, got {d!r} in {devices!r}")

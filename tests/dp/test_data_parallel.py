@@ -138,6 +138,9 @@ def test_output_device_and_cpu_target():
     close(out, mlp_apply(p, x))
     out = data_parallel((mlp_apply, p), x, [4, 5], output_device="cpu")
     assert out.devices() == {jax.devices("cpu")[0]}
+    cols = jnp.arange(14.0).reshape(2, 7)  # dim=1: chunks 3, 3, 1 of the columns
+    np.testing.assert_array_equal(
+        data_parallel((lambda p, x: x * p, 2.0), cols, [0, 1, 2], dim=1), 2 * cols)
 
 
 def test_one_device_or_one_chunk_calls_the_module_directly():

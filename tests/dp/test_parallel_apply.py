@@ -91,3 +91,18 @@ def test_nnx_replicas_are_called_and_keep_their_own_batch_stats():
 def test_length_mismatch_raises():
     with pytest.raises(ValueError, match="2 replicas, 1 inputs"):
         parallel_apply(_affine, [1, 2], [jnp.ones(1)])
+
+
+def test_timeout_names_the_unfinished_replica():
+    from jdist.dp._parallel_apply import _await
+
+    class NeverReady:  # a result whose computation never finishes
+        def is_ready(self):
+            return False
+
+    with pytest.raises(TimeoutError, match="replica 2 on device cpu:2 did not finish within 0.05"):
+        _await([NeverReady()], 0.05, 2, "cpu:2")
+    with pytest.raises(ValueError, match="timeout must be"):
+        parallel_apply(_affine, [_params()], [jnp.ones((1, 3))], timeout=-1)
+    out = parallel_apply(_affine, [_params()], [jnp.ones((1, 3))], timeout=30.0)
+    np.testing.assert_allclose(out[0], _affine(_params(), np.ones((1, 3))), rtol=1e-6)
