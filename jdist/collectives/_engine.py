@@ -51,8 +51,9 @@ def _lock(group: ProcessGroup) -> threading.Lock:
 
 
 def stats(group: ProcessGroup) -> dict:
-    """Counters kept per group: ``compiles`` (programs built) and ``calls``."""
-    return group.extra.setdefault("stats", {"compiles": 0, "calls": 0})
+    """Counters kept per group: ``compiles`` (programs built), ``calls`` (programs run),
+    ``checked`` (calls whose fingerprints were compared)."""
+    return group.extra.setdefault("stats", {"compiles": 0, "calls": 0, "checked": 0})
 
 
 def process_mesh(group: ProcessGroup):
@@ -77,6 +78,25 @@ def next_seq(group: ProcessGroup) -> int:
     return seq
 
 
+def _compile(group: ProcessGroup, full_key: tuple, fn: Callable, args: tuple) -> Callable:
+    cache = group.extra.setdefault("programs", {})
+    compiled = cache.get(full_key)
+    if compiled is None:
+        spec = PartitionSpec(group.axis_name)
+        specs = tuple(spec for _ in args)
+        mapped = jax.shard_map(fn, mesh=process_mesh(group), in_specs=specs,
+                               out_specs=spec if len(args) == 1 else specs, check_vma=False)
+        compiled = jax.jit(mapped).lower(*args).compile()
+        cache[full_key] = compiled
+        stats(group)["compiles"] += 1
+    return compiled
+
+
+def _arg(group: ProcessGroup, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+    sharding = NamedSharding(process_mesh(group), PartitionSpec(group.axis_name))
+    return jax.ShapeDtypeStruct((group.size(), *shape), dtype, sharding=sharding)
+
+
 def program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
             shape: tuple, dtype) -> Callable:
     """The compiled program for ``key`` on ``group``, built by ``build()`` on first use.
@@ -84,20 +104,37 @@ def program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
     ``build()`` returns the per-member function ``[1, *shape] -> [1, *out]`` that runs
     inside ``shard_map`` over the process mesh (axis ``group.axis_name``).
     """
-    cache = group.extra.setdefault("programs", {})
     full_key = (key, tuple(shape), np.dtype(dtype).name)
-    fn = cache.get(full_key)
-    if fn is None:
-        pm = process_mesh(group)
-        spec = PartitionSpec(group.axis_name)
-        sharding = NamedSharding(pm, spec)
-        mapped = jax.shard_map(build(), mesh=pm, in_specs=spec, out_specs=spec,
-                               check_vma=False)
-        arg = jax.ShapeDtypeStruct((group.size(), *shape), dtype, sharding=sharding)
-        fn = jax.jit(mapped).lower(arg).compile()
-        cache[full_key] = fn
-        stats(group)["compiles"] += 1
-    return fn
+    cache = group.extra.get("programs")
+    if cache is not None and full_key in cache:
+        return cache[full_key]
+    return _compile(group, full_key, build(), (_arg(group, shape, dtype),))
+
+
+def checked_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
+                    shape: tuple, dtype) -> Callable:
+    """``program`` fused with the fingerprint check: ``(fp, x) -> (fps, out)``.
+
+    The members all-gather their fingerprints first; the collective itself runs under
+    ``lax.cond`` only when every fingerprint is equal, so members whose calls differ
+    (and whose programs therefore differ after the shared first step) all skip it and
+    no mismatched bytes are ever exchanged. One dispatch instead of two.
+    """
+    full_key = ("checked", key, tuple(shape), np.dtype(dtype).name)
+    cache = group.extra.get("programs")
+    if cache is not None and full_key in cache:
+        return cache[full_key]
+    body, axis = build(), group.axis_name
+
+    def fused(fp, x):
+        fps = jax.lax.all_gather(fp, axis, axis=1, tiled=True)
+        ok = jax.numpy.all(fps.reshape(-1, fpr.FP_LEN) == fps[0, :fpr.FP_LEN])
+        out_type = jax.eval_shape(body, x)
+        skip = lambda v: jax.numpy.zeros(out_type.shape, out_type.dtype)  # noqa: E731
+        return fps, jax.lax.cond(ok, body, skip, x)
+
+    args = (_arg(group, (fpr.FP_LEN,), np.int32), _arg(group, shape, dtype))
+    return _compile(group, full_key, fused, args)
 
 
 def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
@@ -145,15 +182,20 @@ def peer_failure(group: ProcessGroup, what: str, exc: BaseException) -> PeerFail
     )
 
 
-def execute(group: ProcessGroup, what: str, fn: Callable, arg: jax.Array) -> jax.Array:
-    """Run ``fn(arg)``; return this process's output block ``[1, *out]``.
+def execute(group: ProcessGroup, what: str, fn: Callable, arg) -> Any:
+    """Run ``fn`` on ``arg`` (an array or a tuple of them); return this process's blocks.
 
     A runtime failure (a peer closed its connection) becomes :class:`PeerFailedError`
     naming the dead rank.
     """
     stats(group)["calls"] += 1
     try:
-        block = fn(arg).addressable_data(0)
+        out = fn(*arg) if isinstance(arg, tuple) else fn(arg)
+        if isinstance(out, (tuple, list)):
+            blocks = tuple(o.addressable_data(0) for o in out)
+            jax.block_until_ready(blocks)
+            return blocks
+        block = out.addressable_data(0)
         block.block_until_ready()
     except Exception as exc:
         if is_runtime_failure(exc):
@@ -172,6 +214,7 @@ def fingerprint_check(group: ProcessGroup, what: str, fp: np.ndarray) -> None:
     fn = program(group, ("fingerprint",), build, (fpr.FP_LEN,), np.int32)
     block = execute(group, what, fn, to_global(group, fp, (fpr.FP_LEN,), np.int32))
     fps = np.asarray(block)[0].reshape(group.size(), fpr.FP_LEN)
+    stats(group)["checked"] += 1
     fpr.check(fps, group.ranks, group.name)
 
 
@@ -185,15 +228,26 @@ def x64(dtype):
 
 def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable],
         x: Any, shape: tuple, dtype, fp: np.ndarray | None, as_jax: bool):
-    """Fingerprint (when ``fp`` is given and checks are on), then run the program.
+    """Run the program on this member's ``x``; with ``fp`` (and checks on), checked.
 
     Returns this process's result with the member axis dropped (numpy or jax.Array).
     64-bit dtypes (torch's default ``int64``) keep their width even when JAX's x64 mode
     is off.
+
+    Raises:
+      CollectiveMismatchError: the members' fingerprints differ (on every member).
+      PeerFailedError: a member died (named).
     """
-    if fp is not None and fpr.debug_enabled():
-        fingerprint_check(group, what, fp)
     with x64(dtype):
-        fn = program(group, key, build, shape, dtype)
-        block = execute(group, what, fn, to_global(group, x, shape, dtype))
+        data = to_global(group, x, shape, dtype)
+        if fp is None or not fpr.debug_enabled():
+            fn = program(group, key, build, shape, dtype)
+            block = execute(group, what, fn, data)
+            return from_block(block, as_jax)
+        fn = checked_program(group, key, build, shape, dtype)
+        stats(group)["checked"] += 1
+        fps, block = execute(group, what, fn, (to_global(group, fp, (fpr.FP_LEN,),
+                                                         np.int32), data))
+        fpr.check(np.asarray(fps)[0].reshape(group.size(), fpr.FP_LEN), group.ranks,
+                  group.name)
         return from_block(block, as_jax)

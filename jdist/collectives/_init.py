@@ -30,7 +30,7 @@ from jdist.collectives._group import (
     make_mesh,
 )
 from jdist.collectives._watchdog import Watchdog
-from jdist.errors import AlreadyInitializedError, RendezvousError
+from jdist.errors import AlreadyInitializedError, RendezvousError, StoreError
 
 __all__ = ["init_process_group", "destroy_process_group"]
 
@@ -184,7 +184,20 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         store = rdzv.make_store(spec, seconds)
     try:
         host = spec.host or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        res = rdzv.rendezvous(store, spec, seconds, group_state.generation, host)
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                res = rdzv.rendezvous(store, spec, max(deadline - time.monotonic(), 0.1),
+                                      group_state.generation, host)
+                break
+            except StoreError as exc:
+                # a client that reached the store of a job being torn down reconnects
+                if (not own_store or spec.rank == 0 or isinstance(exc, TimeoutError)
+                        or time.monotonic() > deadline):
+                    raise
+                _close_store(store)
+                time.sleep(0.05)
+                store = rdzv.make_store(spec, max(deadline - time.monotonic(), 0.1))
         _start_jax(spec, res.coordinator, seconds)
         world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
                             _platform_backend(requested), seconds)
@@ -225,6 +238,17 @@ def _store_barrier(store, key: str, count: int, wait: float, arrive: bool = True
         while time.monotonic() < deadline:
             if store.check([key]) and int(store.get(key)) >= count:
                 return
+            time.sleep(0.01)
+    except Exception:
+        pass
+
+
+def _wait_server_gone(store, wait: float) -> None:
+    """Block until rank 0 closed the TCPStore, so a re-init never reaches the old one."""
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            store.check(["jdist/closed"])
             time.sleep(0.01)
     except Exception:
         pass
@@ -276,6 +300,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         _shutdown_jax(rt)
         if store is not None and not dead:
             _store_barrier(store, left, 0, 0.0)
+            if rt.get("owns_store") and spec.kind in ("env", "tcp"):
+                _wait_server_gone(store, wait)
     else:
         if store is not None and spec is not None and not dead:
             # the clients disconnect from JAX's service and the store before it stops

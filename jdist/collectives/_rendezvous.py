@@ -208,13 +208,31 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _raise_published(store, prefix: str) -> None:
+    """Raise the error another rank published for this rendezvous, if any."""
+    key = prefix + "error"
+    if not store.check([key]):
+        return
+    msg = store.get(key).decode()
+    if msg.startswith("timeout:"):
+        store.add(prefix + "error_seen", 1)
+        raise RendezvousTimeoutError(msg[len("timeout:"):])
+    raise RendezvousError(msg)
+
+
+def _wait_count(store, key: str, count: int, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if count <= 0 or (store.check([key]) and int(store.get(key)) >= count):
+            return
+        time.sleep(0.01)
+
+
 def _poll(store, prefix: str, keys: list[str], deadline: float, what: str):
     """Wait (polling, so errors published by peers are seen) until ``keys`` exist."""
     sleep = 0.01
     while True:
-        err_key = prefix + "error"
-        if store.check([err_key]):
-            raise RendezvousError(store.get(err_key).decode())
+        _raise_published(store, prefix)
         missing = [k for k in keys if not store.check([k])]
         if not missing:
             return
@@ -248,10 +266,11 @@ def rendezvous(store, spec: InitSpec, timeout: float, generation: int,
             f"process a distinct RANK"
         )
     infos: dict[int, dict] = {rank: json.loads(mine)}
+    if rank != 0:
+        deadline += 1.0  # rank 0 decides a timeout first and tells everyone
     sleep = 0.01
     while len(infos) < n:
-        if store.check([prefix + "error"]):
-            raise RendezvousError(store.get(prefix + "error").decode())
+        _raise_published(store, prefix)
         for r in range(n):
             key = prefix + f"rank/{r}"
             if r in infos or not store.check([key]):
@@ -270,12 +289,14 @@ def rendezvous(store, spec: InitSpec, timeout: float, generation: int,
             break
         if time.monotonic() > deadline:
             missing = [r for r in range(n) if r not in infos]
-            raise RendezvousTimeoutError(
-                f"init_process_group timed out after {timeout:g} s on rank {rank}: ranks "
-                f"{missing} of world_size {n} never arrived at the rendezvous; check that "
-                f"those processes started with the same MASTER_ADDR/MASTER_PORT, or raise "
-                f"timeout="
-            )
+            msg = (f"init_process_group timed out after {timeout:g} s on rank {rank}: ranks "
+                   f"{missing} of world_size {n} never arrived at the rendezvous; check that "
+                   f"those processes started with the same MASTER_ADDR/MASTER_PORT, or "
+                   f"raise timeout=")
+            if rank == 0:  # tell the ranks that did arrive, before the store goes away
+                store.set(prefix + "error", "timeout:" + msg)
+                _wait_count(store, prefix + "error_seen", len(infos) - 1, 2.0)
+            raise RendezvousTimeoutError(msg)
         time.sleep(sleep)
         sleep = min(sleep * 1.5, 0.2)
     coord_key = prefix + "coordinator"

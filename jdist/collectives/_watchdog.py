@@ -104,7 +104,8 @@ class Watchdog:
         """Which of ``ranks`` (WORLD ranks) are dead, with a reason for each.
 
         Waits up to ``wait`` seconds (default ``3 * interval + 0.5``) to see whether
-        heartbeat counters move. Dead ranks are remembered in :attr:`dead`.
+        heartbeat counters move; ``wait=0`` only checks processes on this host. Dead
+        ranks are remembered in :attr:`dead`.
         """
         wait = 3 * self.interval + 0.5 if wait is None else wait
         here = socket.gethostname()
@@ -114,7 +115,7 @@ class Watchdog:
             info = self.infos[r]
             if info.get("host") == here and not process_alive(int(info["pid"])):
                 dead[r] = f"its process (pid {info['pid']}) has exited"
-        if dead:
+        if dead or wait <= 0:  # without time to watch counters, only the local check
             self.dead.update(dead)
             return dead
         first = self._counters(others)

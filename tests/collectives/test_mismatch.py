@@ -1,0 +1,114 @@
+"""Mismatch detection and dead peers, in real processes.
+
+- Ranks calling different shapes / dtypes / collectives raise CollectiveMismatchError on
+  every rank, quickly, naming each rank's call; the group stays usable afterwards;
+  ``JDIST_DEBUG=OFF`` skips the check.
+- A rank killed with SIGKILL makes the survivor raise PeerFailedError naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tests.helpers import run_procs
+
+
+def _mismatch_child() -> dict:
+    import jdist
+    from jdist.collectives import _engine
+    from jdist.errors import CollectiveMismatchError
+
+    jdist.init_process_group(timeout=30)
+    r = jdist.get_rank()
+    out = {}
+    cases = {
+        "shape": lambda: jdist.all_reduce(np.ones(2 + r, np.float32)),
+        "dtype": lambda: jdist.all_reduce(np.ones(3, np.float32 if r == 0 else np.int32)),
+        "kind": lambda: (jdist.all_reduce(np.ones(3)) if r == 0
+                         else jdist.broadcast(np.ones(3), src=0)),
+        "op": lambda: jdist.all_reduce(np.ones(3), jdist.ReduceOp.MAX if r else
+                                       jdist.ReduceOp.SUM),
+    }
+    for name, call in cases.items():
+        t = time.monotonic()
+        try:
+            call()
+            out[name] = ("no error", 0.0)
+        except CollectiveMismatchError as e:
+            out[name] = (str(e), time.monotonic() - t)
+    # the group is still usable and in step after the mismatches
+    assert (jdist.all_reduce(np.full(4, r + 1.0)) == 3.0).all()
+    g = jdist.get_default_group()
+    stats = _engine.stats(g)
+    before = (stats["calls"], stats["checked"])
+    jdist.all_reduce(np.ones(4))
+    out["checked_on"] = (stats["calls"] - before[0], stats["checked"] - before[1])
+    os.environ["JDIST_DEBUG"] = "OFF"
+    before = (stats["calls"], stats["checked"])
+    jdist.all_reduce(np.ones(4))
+    out["checked_off"] = (stats["calls"] - before[0], stats["checked"] - before[1])
+    del os.environ["JDIST_DEBUG"]
+    jdist.destroy_process_group()
+    return out
+
+
+def test_mismatch_raises_on_every_rank():
+    results = run_procs(_mismatch_child, 2, timeout=120)
+    for r, res in enumerate(results):
+        msg, dt = res["shape"]
+        assert "rank 0 is running all_reduce" in msg and "shape=(2,)" in msg, msg
+        assert "rank 1 is running all_reduce" in msg and "shape=(3,)" in msg, msg
+        assert dt < 10.0, (r, dt)
+        msg, _ = res["dtype"]
+        assert "dtype=float32" in msg and "dtype=int32" in msg, msg
+        msg, _ = res["kind"]
+        assert "running all_reduce" in msg and "running broadcast" in msg, msg
+        msg, _ = res["op"]
+        assert "op=SUM" in msg and "op=MAX" in msg, msg
+        # checked: one fused program run; JDIST_DEBUG=OFF: one plain run, no check
+        assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 0), res
+
+
+def _dying_rank() -> None:
+    """Grandchild acting as rank 1: joins, does one collective, then is SIGKILLed."""
+    import jdist
+
+    jdist.init_process_group(timeout=30)
+    jdist.all_reduce(np.ones(3))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _survivor_or_victim() -> dict:
+    if os.environ["RANK"] == "1":
+        # run the real rank 1 as a child so that spawn does not end rank 0 when it dies
+        code = "from tests.collectives.test_mismatch import _dying_rank; _dying_rank()"
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
+                              timeout=90, capture_output=True)
+        return {"victim_exit": proc.returncode}
+    import jdist
+    from jdist.errors import PeerFailedError
+
+    jdist.init_process_group(timeout=30)
+    jdist.all_reduce(np.ones(3))
+    t = time.monotonic()
+    try:
+        for _ in range(1000):
+            jdist.all_reduce(np.ones(3))
+            time.sleep(0.01)
+        return {"error": "no error"}
+    except PeerFailedError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t}
+
+
+def test_killed_rank_is_named_by_survivor():
+    results = run_procs(_survivor_or_victim, 2, timeout=120)
+    assert results[1]["victim_exit"] == -signal.SIGKILL, results
+    err = results[0]["error"]
+    assert "rank 1 is gone" in err, err
+    assert results[0]["seconds"] < 30, results
