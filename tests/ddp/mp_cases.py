@@ -138,5 +138,8 @@ def multiprocess_main():
     except ModelMismatchError as e:
         out["mismatch"] = str(e)
     out["join"] = join_linear(rank, world, 5 if rank == 0 else 3)
+    from examples.train_ddp import main as example
+
+    out["example"] = example(["--smoke"])
     _finish()
     return out

@@ -54,3 +54,8 @@ def test_two_processes_two_devices_each():
     expect = -sum((2 * 1 * (i + 1) + (2 * 2 * (i + 1) if i < 3 else 0)) / 4 for i in range(5))
     for r in res:
         np.testing.assert_allclose(r["join"], [expect] * 3)
+    # the demo runs on 2 processes x 2 devices (smoke mode) and agrees on the accuracy
+    ex = [r["example"] for r in res]
+    assert [e["rank"] for e in ex] == [0, 1] and ex[0]["world"] == 2
+    assert ex[0]["accuracy"] == ex[1]["accuracy"] and 0.0 <= ex[0]["accuracy"] <= 1.0
+    assert ex[0]["losses"] == ex[1]["losses"] and len(ex[0]["losses"]) == 3
