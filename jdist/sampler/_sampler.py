@@ -19,7 +19,6 @@ from jdist.sampler._indices import (
     num_samples,
     shard_indices,
 )
-from jdist.sampler._randperm import check_seed
 
 __all__ = ["DistributedSampler", "RepeatedEpochWarning"]
 
@@ -143,8 +142,6 @@ class DistributedSampler:
                 f"the dataset's length changed from {self._n} to {n} after the sampler "
                 "was made; make a new DistributedSampler for the new dataset"
             )
-        if self.shuffle:
-            check_seed(self.seed + self.epoch)
         return shard_indices(
             n, self.num_replicas, self.rank, shuffle=self.shuffle, seed=self.seed,
             epoch=self.epoch, drop_last=self.drop_last, even_split=self.even_split,

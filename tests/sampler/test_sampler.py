@@ -160,3 +160,17 @@ def test_dataset_length_change_is_reported():
     data.append(10)
     with pytest.raises(ValueError, match="changed from 10 to 11"):
         list(sampler)
+
+
+def test_works_as_a_torch_dataloader_sampler():
+    import torch
+
+    data = torch.arange(50) * 10
+    ours = DistributedSampler(data, 3, 2, seed=4)
+    theirs = TorchSampler(data, 3, 2, seed=4)
+    for epoch in (0, 1):
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        got = [b.tolist() for b in torch.utils.data.DataLoader(data, 4, sampler=ours)]
+        want = [b.tolist() for b in torch.utils.data.DataLoader(data, 4, sampler=theirs)]
+        assert got == want
