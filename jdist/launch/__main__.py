@@ -1,0 +1,30 @@
+"""``jdist-run`` / ``python -m jdist.launch``: start a job of N processes per node.
+
+Example::
+
+    jdist-run --nproc-per-node 2 --devices-per-proc 2 train.py --epochs 3
+    # two simulated hosts on one machine:
+    jdist-run --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29400 train.py &
+    jdist-run --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29400 train.py
+
+Every line a worker prints is prefixed with ``[rank N]``. When a worker fails, the
+others are stopped (SIGTERM, SIGKILL after ``--shutdown-timeout``) and the job is
+restarted while the job-wide ``--max-restarts`` budget lasts; otherwise the launcher
+exits with the failed rank's exit code and prints its last stderr lines.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jdist.launch._agent import run
+from jdist.launch._config import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jdist-run`` console script."""
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

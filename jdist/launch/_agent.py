@@ -1,0 +1,282 @@
+"""The per-node agent of ``jdist-run``: rendezvous of the launchers, attempts, restarts.
+
+Launchers agree through a store. With one node it is an in-process
+:class:`~jdist.collectives.HashStore`; with several, node 0 hosts a
+:class:`~jdist.collectives.TCPStore` at ``--master-addr:--master-port`` and the other
+launchers connect to it (it is authenticated when ``JDIST_AUTH_TOKEN`` is set in the
+launchers' environment, and runs without a secret otherwise). Keys, under the prefix
+``jdist-run/``:
+
+- ``node/<i>/claim`` (a node rank may be used once), ``node/<i>/nproc``;
+- ``job/token``, ``job/run_id``, ``job/max_restarts`` (node 0's values win);
+- ``round/<r>/port``: the workers' MASTER_PORT of attempt ``r``, a free port that node 0
+  picks for each attempt. It differs from the launchers' store port, so the job's
+  processes run their own rendezvous (``init_process_group``) undisturbed;
+- ``round/<r>/failed``: the first failure of attempt ``r`` (set with ``compare_set``,
+  so every node reports the same rank); the other nodes poll it and stop their workers;
+- ``round/<r>/done`` / ``round/<r>/stopped``: counters of nodes whose workers
+  finished / were stopped; a new attempt starts when every node stopped the last one;
+- ``job/abort`` (a launcher got SIGINT/SIGTERM: no restart), ``job/exited``.
+
+The restart budget ``--max-restarts`` counts attempts of the whole job (torch counts
+it per agent, pytorch#108158).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+
+from jdist.collectives._store_base import Store
+from jdist.collectives._store_local import HashStore, PrefixStore
+from jdist.collectives._store_tcp import TCPStore
+from jdist.errors import StoreError, StoreTimeoutError
+from jdist.launch._config import LaunchConfig
+from jdist.launch._env import JobInfo, worker_command, worker_env
+from jdist.launch._spawn import free_port
+from jdist.launch._workers import Failure, WorkerGroup, describe_exit, exit_code_of
+
+__all__ = ["run", "LaunchError"]
+
+_POLL_S = 0.05
+_REMOTE_POLL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """The launchers could not form or run the job (not a worker failure)."""
+
+
+class _Terminated(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"jdist-run: {msg}\n")
+    sys.stderr.flush()
+
+
+class _Agent:
+    def __init__(self, cfg: LaunchConfig, environ: dict[str, str]):
+        self.cfg = cfg
+        self.environ = environ
+        self.group: WorkerGroup | None = None
+        env_token = environ.get("JDIST_AUTH_TOKEN") or None
+        self.env_token = env_token
+        self.store: Store = PrefixStore("jdist-run", self._open_store(env_token))
+
+    def _open_store(self, token: str | None) -> Store:
+        cfg = self.cfg
+        if cfg.nnodes == 1:
+            return HashStore(timeout=cfg.rdzv_timeout)
+        kw = dict(timeout=cfg.rdzv_timeout, auth_token=token)
+        try:
+            if cfg.node_rank == 0:
+                return TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
+                                wait_for_workers=False, **kw)
+            return TCPStore(cfg.master_addr, cfg.master_port, **kw)
+        except OSError as e:
+            raise LaunchError(f"node {cfg.node_rank} cannot reach the launchers' store at "
+                              f"{cfg.master_addr}:{cfg.master_port}: {e}") from e
+
+    # --- rendezvous ----------------------------------------------------------------------
+    def rendezvous(self) -> tuple[list[int], str, str, int]:
+        cfg, s = self.cfg, self.store
+        if s.add(f"node/{cfg.node_rank}/claim", 1) > 1:
+            raise LaunchError(f"--node-rank {cfg.node_rank} is used by two launchers; give "
+                              f"each launcher its own node rank in [0, {cfg.nnodes})")
+        s.set(f"node/{cfg.node_rank}/nproc", str(cfg.nproc_per_node))
+        if cfg.node_rank == 0:
+            token = self.env_token or secrets.token_hex(16)
+            s.multi_set(["job/token", "job/run_id", "job/max_restarts", "job/nnodes"],
+                        [token, secrets.token_hex(8), str(cfg.max_restarts), str(cfg.nnodes)])
+        keys = [f"node/{i}/nproc" for i in range(cfg.nnodes)]
+        try:
+            s.wait(keys + ["job/token"], cfg.rdzv_timeout)
+        except StoreTimeoutError:
+            missing = [i for i, k in enumerate(keys) if not s.check([k])]
+            raise LaunchError(
+                f"node ranks {missing} did not join within --rdzv-timeout "
+                f"{cfg.rdzv_timeout:g}s; start one launcher per node rank with the same "
+                f"--nnodes/--master-addr/--master-port") from None
+        nnodes0 = int(s.get("job/nnodes"))
+        if nnodes0 != cfg.nnodes:
+            raise LaunchError(f"node 0 runs --nnodes {nnodes0} but this launcher "
+                              f"--nnodes {cfg.nnodes}; use the same value everywhere")
+        nprocs = [int(v) for v in s.multi_get(keys)]
+        token, run_id, max_restarts = (v.decode() for v in
+                                       s.multi_get(["job/token", "job/run_id",
+                                                    "job/max_restarts"]))
+        if int(max_restarts) != cfg.max_restarts:
+            _say(f"node 0 runs --max-restarts {max_restarts}; using it instead of "
+                 f"{cfg.max_restarts}")
+        return nprocs, token, run_id, int(max_restarts)
+
+    # --- one attempt ---------------------------------------------------------------------
+    def start(self, job: JobInfo) -> WorkerGroup:
+        cfg = self.cfg
+        argv = worker_command(os.getpid(), cfg.script, cfg.script_args, cfg.module)
+        cmds = [(job.rank_offset + lr, lr, argv,
+                 worker_env(self.environ, job, lr, cfg.devices_per_proc))
+                for lr in range(cfg.nproc_per_node)]
+        log_dir = None
+        if cfg.log_dir is not None:
+            log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
+        console = cfg.log_dir is None or cfg.tee
+        out = sys.stdout.buffer if console else None
+        err = sys.stderr.buffer if console else None
+        self.group = WorkerGroup(cmds, out, err, log_dir)
+        return self.group
+
+    def watch(self, group: WorkerGroup, r: int) -> Failure | None:
+        """Wait for the attempt to end; the first failure (local or remote) or None."""
+        cfg, s = self.cfg, self.store
+        failed_key = f"round/{r}/failed"
+        last_remote = time.monotonic()
+        while True:
+            failed, running = group.poll()
+            if failed:
+                w = failed[0]
+                for other in group.workers:  # end the others at once
+                    if other.proc.poll() is None:
+                        _signal_group(other.proc.pid, signal.SIGTERM)
+                code = w.proc.returncode
+                mine = Failure(w.rank, w.local_rank, cfg.node_rank, exit_code_of(code),
+                               describe_exit(code), w.stderr_tail(0.5), r)
+                blob = json.dumps(mine._asdict())
+                first = s.compare_set(failed_key, "", blob).decode()
+                group.stop(cfg.shutdown_timeout)
+                return Failure(**json.loads(first))
+            if not running:
+                break
+            if cfg.nnodes > 1 and time.monotonic() - last_remote >= _REMOTE_POLL_S:
+                last_remote = time.monotonic()
+                if s.check([failed_key]):
+                    group.stop(cfg.shutdown_timeout)
+                    return Failure(**json.loads(s.get(failed_key)))
+            time.sleep(_POLL_S)
+        group.stop(0.0)  # every worker exited 0; reap stragglers in their groups
+        s.add(f"round/{r}/done", 1)
+        while True:  # wait for the other nodes: they may still fail
+            if s.check([failed_key]):
+                return Failure(**json.loads(s.get(failed_key)))
+            if s.add(f"round/{r}/done", 0) >= cfg.nnodes:
+                return None
+            time.sleep(_REMOTE_POLL_S)
+
+    def sync_stop(self, r: int) -> None:
+        """Wait until every node stopped its workers of attempt ``r``."""
+        cfg, s = self.cfg, self.store
+        s.add(f"round/{r}/stopped", 1)
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while s.add(f"round/{r}/stopped", 0) < cfg.nnodes:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"not every node stopped its workers of attempt {r + 1} "
+                                  f"within {cfg.rdzv_timeout:g}s")
+            time.sleep(_POLL_S)
+
+    def finish(self) -> None:
+        """Say goodbye; node 0 keeps its store up until the others left (or 10 s)."""
+        try:
+            self.store.add("job/exited", 1)
+            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1:
+                deadline = time.monotonic() + 10.0
+                while (self.store.add("job/exited", 0) < self.cfg.nnodes
+                       and time.monotonic() < deadline):
+                    time.sleep(_POLL_S)
+        except StoreError:
+            pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
+    head = (f"rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}) {f.how} "
+            f"on attempt {f.attempt + 1} of {attempts}"
+            if f.rank >= 0 else f"{f.how} on attempt {f.attempt + 1} of {attempts}")
+    tail = "".join(f"    {line}\n" for line in f.stderr_tail.splitlines()) or "    (empty)\n"
+    more = (f"; no restarts left (--max-restarts {max_restarts})" if f.rank >= 0
+            else "")
+    return f"job failed: {head}{more}. Last lines of its stderr:\n{tail}".rstrip("\n")
+
+
+def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
+    """Run the job described by ``cfg`` on this node; return the launcher's exit code."""
+    environ = dict(os.environ if environ is None else environ)
+    state = {"raised": False}
+
+    def on_signal(signum, frame):
+        if not state["raised"]:
+            state["raised"] = True
+            raise _Terminated(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, on_signal)
+    agent = None
+    r = 0
+    try:
+        agent = _Agent(cfg, environ)
+        nprocs, token, run_id, max_restarts = agent.rendezvous()
+        s = agent.store
+        world = sum(nprocs)
+        offset = sum(nprocs[:cfg.node_rank])
+        while True:
+            if cfg.node_rank == 0:
+                s.set(f"round/{r}/port", str(free_port(cfg.master_addr)))
+            port = int(s.get(f"round/{r}/port"))
+            job = JobInfo(world, offset, cfg.nnodes, cfg.node_rank, cfg.nproc_per_node,
+                          cfg.master_addr, port, token, run_id, r, max_restarts)
+            failure = agent.watch(agent.start(job), r)
+            agent.group = None
+            if failure is None:
+                agent.finish()
+                return 0
+            if r < max_restarts and not s.check(["job/abort"]):
+                who = f"rank {failure.rank}" if failure.rank >= 0 else "a launcher"
+                _say(f"{who} {failure.how}; restarting the job (attempt {r + 2} of "
+                     f"{max_restarts + 1})")
+                agent.sync_stop(r)
+                r += 1
+                continue
+            _say(_summary(failure, r + 1, max_restarts))
+            agent.finish()
+            return failure.exit_code or 1
+    except _Terminated as t:
+        name = signal.Signals(t.signum).name
+        if agent is not None:
+            if agent.group is not None:
+                agent.group.stop(cfg.shutdown_timeout)
+            try:
+                agent.store.set("job/abort", "1")
+                how = f"stopped: the launcher of node {cfg.node_rank} got {name}"
+                blob = json.dumps(Failure(-1, -1, cfg.node_rank, 128 + t.signum, how, "",
+                                          r)._asdict())
+                agent.store.compare_set(f"round/{r}/failed", "", blob)
+            except (StoreError, OSError):
+                pass
+        _say(f"got {name}; stopped every worker")
+        return 128 + t.signum
+    except (LaunchError, StoreError) as e:
+        if agent is not None and agent.group is not None:
+            agent.group.stop(cfg.shutdown_timeout)
+        _say(f"error: {e}")
+        return 1
+    finally:
+        if agent is not None and agent.group is not None:
+            agent.group.stop(0.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+

@@ -1,0 +1,95 @@
+"""What each worker process gets: its environment and its command line (pure functions)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from jdist.launch._spawn import xla_flags_with_devices
+
+__all__ = ["JobInfo", "worker_env", "worker_command"]
+
+
+class JobInfo(NamedTuple):
+    """What the launchers agreed on for one attempt of the job."""
+
+    world_size: int
+    rank_offset: int  # global rank of this node's local rank 0
+    nnodes: int
+    node_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int  # the workers' rendezvous port (not the launchers' store port)
+    token: str
+    run_id: str
+    restart_count: int
+    max_restarts: int
+
+
+def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
+               devices_per_proc: int | None) -> dict[str, str]:
+    """The environment of local rank ``local_rank`` under ``job``.
+
+    Sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and jdist's
+    (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS, JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with
+    ``devices_per_proc``, XLA_FLAGS and JDIST_DEVICES_PER_PROC). Python output is
+    unbuffered so that lines reach the launcher as they are printed.
+    """
+    env = dict(base)
+    env.update(
+        RANK=str(job.rank_offset + local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(job.world_size),
+        LOCAL_WORLD_SIZE=str(job.local_world_size),
+        GROUP_RANK=str(job.node_rank),
+        GROUP_WORLD_SIZE=str(job.nnodes),
+        ROLE_RANK=str(job.rank_offset + local_rank),
+        ROLE_WORLD_SIZE=str(job.world_size),
+        MASTER_ADDR=job.master_addr,
+        MASTER_PORT=str(job.master_port),
+        JDIST_RESTART_COUNT=str(job.restart_count),
+        JDIST_MAX_RESTARTS=str(job.max_restarts),
+        JDIST_AUTH_TOKEN=job.token,
+        JDIST_RUN_ID=job.run_id,
+        PYTHONUNBUFFERED="1",
+    )
+    if devices_per_proc is not None:
+        env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices_per_proc)
+        env["JDIST_DEVICES_PER_PROC"] = str(devices_per_proc)
+    if job.local_world_size > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+# Run in the child before the user's code: die with the launcher (PR_SET_PDEATHSIG),
+# even if it is SIGKILLed, then run the script or module as ``python`` would.
+_SHIM = """\
+import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(137)  # the launcher is already gone
+import runpy
+mode, target = sys.argv[2], sys.argv[3]
+sys.argv = [target] + sys.argv[4:]
+if mode == "module":
+    sys.path.insert(0, os.getcwd())
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    if sys.path and sys.path[0] == "":
+        del sys.path[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    runpy.run_path(target, run_name="__main__")
+"""
+
+
+def worker_command(launcher_pid: int, script: str, args: tuple[str, ...], module: bool,
+                   python: str | None = None) -> list[str]:
+    """The command line of one worker (``python -c SHIM pid mode script args...``)."""
+    return [python or sys.executable, "-u", "-c", _SHIM, str(launcher_pid),
+            "module" if module else "script", script, *args]

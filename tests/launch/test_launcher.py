@@ -1,0 +1,201 @@
+"""jdist-run end to end: environment, output prefixes, failures, restarts, two nodes, signals.
+
+The worker scripts are tiny and never import jax, so each launch costs about the
+launcher's own start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from jdist.launch import free_port
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("JDIST_AUTH_TOKEN", None)
+    env.update(extra)
+    return env
+
+
+def _launch(args, env=None, timeout=60, cwd=None):
+    return subprocess.run([sys.executable, "-m", "jdist.launch", *args], env=env or _env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _script(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+_REPORT = """\
+    import json, os, sys
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "JDIST_RESTART_COUNT",
+            "JDIST_MAX_RESTARTS", "JDIST_AUTH_TOKEN", "XLA_FLAGS"]
+    print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}))
+    print("second line\\nthird line")
+    print("to stderr", file=sys.stderr)
+"""
+
+
+def _envs(stdout):
+    found = {}
+    for line in stdout.splitlines():
+        m = re.match(r"\[rank (\d+)\] ENV (.*)", line)
+        if m:
+            found[int(m.group(1))] = json.loads(m.group(2))
+    return found
+
+
+def test_env_vars_and_prefixed_output_and_log_dir(tmp_path):
+    script = _script(tmp_path, "report.py", _REPORT)
+    res = _launch(["--nproc-per-node", "3", "--devices-per-proc", "2", "--max-restarts", "2",
+                   "--log-dir", str(tmp_path / "logs"), "--tee", script])
+    assert res.returncode == 0, res.stderr
+    envs = _envs(res.stdout)
+    assert sorted(envs) == [0, 1, 2]
+    for r, e in envs.items():
+        assert e["RANK"] == e["LOCAL_RANK"] == str(r)
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("3", "3")
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) == ("0", "1")
+        assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
+        assert (e["JDIST_RESTART_COUNT"], e["JDIST_MAX_RESTARTS"]) == ("0", "2")
+        assert "--xla_force_host_platform_device_count=2" in e["XLA_FLAGS"]
+    assert len({e["JDIST_AUTH_TOKEN"] for e in envs.values()}) == 1  # one token per job
+    assert len(envs[0]["JDIST_AUTH_TOKEN"]) >= 32
+    assert len({e["MASTER_PORT"] for e in envs.values()}) == 1
+    for r in range(3):  # every line carries its rank, on the right stream
+        assert f"[rank {r}] second line" in res.stdout
+        assert f"[rank {r}] third line" in res.stdout
+        assert f"[rank {r}] to stderr" in res.stderr
+        log = tmp_path / "logs" / "attempt_0" / f"rank_{r}"
+        assert "third line" in (log / "stdout.log").read_text()
+        assert (log / "stderr.log").read_text() == "to stderr\n"
+    assert all(line.startswith("[rank ") for line in res.stdout.splitlines())
+    # a token given in the environment is passed on unchanged; -m runs a module
+    (tmp_path / "pkgmod.py").write_text(textwrap.dedent(_REPORT))
+    res = _launch(["--standalone", "--nproc-per-node", "1", "-m", "pkgmod"],
+                  env=_env(JDIST_AUTH_TOKEN="given-token"), cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert _envs(res.stdout)[0]["JDIST_AUTH_TOKEN"] == "given-token"
+
+
+def test_a_failing_rank_ends_the_others_and_is_named(tmp_path):
+    script = _script(tmp_path, "fail.py", f"""\
+        import os, signal, sys, time
+        rank = os.environ["RANK"]
+        if rank == "1":
+            time.sleep(0.3)
+            print("something broke in rank 1", file=sys.stderr)
+            open({str(tmp_path / "t_fail")!r}, "w").write(repr(time.time()))
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL can end rank 0
+        open({str(tmp_path / "pid0")!r}, "w").write(str(os.getpid()))
+        time.sleep(60)
+    """)
+    res = _launch(["--nproc-per-node", "2", "--shutdown-timeout", "1", script])
+    t_end = time.time()
+    assert res.returncode == 3, res.stderr
+    assert "rank 1 (node 0, local rank 1) exited with code 3" in res.stderr
+    assert "something broke in rank 1" in res.stderr.split("job failed:")[1]
+    t_fail = float((tmp_path / "t_fail").read_text())
+    assert t_end - t_fail < 1 + 2  # grace + 2 s
+    assert not _alive(int((tmp_path / "pid0").read_text()))
+
+
+def test_max_restarts_recovers_and_the_budget_runs_out(tmp_path):
+    script = _script(tmp_path, "flaky.py", """\
+        import os, sys
+        attempt = int(os.environ["JDIST_RESTART_COUNT"])
+        if os.environ["RANK"] == "0" and attempt < int(sys.argv[1]):
+            sys.exit(5)
+        print("ok on attempt", attempt)
+    """)
+    res = _launch(["--nproc-per-node", "2", "--max-restarts", "1", script, "1"])
+    assert res.returncode == 0, res.stderr
+    assert "restarting the job (attempt 2 of 2)" in res.stderr
+    assert "[rank 0] ok on attempt 1" in res.stdout and "[rank 1] ok on attempt 1" in res.stdout
+    res = _launch(["--nproc-per-node", "2", "--max-restarts", "1", script, "5"])
+    assert res.returncode == 5
+    assert "rank 0 (node 0, local rank 0) exited with code 5 on attempt 2 of 2" in res.stderr
+
+
+def test_two_launchers_form_one_job_and_restart_together(tmp_path):
+    script = _script(tmp_path, "two.py", _REPORT + """\
+    import time
+    attempt = os.environ["JDIST_RESTART_COUNT"]
+    if os.environ["RANK"] == "3" and attempt == "0":
+        sys.exit(7)  # a failure on node 1 restarts node 0's workers too
+    time.sleep(30 if attempt == "0" else 0.2)
+    """)
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", str(port),
+              "--max-restarts", "1", "--shutdown-timeout", "1", "--rdzv-timeout", "30"]
+    env = _env(JDIST_AUTH_TOKEN="two-node-secret")
+    procs = [subprocess.Popen([sys.executable, "-m", "jdist.launch", *common, "--node-rank",
+                               str(n), script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (1, 0)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    node1, node0 = (_envs(o) for o, _ in outs)
+    assert sorted(node0) == [0, 1] and sorted(node1) == [2, 3]
+    everyone = {**node0, **node1}
+    assert {e["WORLD_SIZE"] for e in everyone.values()} == {"4"}
+    assert {e["GROUP_RANK"] for e in node1.values()} == {"1"}
+    assert {e["JDIST_RESTART_COUNT"] for e in everyone.values()} == {"1"}  # last attempt
+    assert {e["JDIST_AUTH_TOKEN"] for e in everyone.values()} == {"two-node-secret"}
+    ports = {e["MASTER_PORT"] for e in everyone.values()}
+    assert len(ports) == 1 and ports != {str(port)}  # workers rendezvous on their own port
+    for _, err in outs:
+        assert "rank 3 exited with code 7; restarting the job (attempt 2 of 2)" in err
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_to_the_launcher_leaves_no_process(tmp_path):
+    script = _script(tmp_path, "sleepy.py", f"""\
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        rank = os.environ["RANK"]
+        with open(os.path.join({str(tmp_path)!r}, f"pids{{rank}}"), "w") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}")
+        time.sleep(60)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
+                                 "--shutdown-timeout", "2", script], env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    files = [tmp_path / "pids0", tmp_path / "pids1"]
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.05)
+    pids = [int(p) for f in files for p in f.read_text().split()]
+    assert all(_alive(p) for p in pids)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "got SIGTERM; stopped every worker" in err
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]
