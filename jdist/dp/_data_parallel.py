@@ -267,7 +267,19 @@ class DataParallel(nnx.Module):
     ``dp(*inputs, **kwargs)`` runs the forward; for ``(apply_fn, params)``,
     ``dp.apply(params, *inputs, **kwargs)`` takes the parameters explicitly (for
     ``jax.grad``). For an NNX module, ``nnx.grad(loss)(dp, x)`` differentiates through it
-    and ``dp.module`` is the wrapped module.
+    (and ``nnx.Optimizer(dp, tx, wrt=nnx.Param)`` updates it); ``dp.module`` is the
+    wrapped module.
+
+    Semantics, as torch: the batch is split with ``torch.chunk`` sizes (so fewer
+    replicas than devices when it is small); one device or one chunk calls the module
+    directly; outputs are gathered on ``output_device``; gradients land where the
+    parameters live. Each replica computes its own BatchNorm statistics from its chunk and
+    replica 0's update is written back (torch keeps device 0's buffers); the same holds for
+    other state updates (RNG counts, sown values). All replicas start from the same RNG
+    state, so dropout masks of equally sized chunks coincide (torch draws per device).
+    Unlike torch: inputs with different batch sizes raise ``ValueError`` instead of
+    dropping samples, parameters need not be on ``device_ids[0]`` first, and a CPU-only
+    machine runs over its (virtual) CPU devices instead of unwrapping the module.
 
     Examples:
       >>> from flax import nnx

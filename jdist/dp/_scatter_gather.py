@@ -245,18 +245,19 @@ def _plan(trees: Sequence, devices: tuple, dim: int) -> tuple:
     return chunk_sizes(n, len(devices)) if n is not None else (1,) * len(devices)
 
 
-def scatter(inputs: Any, target_devices: Sequence | None, dim: int = 0) -> list:
-    """Split ``inputs`` into one piece per replica, chunk i placed on ``target_devices[i]``.
+def scatter(inputs: Any, devices: Sequence | None, dim: int = 0) -> list:
+    """Split ``inputs`` into one piece per replica, chunk i placed on ``devices[i]``.
 
     Arrays (jax or numpy) are chunked along ``dim`` with ``torch.chunk`` sizes, so there
-    are ``len(chunk_sizes(n, len(target_devices)))`` replicas, possibly fewer than devices.
+    are ``len(chunk_sizes(n, len(devices)))`` replicas, possibly fewer than devices.
     Tuples, lists, dicts, namedtuples, dataclasses and registered pytree nodes are rebuilt
     per replica; other objects are repeated by reference. With no arrays at all, every
     device gets a replica.
 
     Args:
       inputs: a pytree of arrays and other objects.
-      target_devices: jax devices, or ints indexing ``jax.local_devices()``; None: all.
+      devices: jax devices, or ints indexing ``jax.local_devices()``; None: all (torch's
+        ``target_gpus``).
       dim: the dimension to split.
 
     Returns:
@@ -271,12 +272,12 @@ def scatter(inputs: Any, target_devices: Sequence | None, dim: int = 0) -> list:
       >>> [p.shape[0] for p in parts]
       [3, 3, 3, 1]
     """
-    devices = resolve_devices(target_devices)
+    devices = resolve_devices(devices)
     sizes = _plan([inputs], devices, dim)
     return _scatter_tree(inputs, sizes, devices, dim)
 
 
-def scatter_kwargs(inputs: Any, kwargs: dict | None, target_devices: Sequence | None,
+def scatter_kwargs(inputs: Any, kwargs: dict | None, devices: Sequence | None,
                    dim: int = 0) -> tuple[tuple, tuple]:
     """Scatter positional and keyword inputs together (one batch size for both).
 
@@ -284,7 +285,7 @@ def scatter_kwargs(inputs: Any, kwargs: dict | None, target_devices: Sequence | 
       ``(inputs_per_replica, kwargs_per_replica)``, tuples of the same length: each item
       of the first is a tuple of positional arguments, of the second a dict.
     """
-    devices = resolve_devices(target_devices)
+    devices = resolve_devices(devices)
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
     kwargs = dict(kwargs or {})
