@@ -58,7 +58,7 @@ class DistributedSampler:
     ``list(DistributedSampler(ds, R, r, shuffle, seed, drop_last))`` equals torch's
     ``list(torch.utils.data.DistributedSampler(ds, R, r, shuffle, seed, drop_last))`` for
     every epoch (``set_epoch``), with no torch import: the shuffle reproduces
-    ``torch.randperm`` bit for bit (datasets shorter than 214748364 when shuffling).
+    ``torch.randperm`` bit for bit (both of torch's algorithms, below and above 214748364).
 
     Beyond torch:
 
