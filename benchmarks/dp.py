@@ -26,17 +26,20 @@ def _setup(devices: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _time(fn, reps: int) -> float:
+def _time(fns: list, reps: int) -> list[float]:
+    """Median seconds per call of each fn, measured round-robin so load hits all alike."""
     import jax
 
-    for _ in range(3):
-        jax.block_until_ready(fn())
-    times = []
+    for fn in fns:
+        for _ in range(3):
+            jax.block_until_ready(fn())
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv=None) -> dict:
@@ -73,18 +76,33 @@ def main(argv=None) -> dict:
     dp = DataParallel((mlp, params), device_ids=range(args.devices))
     through_dp = jax.value_and_grad(lambda p: mse(dp.apply(p, x), y))
 
+    # the floor: the same SPMD program jitted end to end, data already on the mesh
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jdist.dp._scatter_gather import mesh_for
+
+    mesh = mesh_for(tuple(jax.local_devices()[:args.devices]))
+    spmd = jax.shard_map(mlp, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("dp")),
+                         out_specs=PartitionSpec("dp"), check_vma=False)
+    xs, ys, ps = (jax.device_put(v, NamedSharding(mesh, PartitionSpec(s)))
+                  for v, s in ((x, "dp"), (y, "dp"), (params, None)))
+    floor = jax.jit(jax.value_and_grad(lambda p: jnp.mean((spmd(p, xs) - ys) ** 2)))
+
     l1, g1 = single(params)
     l8, g8 = through_dp(params)
     err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
               zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True))
-    t1 = _time(lambda: single(params), args.reps)
-    t8 = _time(lambda: through_dp(params), args.reps)
+    t1, t8, tf = _time([lambda: single(params), lambda: through_dp(params),
+                        lambda: floor(ps)], args.reps)
     res = {"one_device_ms": t1 * 1e3, "data_parallel_ms": t8 * 1e3, "ratio": t8 / t1,
-           "max_grad_diff": err, "loss_diff": abs(float(l1) - float(l8))}
+           "spmd_floor_ms": tf * 1e3, "max_grad_diff": err,
+           "loss_diff": abs(float(l1) - float(l8))}
     print(f"MLP {d_in}-{h}-{h}-{d_out}, batch {args.batch}, forward+backward "
           f"({jax.default_backend()}, {os.cpu_count()} cpus)")
     print(f"  one device (jit):                {res['one_device_ms']:8.2f} ms")
     print(f"  DataParallel over {args.devices} devices:     {res['data_parallel_ms']:8.2f} ms")
+    print(f"  one jitted SPMD program, {args.devices} devices (floor, no DataParallel): "
+          f"{res['spmd_floor_ms']:.2f} ms")
     print(f"  ratio DataParallel / one device: {res['ratio']:8.2f}x   "
           f"(max |grad diff| {err:.2e})")
     return res
