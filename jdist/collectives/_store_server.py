@@ -233,10 +233,28 @@ class StoreServer:
             return
         if conn.closing:
             return  # discard whatever follows a refused frame
+        if (conn.authed and not conn.inbuf and conn.waiter is None and len(data) >= 4
+                and int.from_bytes(data[:4], "big") == len(data) - 4
+                and len(data) - 4 <= self._frame_cap):
+            self._one_frame(conn, data[4:])  # fast path: exactly one whole request
+            return
         conn.inbuf += data
         self._process(conn)
 
     def _send(self, conn: _Conn, data: bytes) -> None:
+        if not conn.outbuf:  # fast path: nothing queued, try to send at once
+            try:
+                sent = conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn)
+                return
+            if sent == len(data):
+                if conn.closing:
+                    self._close(conn)
+                return
+            data = data[sent:]
         conn.outbuf += data
         self._flush(conn)
 
@@ -298,18 +316,20 @@ class StoreServer:
                 return
             body = bytes(buf[4:4 + n])
             del buf[:4 + n]
-            try:
-                req = msgpack.unpackb(body, raw=False, use_list=True)
-            except Exception:  # garbage: drop this client, keep serving the rest
-                self._close(conn)
-                return
-            try:
-                self._handle(conn, req)
-            except ValueError as e:
-                self._reply(conn, [1, "value", str(e)])
-            except Exception:  # garbage: drop this client, keep serving the rest
-                self._close(conn)
-                return
+            self._one_frame(conn, body)
+
+    def _one_frame(self, conn: _Conn, body: bytes) -> None:
+        try:
+            req = msgpack.unpackb(body, raw=False, use_list=True)
+        except Exception:  # garbage: drop this client, keep serving the rest
+            self._close(conn)
+            return
+        try:
+            self._handle(conn, req)
+        except ValueError as e:
+            self._reply(conn, [1, "value", str(e)])
+        except Exception:  # garbage: drop this client, keep serving the rest
+            self._close(conn)
 
     # --- requests ------------------------------------------------------------------------
     def _handle(self, conn: _Conn, req) -> None:
@@ -323,7 +343,11 @@ class StoreServer:
             self._notify([k])
         elif op == Op.GET:
             k = _key(args[0])
-            self._park(conn, [k], args[1], lambda: [0, self._data[k]])
+            v = d.get(k)
+            if v is not None:
+                self._ok(conn, v)
+            else:
+                self._park(conn, [k], args[1], lambda: [0, self._data[k]])
         elif op == Op.ADD:
             k = _key(args[0])
             if not isinstance(args[1], int):

@@ -91,6 +91,7 @@ class _Client:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.buf = bytearray()
+        self.io_timeout: float | None = None
         self.connect(connect_timeout)
 
     def where(self) -> str:
@@ -126,7 +127,7 @@ class _Client:
                 sock.close()
                 raise
             sock.settimeout(None)
-            self.sock, self.buf = sock, bytearray()
+            self.sock, self.buf, self.io_timeout = sock, bytearray(), None
             return
 
     def _handshake(self, sock: socket.socket) -> None:
@@ -174,7 +175,9 @@ class _Client:
                 self.connect(reconnect_timeout)
             sock = self.sock
             try:
-                sock.settimeout(io_timeout)
+                if io_timeout != self.io_timeout:
+                    sock.settimeout(io_timeout)
+                    self.io_timeout = io_timeout
                 sock.sendall(frame)
                 reply = self._recv_frame(sock)
             except (OSError, ValueError) as e:
@@ -200,6 +203,13 @@ class _Client:
 
     def _recv_frame(self, sock: socket.socket):
         buf = self.buf
+        if not buf:  # fast path: the whole reply in one read
+            chunk = sock.recv(1 << 18)
+            if not chunk:
+                raise ConnectionResetError("the server closed the connection")
+            if len(chunk) >= 4 and int.from_bytes(chunk[:4], "big") == len(chunk) - 4:
+                return msgpack.unpackb(chunk[4:], raw=False)
+            buf += chunk
         while len(buf) < 4:
             self._fill(sock, buf)
         n = int.from_bytes(buf[:4], "big")
@@ -319,10 +329,10 @@ class TCPStore(Store):
 
     def _call(self, req: list, wait: float | None = -1.0):
         """Send ``req``; ``wait`` is the server-side wait in seconds (-1: none)."""
-        if wait == -1.0:
-            io = self._timeout_s if self._timeout_s is None else max(self._timeout_s, 30.0)
-        else:
-            io = None if wait is None else wait + _IO_MARGIN_S
+        # one socket timeout for every kind of request when the waits use the store's
+        # default, so the socket's mode is not switched (a syscall) on every call
+        base = self._timeout_s if wait == -1.0 else wait
+        io = None if base is None else base + _IO_MARGIN_S
         return self._client.request(req, io, self._timeout_s)
 
     def _check_size(self, value: bytes) -> bytes:
