@@ -47,6 +47,8 @@ from jdist.dp._scatter_gather import (
     batch_size,
     chunk_sizes,
     dim_spec,
+    gather,
+    is_array,
     mesh_for,
     resolve_devices,
     resolve_target,
@@ -103,6 +105,9 @@ _concat_jit = jax.jit(lambda a, b, dim: [jnp.concatenate([x, y], axis=dim)
 def _check_same(meta_a, meta_b, m: int) -> None:
     if (meta_a.treedef != meta_b.treedef or meta_a.scalar != meta_b.scalar
             or [i for i, _ in meta_a.static] != [i for i, _ in meta_b.static]):
+        if meta_a.treedef != meta_b.treedef:  # dicts with other keys: torch's error
+            gather([jax.tree_util.tree_unflatten(t, [0] * t.num_leaves)
+                    for t in (meta_a.treedef, meta_b.treedef)], "cpu")
         raise ValueError(
             f"replica {m} returned an output structured differently from replicas 0..{m - 1} "
             f"({meta_b.treedef} vs {meta_a.treedef}); every replica must return the same "
@@ -219,11 +224,19 @@ def _direct(call: Callable, args: tuple, kwargs: dict, devices: tuple, output_de
     """One device or one chunk: call the module itself (inputs on ``device_ids[0]``)."""
     if not _concrete((args, kwargs)):
         return call(*args, **kwargs)
-    a_dyn, akey = partition((tuple(args), dict(kwargs)))
-    args, kwargs = rebuild(jax.device_put(a_dyn, devices[0]), akey)
+    args, kwargs = _move_arrays((tuple(args), dict(kwargs)), devices[0])
     out = call(*args, **kwargs)
-    o_dyn, okey = partition(out)
-    return rebuild(jax.device_put(o_dyn, output_device), okey) if _concrete(o_dyn) else out
+    return _move_arrays(out, output_device) if _concrete(out) else out
+
+
+def _move_arrays(tree: Any, device) -> Any:
+    """``tree`` with its array leaves put on ``device`` (one batched transfer)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if is_array(x)]
+    moved = jax.device_put([leaves[i] for i in idx], device)
+    for i, x in zip(idx, moved, strict=True):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _forward(module: Any, args: tuple, kwargs: dict, devices: tuple, output_device, dim: int,

@@ -220,8 +220,13 @@ def test_string_outputs_and_dict_key_mismatch():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(ValueError, match="structured differently"):
+        with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
             data_parallel((keys, 1.0), jnp.ones(10), [0, 1, 2, 3])
+        with pytest.raises(ValueError, match="structured differently"):
+            data_parallel((lambda p, x: x if x.shape[0] > 1 else (x, x), 1.0), jnp.ones(10),
+                          [0, 1, 2, 3])
+    obj = object()  # unhashable-or-not objects pass through the direct (one chunk) path
+    assert data_parallel((lambda p, x: (x, [obj]), 1.0), jnp.ones(1), [0, 1])[1][0] is obj
 
 
 def test_bad_arguments_raise():
