@@ -90,10 +90,21 @@ def check_seed(seed) -> int:
     return seed
 
 
-def _draws(seed: int):
-    """The MT19937 stream torch's CPU generator produces after ``manual_seed(seed)``."""
+def _draws(seed: int) -> np.random.MT19937:
+    """The MT19937 stream torch's CPU generator produces after ``manual_seed(seed)``.
+
+    torch seeds with ``init_genrand(seed & 0xffffffff)``; the same key is set here
+    through numpy's public ``state`` (``pos = 624`` makes the first draw twist).
+    """
+    key = [seed & 0xFFFFFFFF]
+    for i in range(1, 624):
+        prev = key[-1]
+        key.append((1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF)
     bit_gen = np.random.MT19937(0)
-    bit_gen._legacy_seeding(seed & 0xFFFFFFFF)  # init_genrand(low 32 bits), as torch
+    bit_gen.state = {
+        "bit_generator": "MT19937",
+        "state": {"key": np.array(key, dtype=np.uint32), "pos": 624},
+    }
     return bit_gen
 
 
