@@ -239,6 +239,9 @@ class StoreServer:
             self._one_frame(conn, data[4:])  # fast path: exactly one whole request
             return
         conn.inbuf += data
+        if conn.waiter is not None and len(conn.inbuf) > self._frame_cap + 4:
+            self._close(conn)  # pipelining past a blocked request without bound
+            return
         self._process(conn)
 
     def _send(self, conn: _Conn, data: bytes) -> None:

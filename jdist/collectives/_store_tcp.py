@@ -16,8 +16,8 @@ Differences from torch (documented on purpose):
 - ``add`` on a non-integer value raises ``ValueError`` and the connection stays usable
   (torch's server drops the connection);
 - ``timeout`` may be seconds as a float as well as a ``timedelta``;
-- the queue API (``queue_push``/``queue_pop``) and ``use_libuv``/``master_listen_fd``
-  are not provided (``use_libuv`` is accepted and ignored).
+- the queue API (``queue_push``/``queue_pop``/``queue_len``), ``barrier`` and
+  ``master_listen_fd`` are not provided; ``use_libuv`` is accepted and ignored.
 
 A client object is safe to share between threads (one request at a time under a lock;
 a thread blocked in ``get`` holds it), and ``clone()`` gives a second connection for a
@@ -258,6 +258,7 @@ class TCPStore(Store):
         (``timedelta`` or seconds; default 300 s).
       wait_for_workers: see ``world_size``.
       multi_tenant: reuse a server this process already runs on ``host_name:port``.
+      master_listen_fd: not supported (must be None).
       use_libuv: accepted for torch compatibility and ignored.
       auth_token: the shared secret; default ``$JDIST_AUTH_TOKEN``; with neither, the
         store runs without one (only clients without a secret can then connect).
@@ -272,10 +273,15 @@ class TCPStore(Store):
     def __init__(self, host_name: str, port: int, world_size: int | None = None,
                  is_master: bool = False, timeout: Timeout = DEFAULT_TIMEOUT,
                  wait_for_workers: bool = True, multi_tenant: bool = False,
-                 use_libuv: bool = True, *, auth_token: str | bytes | None = None,
+                 master_listen_fd: int | None = None, use_libuv: bool = True, *,
+                 auth_token: str | bytes | None = None,
                  max_value_bytes: int = wire.DEFAULT_MAX_VALUE_BYTES):
         super().__init__(timeout)
         del use_libuv
+        if master_listen_fd is not None:
+            raise NotImplementedError(
+                f"master_listen_fd={master_listen_fd!r} is not supported; pass "
+                f"is_master=True with the port to listen on (0 = a free one)")
         if not isinstance(host_name, str) or not host_name and not is_master:
             raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:

@@ -257,8 +257,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
     except _Terminated as t:
         name = signal.Signals(t.signum).name
         if agent is not None:
-            if agent.group is not None:
-                agent.group.stop(cfg.shutdown_timeout)
+            if agent.group is not None:  # the same signal (SIGINT: KeyboardInterrupt)
+                agent.group.stop(cfg.shutdown_timeout, t.signum)
             try:
                 agent.store.set("job/abort", "1")
                 how = f"stopped: the launcher of node {cfg.node_rank} got {name}"

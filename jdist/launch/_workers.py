@@ -158,14 +158,14 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after ``grace``.
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to every worker's process group, SIGKILL what is left after ``grace``.
 
         Process groups are signalled even when their leader already exited, so that
         processes a worker started do not outlive it.
         """
         for w in self.workers:
-            _signal_group(w.proc.pid, signal.SIGTERM)
+            _signal_group(w.proc.pid, sig)
         deadline = time.monotonic() + grace
         for w in self.workers:
             try:
