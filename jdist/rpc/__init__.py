@@ -1,1 +1,39 @@
-"""jdist.rpc (in progress)."""
+"""jdist.rpc: torch.distributed.rpc's API over authenticated asyncio sockets.
+
+``init_rpc`` starts a worker; ``rpc_sync`` / ``rpc_async`` / ``remote`` run functions on
+other workers; :class:`RRef` names remote values (reference counted across workers);
+``shutdown`` ends it, bounded. See ``jdist/rpc/README.md`` for the message flow.
+"""
+
+from jdist.rpc import functions as functions
+from jdist.rpc._api import get_worker_info as get_worker_info
+from jdist.rpc._api import init_rpc as init_rpc
+from jdist.rpc._api import remote as remote
+from jdist.rpc._api import rpc_async as rpc_async
+from jdist.rpc._api import rpc_sync as rpc_sync
+from jdist.rpc._api import shutdown as shutdown
+from jdist.rpc._futures import Future as Future
+from jdist.rpc._futures import collect_all as collect_all
+from jdist.rpc._futures import wait_all as wait_all
+from jdist.rpc._options import RpcBackendOptions as RpcBackendOptions
+from jdist.rpc._protocol import WorkerInfo as WorkerInfo
+from jdist.rpc._rref import RRef as RRef
+
+TensorPipeRpcBackendOptions = RpcBackendOptions  # the name torch users have in their code
+
+__all__ = [
+    "Future",
+    "RRef",
+    "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "collect_all",
+    "functions",
+    "get_worker_info",
+    "init_rpc",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "wait_all",
+]

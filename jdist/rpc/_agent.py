@@ -1,0 +1,602 @@
+"""RpcAgent: worker table, connections, request ids, pending futures, executor.
+
+One agent per worker. An asyncio loop in a daemon thread accepts and authenticates
+connections and reads messages; incoming messages are decoded there, in arrival order
+(which keeps RRef bookkeeping ordered), and user functions run on a thread pool of
+``num_worker_threads``. Replies are sent by the thread that produced them. Outgoing
+requests are sent by the calling thread on one connection per peer; the reply completes
+the request's :class:`Future`. A connection that drops marks its worker dead: its
+pending futures fail at once with :class:`WorkerUnavailableError`, and so do new calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from jdist.errors import RpcAuthError, RpcError, RpcTimeoutError, WorkerUnavailableError
+from jdist.rpc import _protocol as P
+from jdist.rpc import _serialize as S
+from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handshake
+from jdist.rpc._futures import Future
+from jdist.rpc._options import RpcBackendOptions, resolve_timeout
+from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._remote_error import failure_payload, rebuild_exception
+from jdist.rpc._rref import RRef, RRefContext
+from jdist.rpc.transport import Comm, CommClosedError, get_transport, parse_address
+
+__all__ = ["RpcAgent"]
+
+log = logging.getLogger("jdist.rpc")
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class _Pending(NamedTuple):
+    future: Future
+    worker: WorkerInfo
+    fn: str
+    timeout: float | None
+
+
+class RpcAgent:
+    """The RPC runtime of one worker (use :func:`jdist.rpc.init_rpc` normally).
+
+    Args:
+      name: unique worker name.
+      rank: worker id, 0..world_size-1.
+      world_size: number of workers.
+      options: :class:`RpcBackendOptions`.
+      auth_key: the job's shared secret.
+    """
+
+    def __init__(self, name: str, rank: int, world_size: int, options: RpcBackendOptions,
+                 auth_key: bytes):
+        self.info = WorkerInfo(rank, name)
+        self.world_size = world_size
+        self.options = options
+        self._key = auth_key
+        self._transport = get_transport(parse_address(options.listen_on())[0])
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"jdist-rpc-io-{name}")
+        self._executor = ThreadPoolExecutor(options.num_worker_threads,
+                                            thread_name_prefix=f"jdist-rpc-{name}")
+        self._ctl = ThreadPoolExecutor(1, thread_name_prefix=f"jdist-rpc-ctl-{name}")
+        self._workers: dict[int, WorkerInfo] = {}
+        self._by_name: dict[str, WorkerInfo] = {}
+        self._addresses: dict[int, str] = {}
+        self._conns: dict[int, Comm] = {}
+        self._conn_locks: dict[int, threading.Lock] = {}
+        self._incoming: set[Comm] = set()
+        self._dead: dict[int, str] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ctl_pending: set[Future] = set()
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._timers: list[tuple[float, int]] = []
+        self._listener = None
+        self._timer_task = None
+        self.address: str | None = None
+        self.store: Any = None  # the rendezvous store (set by start_agent)
+        self.state = "new"
+        self.rrefs = RRefContext(self)
+        #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)
+        self.released: queue.SimpleQueue = queue.SimpleQueue()
+        self._releasing = False
+        self._release_thread = threading.Thread(target=self._release_loop, daemon=True,
+                                                name=f"jdist-rpc-release-{name}")
+        #: dist-autograd hooks (issue 9): context id to send, and a context manager
+        #: factory entered around incoming calls with their context id.
+        self.context_id_hook: Callable[[], int] | None = None
+        self.enter_context_hook: Callable[[int], Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"RpcAgent({self.info}, {self.state}, address={self.address})"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Start the I/O thread and the listener; return the listening address."""
+        self._thread.start()
+        self._release_thread.start()
+        self.address = self._run(self._start(), 30.0)
+        self.state = "running"
+        return self.address
+
+    async def _start(self) -> str:
+        self._listener = await self._transport.listen(
+            self.options.listen_on(), self._serve, max_message_bytes=HANDSHAKE_MAX_BYTES)
+        self._timer_task = self._loop.create_task(self._expire_timers())
+        return self._listener.address
+
+    def set_workers(self, table: dict[int, tuple[str, str]]) -> None:
+        """Install the rendezvous result: rank -> (name, address)."""
+        for rank, (name, address) in table.items():
+            info = WorkerInfo(rank, name)
+            self._workers[rank] = info
+            self._by_name[name] = info
+            self._addresses[rank] = address
+            self._conn_locks[rank] = threading.Lock()
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ workers
+    def worker_info(self, to: Any = None) -> WorkerInfo:
+        """Resolve a worker name, rank or WorkerInfo (None: this worker).
+
+        Raises:
+          ValueError: unknown name or rank (the message lists the known ones).
+          TypeError: ``to`` is none of those types.
+        """
+        if to is None:
+            return self.info
+        if isinstance(to, WorkerInfo):
+            if self._workers.get(to.id) != to:
+                raise ValueError(f"unknown worker {to!r}; known: {sorted(self._workers.values())}")
+            return to
+        if isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is None:
+                raise ValueError(f"unknown worker name {to!r}; known: {sorted(self._by_name)}")
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self._workers.get(to)
+            if info is None:
+                raise ValueError(f"unknown worker rank {to}; ranks are 0..{self.world_size - 1}")
+            return info
+        raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, got {to!r}")
+
+    def all_workers(self) -> list[WorkerInfo]:
+        return [self._workers[r] for r in sorted(self._workers)]
+
+    def _mark_dead(self, rank: int, reason: str) -> None:
+        if rank == self.info.id or self.state != "running":
+            return
+        with self._lock:
+            if rank in self._dead:
+                return
+            self._dead[rank] = reason
+            failed = [(rid, p) for rid, p in self._pending.items() if p.worker.id == rank]
+            for rid, _ in failed:
+                del self._pending[rid]
+        log.warning("jdist.rpc: %s lost worker %s: %s", self.info, self._workers.get(rank),
+                    reason)
+        for _, p in failed:
+            p.future.set_exception(WorkerUnavailableError(
+                f"worker {p.worker} is unavailable ({reason}) while {p.fn} was pending on it"))
+        self.rrefs.drop_holder(rank)
+
+    # ------------------------------------------------------------------ connections
+    def _conn_to(self, rank: int) -> Comm:
+        comm = self._conns.get(rank)
+        if comm is not None and not comm.closed:
+            return comm
+        with self._conn_locks[rank]:
+            comm = self._conns.get(rank)
+            if comm is not None and not comm.closed:
+                return comm
+            if rank in self._dead:
+                raise WorkerUnavailableError(
+                    f"worker {self._workers[rank]} is unavailable: {self._dead[rank]}")
+            if self.state != "running":
+                raise RpcError(f"RPC agent {self.info} is {self.state}; no new calls")
+            try:
+                comm = self._run(self._connect(rank), self.options.connect_timeout + 5)
+            except RpcAuthError:
+                raise
+            except Exception as e:
+                self._mark_dead(rank, f"cannot connect to {self._addresses[rank]}: {e}")
+                raise WorkerUnavailableError(
+                    f"worker {self._workers[rank]} is unavailable: cannot connect to "
+                    f"{self._addresses[rank]} ({e})") from e
+            self._conns[rank] = comm
+            return comm
+
+    async def _connect(self, rank: int) -> Comm:
+        address = self._addresses[rank]
+        comm = await self._transport.connect(address, timeout=self.options.connect_timeout,
+                                             max_message_bytes=HANDSHAKE_MAX_BYTES)
+        try:
+            await asyncio.wait_for(client_handshake(comm, self._key, self.info.id, address),
+                                   self.options.connect_timeout)
+        except BaseException:
+            comm.close()
+            raise
+        comm.set_max_message_bytes(self.options.max_frame_bytes)
+        self._loop.create_task(self._read_loop(comm, rank))
+        return comm
+
+    async def _serve(self, comm: Comm) -> None:
+        try:
+            peer = await asyncio.wait_for(server_handshake(comm, self._key), _HANDSHAKE_TIMEOUT)
+        except Exception as e:  # wrong secret, garbage, timeout: drop, keep serving
+            log.warning("jdist.rpc: %s refused a connection: %s", self.info, e)
+            comm.close()
+            return
+        if peer not in self._workers and self._workers:
+            log.warning("jdist.rpc: %s refused a connection claiming unknown rank %s",
+                        self.info, peer)
+            comm.close()
+            return
+        comm.set_max_message_bytes(self.options.max_frame_bytes)
+        self._incoming.add(comm)
+        await self._read_loop(comm, peer)
+
+    async def _read_loop(self, comm: Comm, peer: int) -> None:
+        reason = "connection closed"
+        try:
+            while True:
+                frames = await comm.recv()
+                try:
+                    self._dispatch(comm, peer, frames)
+                except Exception:
+                    log.exception("jdist.rpc: %s failed to handle a message", self.info)
+        except CommClosedError as e:
+            reason = str(e)
+        finally:
+            comm.close()
+            self._incoming.discard(comm)
+            if peer != self.info.id:
+                self._mark_dead(peer, reason)
+
+    # ------------------------------------------------------------------ sending
+    def _dumps(self, obj: Any, dest: int) -> tuple[bytes, list]:
+        return S.dumps(obj, lambda o: self.rrefs.persistent_id(o, dest))
+
+    def _loads(self, frames: list) -> Any:
+        return S.loads(frames[1], frames[2:], self.rrefs.persistent_load)
+
+    def _fail(self, rid: int, exc: BaseException) -> None:
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is not None:
+            p.future.set_exception(exc)
+
+    def _send_request(self, worker: WorkerInfo, rid: int, frames: list) -> None:
+        try:
+            self._conn_to(worker.id).send(frames)
+        except CommClosedError as e:
+            self._mark_dead(worker.id, str(e))
+            self._fail(rid, WorkerUnavailableError(f"worker {worker} is unavailable: {e}"))
+        except RpcError as e:
+            self._fail(rid, e)
+
+    def _encode_call(self, worker: WorkerInfo, msg: Any, func: Any, args: Any,
+                     kwargs: Any) -> list:
+        name = getattr(func, "__qualname__", "")
+        if not callable(func) or "<lambda>" in name or "<locals>" in name:
+            S.check_callable_picklable(func, str(worker))
+        try:
+            payload, bufs = self._dumps((func, tuple(args or ()), dict(kwargs or {})),
+                                        worker.id)
+        except Exception as e:
+            S.check_callable_picklable(func, str(worker))
+            raise TypeError(f"cannot send the arguments of {S.describe_callable(func)} to "
+                            f"{worker}: {e}. Pass picklable values (numpy/jax arrays, "
+                            "pytrees of them, plain Python objects).") from e
+        return P.encode(msg, payload, bufs)
+
+    def _context_id(self) -> int:
+        return self.context_id_hook() if self.context_id_hook is not None else P.NO_CONTEXT
+
+    def rpc_async(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
+                  timeout: float | None = -1) -> Future:
+        """Send ``func(*args, **kwargs)`` to ``to``; a Future of its result."""
+        worker = self.worker_info(to)
+        t = resolve_timeout(timeout, self.options.rpc_timeout)
+        fn = S.describe_callable(func)
+        rid = next(self._ids)
+        frames = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
+                                   args, kwargs)
+        fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
+        self._send_request(worker, rid, frames)
+        return fut
+
+    def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
+                      desc: str) -> Future:
+        fut: Future = Future(_executor=self._executor, _desc=desc)
+        with self._lock:
+            if self.state != "running":
+                fut.set_exception(RpcError(f"RPC agent {self.info} is {self.state}; "
+                                           f"cannot call {fn}"))
+                return fut
+            self._pending[rid] = _Pending(fut, worker, fn, timeout)
+            if timeout is not None:
+                heapq.heappush(self._timers, (time.monotonic() + timeout, rid))
+        return fut
+
+    def remote(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
+               timeout: float | None = -1) -> RRef:
+        """Run ``func`` on ``to`` and keep the result there; return an RRef to it."""
+        worker = self.worker_info(to)
+        t = resolve_timeout(timeout, self.options.rpc_timeout)
+        fn = S.describe_callable(func)
+        rref_id = self.rrefs.new_id()
+        if worker.id == self.info.id:
+            return self._remote_local(rref_id, func, args, kwargs, fn)
+        fork = self.rrefs.new_id()
+        rid = next(self._ids)
+        frames = self._encode_call(worker, P.Remote(rid, fn, rref_id, fork, self._context_id()),
+                                   func, args, kwargs)
+        rref = RRef._make(self, worker, rref_id, fork, False)
+        fut = self._register_rid(rid, worker, fn, t, f"remote({worker}, {fn})")
+        rref._created = fut
+        fut.add_done_callback(rref._on_confirmed)
+        self._send_request(worker, rid, frames)
+        return rref
+
+    def _remote_local(self, rref_id, func, args, kwargs, fn: str) -> RRef:
+        value: Future = Future(_executor=self._executor, _desc=f"value of RRef {rref_id}")
+        self.rrefs.create_owned(rref_id, value)
+        rref = RRef._make(self, self.info, rref_id, None, True)
+        self._executor.submit(self._run_into, value, func, tuple(args or ()),
+                              dict(kwargs or {}), fn, P.NO_CONTEXT)
+        return rref
+
+    def send_control(self, to: int, op: int, rref_id=(-1, -1), fork=(-1, -1),
+                     parent: int = -1) -> Future:
+        """Queue an RRef control message (sent in order by one thread); acked Future."""
+        worker = self._workers[to]
+        rid = next(self._ids)
+        fut = self._register_rid(rid, worker, f"rref-control-{P.ControlOp(op).name}",
+                                 self.options.rpc_timeout or None, f"control to {worker}")
+        with self._lock:
+            self._ctl_pending.add(fut)
+        fut.add_done_callback(self._ctl_done)
+        if not fut.done():
+            frames = P.encode(P.Control(rid, int(op), tuple(rref_id), tuple(fork), parent))
+            try:
+                self._ctl.submit(self._send_request, worker, rid, frames)
+            except RuntimeError:
+                self._fail(rid, RpcError(f"RPC agent {self.info} is shutting down"))
+        return fut
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self.released.get()
+            if item is None:
+                return
+            self._releasing = True
+            try:
+                if item[0] == "owner":
+                    self.rrefs.handle_released(item[1])
+                elif self.state == "running":
+                    _, owner, rref_id, fork = item
+                    self.send_control(owner, P.ControlOp.USER_DELETE, rref_id, fork)
+            except Exception:
+                log.debug("jdist.rpc: RRef release failed", exc_info=True)
+            finally:
+                del item
+                self._releasing = not self.released.empty()
+
+    def _ctl_done(self, fut: Future) -> None:
+        with self._lock:
+            self._ctl_pending.discard(fut)
+
+    # ------------------------------------------------------------------ receiving
+    def _dispatch(self, comm: Comm, peer: int, frames: list) -> None:
+        try:
+            msg = P.decode_header(frames)
+        except P.ProtocolError as e:
+            log.warning("jdist.rpc: %s got a bad message from rank %s: %s", self.info, peer, e)
+            if e.rid is not None:
+                self._reply_failure(comm, e.rid, RpcError(f"bad message: {e}"), peer, "?")
+            return
+        if isinstance(msg, (P.Result, P.Failure)):
+            self._on_reply(msg, frames)
+        elif isinstance(msg, P.Control):
+            try:
+                self.rrefs.handle_control(msg.op, msg.rref, msg.fork, msg.parent, peer)
+                frames_out = P.encode(P.Result(msg.rid), *S.dumps(None))
+            except Exception as e:
+                frames_out = P.encode(P.Failure(msg.rid), *S.dumps(failure_payload(e, self.info)))
+            self._ctl_submit(comm.send, frames_out)
+        else:
+            self._on_call(comm, peer, msg, frames)
+
+    def _ctl_submit(self, fn, *args) -> None:
+        try:
+            self._ctl.submit(_quiet, fn, *args)
+        except RuntimeError:
+            pass
+
+    def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
+        entry = None
+        if isinstance(msg, P.Remote):
+            value: Future = Future(_executor=self._executor, _desc=f"value of RRef {msg.rref}")
+            entry = self.rrefs.create_owned(msg.rref, value, msg.fork, peer)
+        try:
+            func, args, kwargs = self._loads(frames)
+        except Exception as e:
+            err = RpcError(f"{self.info} could not decode the call of {msg.fn}: {e!r}")
+            if entry is not None:
+                entry.future.set_exception(err)
+            self._reply_failure(comm, msg.rid, err, peer, msg.fn)
+            return
+        if entry is not None:
+            entry.future.add_done_callback(
+                lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn, value=False))
+            self._executor.submit(self._run_into, entry.future, func, args, kwargs, msg.fn,
+                                  msg.ctx)
+        else:
+            self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
+
+    def _invoke(self, func, args, kwargs, ctx: int):
+        if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
+            with self.enter_context_hook(ctx):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _run_into(self, fut: Future, func, args, kwargs, fn: str, ctx: int) -> None:
+        try:
+            out = self._invoke(func, args, kwargs, ctx)
+        except BaseException as e:  # noqa: BLE001 - sent to the caller
+            fut.set_exception(rebuild_exception(failure_payload(e, self.info)))
+            return
+        if getattr(func, "_jdist_async_execution", False):
+            _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
+        else:
+            fut.set_result(out)
+
+    def _run_call(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> None:
+        try:
+            out = self._invoke(func, args, kwargs, msg.ctx)
+            if getattr(func, "_jdist_async_execution", False):
+                _check_async_result(out, msg.fn).add_done_callback(
+                    lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn))
+                return
+        except BaseException as e:  # noqa: BLE001 - sent to the caller
+            self._reply_failure(comm, msg.rid, e, peer, msg.fn)
+            return
+        self._reply(comm, msg.rid, out, peer, msg.fn)
+
+    def _reply_future(self, comm, rid: int, f: Future, peer: int, fn: str,
+                      value: bool = True) -> None:
+        exc = f.exception()
+        if exc is not None:
+            self._reply_failure(comm, rid, exc, peer, fn)
+        else:
+            self._reply(comm, rid, f.value() if value else None, peer, fn)
+
+    def _reply(self, comm: Comm, rid: int, value: Any, peer: int, fn: str) -> None:
+        try:
+            frames = P.encode(P.Result(rid), *self._dumps(value, peer))
+        except Exception as e:
+            self._reply_failure(comm, rid, TypeError(
+                f"the result of {fn} on {self.info} cannot be pickled: {e}"), peer, fn)
+            return
+        _quiet(comm.send, frames)
+
+    def _reply_failure(self, comm: Comm, rid: int, exc: BaseException, peer: int,
+                       fn: str) -> None:
+        del peer, fn
+        frames = P.encode(P.Failure(rid), *S.dumps(failure_payload(exc, self.info)))
+        _quiet(comm.send, frames)
+
+    def _on_reply(self, msg: Any, frames: list) -> None:
+        with self._lock:
+            p = self._pending.pop(msg.rid, None)
+        try:
+            body = self._loads(frames)
+        except Exception as e:
+            body = e
+        if p is None:
+            return  # timed out already (any RRefs in it are released by GC)
+        if isinstance(body, Exception):
+            p.future.set_exception(RpcError(f"could not decode the reply of {p.fn} from "
+                                            f"{p.worker}: {body!r}"))
+        elif isinstance(msg, P.Result):
+            p.future.set_result(body)
+        else:
+            p.future.set_exception(rebuild_exception(body))
+
+    async def _expire_timers(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                while self._timers and self._timers[0][0] <= now:
+                    _, rid = heapq.heappop(self._timers)
+                    p = self._pending.pop(rid, None)
+                    if p is not None:
+                        expired.append(p)
+            for p in expired:
+                p.future.set_exception(RpcTimeoutError(
+                    f"RPC to {p.worker} running {p.fn} timed out after {p.timeout:g} s; "
+                    "pass a larger timeout= (0 = none) or check that the function is not "
+                    "stuck"))
+
+    # ------------------------------------------------------------------ shutdown
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until no request or control message of ours is pending (True) or time is up."""
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = bool(self._pending) or self._releasing or not self.released.empty()
+            if not busy:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def dead_workers(self) -> dict[int, str]:
+        return dict(self._dead)
+
+    def probe(self, rank: int) -> bool:
+        """Whether worker ``rank`` answers (connecting marks it dead if it cannot)."""
+        if rank in self._dead:
+            return False
+        try:
+            self._conn_to(rank)
+            return True
+        except RpcError:
+            return rank not in self._dead
+
+    def close(self) -> None:
+        """Tear down at once: fail pending futures, close connections, stop threads."""
+        with self._lock:
+            if self.state in ("closed", "new"):
+                self.state = "closed"
+                return
+            self.state = "closing"
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.future.set_exception(RpcError(
+                f"RPC agent {self.info} shut down while {p.fn} on {p.worker} was pending"))
+        self.released.put(None)
+        self._ctl.shutdown(wait=True, cancel_futures=True)
+        try:
+            self._run(self._aclose(), 10.0)
+        except Exception:
+            log.exception("jdist.rpc: error while closing %s", self.info)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        self._release_thread.join(5.0)
+        self.state = "closed"
+        with self.rrefs.lock:
+            owned, self.rrefs.owned = self.rrefs.owned, {}
+            holds, self.rrefs.holds = self.rrefs.holds, {}
+        del owned, holds  # dropped outside the lock (their RRefs' __del__ are no-ops now)
+
+    async def _aclose(self) -> None:
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+        if self._listener is not None:
+            await self._listener.stop()
+        for comm in list(self._conns.values()) + list(self._incoming):
+            comm.close()
+        await asyncio.sleep(0.01)
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except CommClosedError as e:
+        log.debug("jdist.rpc: dropped a reply: %s", e)
+
+
+def _check_async_result(out: Any, fn: str) -> Future:
+    if not isinstance(out, Future):
+        raise TypeError(f"{fn} is decorated with @async_execution but returned "
+                        f"{type(out).__name__}, not a jdist.rpc.Future")
+    return out
+
+
+def _copy_into(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.value())

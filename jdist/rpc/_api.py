@@ -1,0 +1,298 @@
+"""Public RPC functions: validate, find this process's agent, delegate.
+
+One module singleton (:data:`_state`) holds the agent started by :func:`init_rpc` and the
+rendezvous store. :func:`start_agent` / :func:`stop_agent` do the same for any number
+of agents (tests run several in one process on the in-process transport).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+import warnings
+from datetime import timedelta
+from typing import Any
+
+from jdist.errors import (
+    AlreadyInitializedError,
+    NotInitializedError,
+    RendezvousError,
+    RpcTimeoutError,
+)
+from jdist.rpc._agent import RpcAgent
+from jdist.rpc._futures import Future
+from jdist.rpc._options import RpcBackendOptions
+from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._rendezvous import PREFIX, check_name, rendezvous, store_barrier
+from jdist.rpc._rref import RRef
+
+__all__ = [
+    "init_rpc",
+    "shutdown",
+    "rpc_sync",
+    "rpc_async",
+    "remote",
+    "get_worker_info",
+    "current_agent",
+    "start_agent",
+    "stop_agent",
+]
+
+
+class _RpcState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.agent: RpcAgent | None = None
+        self.store: Any = None
+
+
+_state = _RpcState()
+
+
+def current_agent() -> RpcAgent:
+    """This process's agent.
+
+    Raises:
+      NotInitializedError: ``init_rpc`` has not run (or ``shutdown`` has).
+    """
+    agent = _state.agent
+    if agent is None:
+        raise NotInitializedError("RPC is not initialized: call jdist.rpc.init_rpc(name, rank=, "
+                                  "world_size=) first")
+    return agent
+
+
+def _env_int(value: int | None, var: str, what: str) -> int:
+    if value is not None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{what} must be an int, got {value!r}")
+        return value
+    raw = os.environ.get(var)
+    if raw is None:
+        raise ValueError(f"{what} not given and ${var} is not set; pass {what}= or launch with "
+                         "jdist-run")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${var} must be an int, got {raw!r}") from None
+
+
+def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
+                key: bytes | None) -> Any:
+    if all(hasattr(init_method, m) for m in ("set", "get", "add", "compare_set")):
+        return init_method
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method must be 'env://', 'tcp://host:port' or a store, "
+                        f"got {init_method!r}")
+    if init_method == "env://":
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT")
+        if port is None:
+            raise ValueError("init_method='env://' needs $MASTER_PORT (and $MASTER_ADDR); "
+                             "launch with jdist-run or set them")
+    elif init_method.startswith("tcp://"):
+        from jdist.rpc.transport._tcp import split_host_port
+
+        host, port = split_host_port(init_method[len("tcp://"):])
+    else:
+        raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', "
+                         f"got {init_method!r}")
+    from jdist.collectives._store import TCPStore
+
+    return TCPStore(host, int(port), world_size, rank == 0, timedelta(seconds=timeout),
+                    auth_token=None if key is None else key.decode("latin-1"))
+
+
+def _shared_key(store: Any, rank: int, timeout: float) -> bytes:
+    warnings.warn("jdist.rpc: no JDIST_AUTH_TOKEN or RpcBackendOptions(auth_token=) given; "
+                  "rank 0 made a secret and shares it through the rendezvous store, which is "
+                  "only as safe as that store. Set JDIST_AUTH_TOKEN (jdist-run does).",
+                  RuntimeWarning, stacklevel=3)
+    key = f"{PREFIX}/auth"
+    if rank == 0:
+        store.compare_set(key, "", secrets.token_hex(32))
+    deadline = time.monotonic() + timeout
+    while store.add(f"{PREFIX}/auth_ready", 0) < 1 and rank != 0:
+        if time.monotonic() > deadline:
+            raise RendezvousError("rank 0 never published the RPC secret")
+        time.sleep(0.01)
+    if rank == 0:
+        store.add(f"{PREFIX}/auth_ready", 1)
+    v = store.get(key)
+    return v.encode() if isinstance(v, str) else bytes(v)
+
+
+def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOptions,
+                store: Any, auth_key: bytes | None = None) -> RpcAgent:
+    """Start an agent, rendezvous through ``store`` and return it (no singleton)."""
+    check_name(name)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1} for world_size={world_size}, "
+                         f"got {rank}")
+    key = auth_key or options.auth_key() or _shared_key(store, rank, options.rpc_timeout or 300)
+    agent = RpcAgent(name, rank, world_size, options, key)
+    agent.start()
+    try:
+        table = rendezvous(store, name, rank, world_size, agent.address,
+                           options.rpc_timeout or 300.0)
+    except BaseException:
+        agent.close()
+        raise
+    agent.set_workers(table)
+    agent.store = store
+    return agent
+
+
+def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
+             rpc_backend_options: RpcBackendOptions | None = None) -> None:
+    """Start this process's RPC agent and meet the other workers.
+
+    Args:
+      name: this worker's unique name.
+      rank: its id (default ``$RANK``).
+      world_size: number of workers (default ``$WORLD_SIZE``).
+      rpc_backend_options: :class:`RpcBackendOptions` (default: env://, 60 s timeout,
+        16 threads, secret from ``$JDIST_AUTH_TOKEN``).
+
+    Raises:
+      AlreadyInitializedError: already initialized (call ``shutdown()`` first).
+      RendezvousError: the name is taken, or world sizes disagree.
+      RendezvousTimeoutError: some workers never arrived (named).
+    """
+    options = rpc_backend_options or RpcBackendOptions()
+    if not isinstance(options, RpcBackendOptions):
+        raise TypeError(f"rpc_backend_options must be RpcBackendOptions, got {options!r}")
+    check_name(name)
+    rank = _env_int(rank, "RANK", "rank")
+    world_size = _env_int(world_size, "WORLD_SIZE", "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with _state.lock:
+        if _state.agent is not None:
+            raise AlreadyInitializedError(f"RPC is already initialized as {_state.agent.info}; "
+                                          "call jdist.rpc.shutdown() first")
+        store = _make_store(options.init_method, rank, world_size,
+                            options.rpc_timeout or 300.0, options.auth_key())
+        _state.agent = start_agent(name, rank, world_size, options, store)
+        _state.store = store
+
+
+def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = None) -> None:
+    """Shut ``agent`` down; graceful: drain, meet every live worker, then close.
+
+    Raises:
+      RpcTimeoutError: graceful shutdown ran out of ``timeout`` waiting for live
+        workers (named); the agent is closed anyway.
+    """
+    store = getattr(agent, "store", None)
+    missing: list[int] = []
+    dead: dict[int, str] = {}
+    t = agent.options.shutdown_timeout if timeout is None else float(timeout)
+    if graceful and store is not None and agent.state == "running":
+        deadline = time.monotonic() + t
+        dead = agent.dead_workers()
+        missing = _graceful(agent, store, deadline)
+        dead.update(agent.dead_workers())
+    agent.close()
+    if dead:
+        names = ", ".join(f"{agent.worker_info(r)} ({why})" for r, why in sorted(dead.items()))
+        warnings.warn(f"jdist.rpc: {agent.info} shut down without these workers: {names}",
+                      RuntimeWarning, stacklevel=2)
+    if missing:
+        who = [str(agent.worker_info(r)) for r in missing]
+        raise RpcTimeoutError(f"graceful shutdown of {agent.info} timed out after "
+                              f"{t:g} s waiting for {who}; they are alive but did not call "
+                              "shutdown(). The agent is closed anyway.")
+
+
+def _graceful(agent: RpcAgent, store: Any, deadline: float) -> list[int]:
+    rank, ws = agent.info.id, agent.world_size
+
+    def gone(r: int) -> bool:
+        return r in agent.dead_workers()
+
+    def probe(ranks: list[int]) -> None:
+        for r in ranks:
+            agent.probe(r)
+
+    try:
+        agent.drain(deadline)
+        missing = store_barrier(store, "sd1", rank, ws, deadline, gone, probe)
+        if missing:
+            return missing
+        agent.drain(deadline)
+        missing = store_barrier(store, "sd2", rank, ws, deadline, gone, probe)
+        if missing:
+            return missing
+        agent.state = "stopping"  # peers may now hang up: that is not a failure
+        if rank == 0:  # the store host leaves last, once the others are done reading it
+            store_barrier(store, "sd3", rank, ws, min(deadline, time.monotonic() + 5), gone)
+        else:
+            store.add(f"{PREFIX}/sd3/{rank}", 1)
+    except Exception as e:  # the store itself is gone (its host died): close locally
+        warnings.warn(f"jdist.rpc: {agent.info} could not coordinate shutdown through the "
+                      f"store ({e!r}); closing locally", RuntimeWarning, stacklevel=3)
+    return []
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Stop RPC in this process.
+
+    Args:
+      graceful: wait until this worker's outstanding calls and RRef messages are done,
+        and until every live worker has called ``shutdown`` (workers known to be dead
+        are skipped and named in a warning); ``False``: close at once.
+      timeout: bound in seconds (default ``RpcBackendOptions.shutdown_timeout``).
+
+    Raises:
+      RpcTimeoutError: live workers did not join within ``timeout`` (named); this
+        worker is shut down anyway.
+    """
+    with _state.lock:
+        agent, _state.agent = _state.agent, None
+        store, _state.store = _state.store, None
+    if agent is None:
+        raise NotInitializedError("RPC is not initialized: nothing to shut down")
+    try:
+        stop_agent(agent, graceful, timeout)
+    finally:
+        del store
+
+
+def rpc_async(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
+              timeout: float = -1) -> Future:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` (name, rank or WorkerInfo).
+
+    Returns a :class:`Future` of the result. ``timeout`` in seconds: -1 uses
+    ``rpc_timeout``, 0 means none; on expiry the future fails with RpcTimeoutError.
+    """
+    return current_agent().rpc_async(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
+             timeout: float = -1) -> Any:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return its result.
+
+    A remote exception is raised here with its original type and the remote traceback.
+
+    Raises:
+      RpcTimeoutError: no answer within ``timeout`` (names worker, function, time).
+      WorkerUnavailableError: the worker is gone.
+    """
+    return current_agent().rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def remote(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
+           timeout: float = -1) -> RRef:
+    """Run ``func`` on ``to``, keep the result there and return an :class:`RRef` to it.
+
+    Returns at once; an error in ``func`` shows up on ``to_here()`` / proxies.
+    """
+    return current_agent().remote(to, func, args, kwargs, timeout)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """``WorkerInfo(id, name)`` of ``worker_name`` (default: this worker)."""
+    return current_agent().worker_info(worker_name)

@@ -1,0 +1,96 @@
+"""``RpcBackendOptions``: thread pool, timeouts, secret, frame cap, transport."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["RpcBackendOptions", "DEFAULT_RPC_TIMEOUT", "UNSET_RPC_TIMEOUT", "resolve_timeout"]
+
+DEFAULT_RPC_TIMEOUT = 60.0
+UNSET_RPC_TIMEOUT = -1.0
+
+
+@dataclasses.dataclass
+class RpcBackendOptions:
+    """Options of the RPC agent (torch's ``TensorPipeRpcBackendOptions`` plus security).
+
+    Attributes:
+      init_method: where workers meet: ``"env://"`` (MASTER_ADDR/MASTER_PORT, rank 0
+        hosts a TCPStore there), ``"tcp://host:port"``, or a store object.
+      rpc_timeout: default seconds per RPC (``timeout=-1`` calls use it; 0 = none).
+      num_worker_threads: threads that run incoming calls.
+      auth_token: shared secret of the job; ``None`` reads ``JDIST_AUTH_TOKEN``
+        (``jdist-run`` sets one per job).
+      max_frame_bytes: largest message accepted from a peer; bigger ones are refused and
+        the connection closed.
+      listen_address: interface to listen on (default ``127.0.0.1``: loopback only; give
+        a routable address for multi-host jobs).
+      transport: ``"tcp"`` or ``"inproc"`` (in-process agents, for tests).
+      connect_timeout: seconds to connect and authenticate to a peer.
+      shutdown_timeout: default bound of ``shutdown(graceful=True)``.
+    """
+
+    init_method: object = "env://"
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    num_worker_threads: int = 16
+    auth_token: str | bytes | None = None
+    max_frame_bytes: int = 1 << 31
+    listen_address: str | None = None
+    transport: str = "tcp"
+    connect_timeout: float = 10.0
+    shutdown_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rpc_timeout, (int, float)) or self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be seconds >= 0 (0 = no timeout), "
+                             f"got {self.rpc_timeout!r}")
+        if not isinstance(self.num_worker_threads, int) or self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be an int >= 1, "
+                             f"got {self.num_worker_threads!r}")
+        if not isinstance(self.max_frame_bytes, int) or self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be an int >= 1024, "
+                             f"got {self.max_frame_bytes!r}")
+        if self.transport not in ("tcp", "inproc"):
+            from jdist.rpc.transport import transport_schemes
+
+            if self.transport not in transport_schemes():
+                raise ValueError(f"transport must be one of {transport_schemes()}, "
+                                 f"got {self.transport!r}")
+        if self.auth_token is not None and not isinstance(self.auth_token, (str, bytes)):
+            raise TypeError(f"auth_token must be str or bytes, got {type(self.auth_token)}")
+        for field in ("connect_timeout", "shutdown_timeout"):
+            v = getattr(self, field)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{field} must be seconds > 0, got {v!r}")
+
+    def auth_key(self) -> bytes | None:
+        """The secret as bytes (``auth_token`` or ``JDIST_AUTH_TOKEN``), or None."""
+        token = self.auth_token if self.auth_token is not None else os.environ.get(
+            "JDIST_AUTH_TOKEN")
+        if token is None or token == "":
+            return None
+        return token.encode() if isinstance(token, str) else bytes(token)
+
+    def listen_on(self) -> str:
+        """The transport address to listen on (any free port / fresh name)."""
+        if self.transport == "inproc":
+            return "inproc://"
+        host = self.listen_address or "127.0.0.1"
+        if "://" in host:
+            return host
+        return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+
+
+def resolve_timeout(timeout: float | None, default: float) -> float | None:
+    """torch's convention: -1 (or None) = ``default``, 0 = none (returns None).
+
+    Raises:
+      ValueError: a negative timeout other than -1.
+    """
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        timeout = default
+    if not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout must be seconds >= 0, 0 for none, or -1 for the default "
+                         f"rpc_timeout, got {timeout!r}")
+    return None if timeout == 0 else float(timeout)

@@ -1,0 +1,171 @@
+"""RPC messages: NamedTuples <-> frames ``[msgpack header, pickle payload, *buffers]``.
+
+The header is msgpack (safe to decode from anyone); only its ``kind`` decides whether a
+pickle payload follows. Control messages (RRef fork bookkeeping, pings) carry ints only
+and have no payload. A malformed header raises :class:`ProtocolError` and the agent
+answers or drops it; it never takes a worker down.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgpack
+
+__all__ = [
+    "Kind",
+    "ControlOp",
+    "WorkerInfo",
+    "Call",
+    "Remote",
+    "Result",
+    "Failure",
+    "Control",
+    "ProtocolError",
+    "encode",
+    "decode_header",
+    "NO_CONTEXT",
+]
+
+NO_CONTEXT = -1  # dist-autograd context id carried by calls made outside any context
+
+
+class WorkerInfo(NamedTuple):
+    """A worker's rank (``id``) and unique ``name``."""
+
+    id: int
+    name: str
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    __str__ = __repr__
+
+
+class Kind(enum.IntEnum):
+    CALL = 1
+    REMOTE = 2
+    RESULT = 3
+    FAILURE = 4
+    CONTROL = 5
+
+
+class ControlOp(enum.IntEnum):
+    PING = 0
+    FORK_REQUEST = 1  # child user -> owner: register my fork (parent awaits CHILD_ACCEPT)
+    USER_DELETE = 2  # user -> owner: my fork is gone
+    CHILD_ACCEPT = 3  # owner -> parent user: the owner knows your child fork now
+
+
+class Call(NamedTuple):
+    """Run ``fn(*args, **kwargs)`` (payload) and answer with Result/Failure ``rid``."""
+
+    rid: int
+    fn: str  # name, for messages only
+    ctx: int = NO_CONTEXT
+
+
+class Remote(NamedTuple):
+    """Like Call, but keep the value on the callee as OwnerRRef ``rref`` (user ``fork``)."""
+
+    rid: int
+    fn: str
+    rref: tuple[int, int]
+    fork: tuple[int, int]
+    ctx: int = NO_CONTEXT
+
+
+class Result(NamedTuple):
+    rid: int
+
+
+class Failure(NamedTuple):
+    rid: int
+
+
+class Control(NamedTuple):
+    rid: int
+    op: int
+    rref: tuple[int, int] = (-1, -1)
+    fork: tuple[int, int] = (-1, -1)
+    parent: int = -1
+
+
+_KIND = {Call: Kind.CALL, Remote: Kind.REMOTE, Result: Kind.RESULT, Failure: Kind.FAILURE,
+         Control: Kind.CONTROL}
+_CLASS = {v: k for k, v in _KIND.items()}
+_HAS_PAYLOAD = {Kind.CALL, Kind.REMOTE, Kind.RESULT, Kind.FAILURE}
+
+
+class ProtocolError(ValueError):
+    """A header that is not a valid message; ``rid`` is set when it could be read."""
+
+    def __init__(self, message: str, rid: int | None = None):
+        super().__init__(message)
+        self.rid = rid
+
+
+def encode(msg: NamedTuple, payload: bytes | None = None,
+           buffers: Sequence[memoryview] = ()) -> list:
+    """Frames for ``msg`` (plus its pickle ``payload`` and out-of-band ``buffers``)."""
+    kind = _KIND[type(msg)]
+    header = msgpack.packb([int(kind), *msg], use_bin_type=True)
+    if kind in _HAS_PAYLOAD:
+        if payload is None:
+            raise ValueError(f"{type(msg).__name__} needs a payload")
+        return [header, payload, *buffers]
+    return [header]
+
+
+def _as_pair(v: Any, name: str) -> tuple[int, int]:
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or not all(isinstance(x, int) for x in v)):
+        raise ProtocolError(f"field {name!r} must be a pair of ints, got {v!r}")
+    return (v[0], v[1])
+
+
+def decode_header(frames: Sequence[Any]) -> NamedTuple:
+    """The message in ``frames[0]``; checks field types and the frame count.
+
+    Raises:
+      ProtocolError: not msgpack, unknown kind, wrong fields, or a missing payload.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    try:
+        raw = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"header is not msgpack: {e}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not all(
+            isinstance(x, int) for x in raw[:2]):
+        raise ProtocolError(f"header must be [kind, rid, ...], got {raw!r:.200}")
+    kind_i, rid = raw[0], raw[1]
+    try:
+        kind = Kind(kind_i)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind_i!r}", rid) from None
+    cls = _CLASS[kind]
+    fields = raw[1:]
+    if not len(cls._fields) - len(cls._field_defaults) <= len(fields) <= len(cls._fields):
+        raise ProtocolError(f"{cls.__name__} needs {len(cls._fields)} fields, got {fields!r:.200}",
+                            rid)
+    try:
+        msg = cls(*fields)
+        if isinstance(msg, Remote):
+            msg = msg._replace(rref=_as_pair(msg.rref, "rref"), fork=_as_pair(msg.fork, "fork"))
+        if isinstance(msg, Control):
+            msg = msg._replace(rref=_as_pair(msg.rref, "rref"), fork=_as_pair(msg.fork, "fork"))
+            if not isinstance(msg.op, int) or not isinstance(msg.parent, int):
+                raise ProtocolError(f"bad control message {fields!r:.200}", rid)
+        if isinstance(msg, (Call, Remote)) and not (
+                isinstance(msg.fn, str) and isinstance(msg.ctx, int)):
+            raise ProtocolError(f"bad call header {fields!r:.200}", rid)
+    except ProtocolError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"bad {cls.__name__} header: {e}", rid) from None
+    if kind in _HAS_PAYLOAD and len(frames) < 2:
+        raise ProtocolError(f"{cls.__name__} without a payload frame", rid)
+    return msg

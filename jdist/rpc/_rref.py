@@ -1,0 +1,319 @@
+"""RRefs and distributed reference counting (torch's fork protocol).
+
+An RRef names a value living on its *owner*. The owner keeps one table entry per value
+with the set of user forks that still exist (and a count of its own local handles); the
+value is deleted when both are empty.
+
+- Owner sends its RRef to a user: the owner records a new fork for that user *before*
+  sending (the user's copy is confirmed at once).
+- A user sends its RRef to the owner: the owner gets a local handle; no fork.
+- User X sends to user Y: X makes a child fork id and keeps its own RRef alive
+  (``holds``) until the owner has registered the child; Y asks the owner
+  (``FORK_REQUEST``), the owner registers it, confirms to Y and tells X
+  (``CHILD_ACCEPT``), and X lets go.
+- A user RRef that is garbage-collected sends ``USER_DELETE`` to the owner.
+
+Incoming messages are decoded in order on each agent's I/O thread, so a value carried
+in a message is always registered before a later deletion from the same sender is seen.
+A worker that dies loses its forks on every owner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from jdist.errors import RRefError
+from jdist.rpc._futures import Future
+from jdist.rpc._protocol import ControlOp, WorkerInfo
+
+if TYPE_CHECKING:
+    from jdist.rpc._agent import RpcAgent
+
+__all__ = ["RRef", "RRefContext", "rref_fetch", "rref_method_call"]
+
+Id = tuple[int, int]
+_NONE: Id = (-1, -1)
+
+
+class _Owned:
+    __slots__ = ("future", "forks", "handles")
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.forks: dict[Id, int] = {}  # fork id -> worker holding it
+        self.handles = 0  # live owner-side RRef objects
+
+
+class RRefPid(NamedTuple):
+    """What travels in a pickle in place of an RRef."""
+
+    owner: int
+    rref: Id
+    fork: Id
+    parent: int
+
+
+class RRefContext:
+    """One agent's owner table, child holds and fork bookkeeping (thread-safe)."""
+
+    def __init__(self, agent: RpcAgent):
+        self.agent = agent
+        # re-entrant: dropping a value may drop RRefs inside it, whose __del__ re-enters
+        self.lock = threading.RLock()
+        self.owned: dict[Id, _Owned] = {}
+        self.holds: dict[Id, RRef] = {}  # child fork -> parent RRef kept alive (G2)
+        self._ids = itertools.count()
+
+    def new_id(self) -> Id:
+        return (self.agent.info.id, next(self._ids))
+
+    # ---- owner side ----
+    def create_owned(self, rref_id: Id, future: Future, fork: Id | None = None,
+                     holder: int = -1) -> _Owned:
+        entry = _Owned(future)
+        if fork is not None:
+            entry.forks[fork] = holder
+        with self.lock:
+            self.owned[rref_id] = entry
+        return entry
+
+    def _maybe_delete(self, rref_id: Id, entry: _Owned) -> None:
+        if not entry.forks and entry.handles <= 0:
+            self.owned.pop(rref_id, None)
+
+    def handle_acquired(self, rref_id: Id) -> _Owned:
+        with self.lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                raise RRefError(f"RRef {rref_id} no longer exists on its owner "
+                                f"{self.agent.info}: every reference to it was dropped")
+            entry.handles += 1
+            return entry
+
+    def handle_released(self, rref_id: Id) -> None:
+        with self.lock:
+            entry = self.owned.get(rref_id)
+            if entry is not None:
+                entry.handles -= 1
+                self._maybe_delete(rref_id, entry)
+
+    def drop_holder(self, worker: int) -> None:
+        """A worker is gone: forget every fork it held (its RRefs died with it)."""
+        with self.lock:
+            for rref_id, entry in list(self.owned.items()):
+                for fork in [f for f, h in entry.forks.items() if h == worker]:
+                    del entry.forks[fork]
+                self._maybe_delete(rref_id, entry)
+
+    def handle_control(self, op: int, rref_id: Id, fork: Id, parent: int, peer: int) -> None:
+        """Apply a control message from ``peer`` (called on the I/O thread).
+
+        Raises:
+          RRefError: the op refers to an RRef this worker does not own.
+        """
+        if op == ControlOp.PING:
+            return
+        if op == ControlOp.CHILD_ACCEPT:
+            with self.lock:
+                held = self.holds.pop(fork, None)
+            del held  # may send our own USER_DELETE (queued, in order)
+            return
+        with self.lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:
+                raise RRefError(f"{self.agent.info} does not own RRef {rref_id} (op {op})")
+            if op == ControlOp.FORK_REQUEST:
+                entry.forks[fork] = peer
+            elif op == ControlOp.USER_DELETE:
+                entry.forks.pop(fork, None)
+                self._maybe_delete(rref_id, entry)
+            else:
+                raise RRefError(f"unknown RRef control op {op}")
+        if op == ControlOp.FORK_REQUEST and parent >= 0:
+            self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
+
+    # ---- pickling ----
+    def persistent_id(self, obj: Any, dest: int) -> RRefPid | None:
+        if not isinstance(obj, RRef):
+            return None
+        if obj._agent is not self.agent:
+            raise RRefError("an RRef can only be sent by the agent that made it")
+        me = self.agent.info.id
+        if obj._owner.id == me:
+            if dest == me:
+                return RRefPid(me, obj._rref_id, _NONE, -1)
+            fork = self.new_id()
+            with self.lock:
+                self.owned[obj._rref_id].forks[fork] = dest
+            return RRefPid(me, obj._rref_id, fork, -1)
+        if dest == obj._owner.id:
+            return RRefPid(obj._owner.id, obj._rref_id, _NONE, -1)
+        child = self.new_id()
+        with self.lock:
+            self.holds[child] = obj
+        return RRefPid(obj._owner.id, obj._rref_id, child, me)
+
+    def persistent_load(self, pid: Any) -> RRef:
+        owner, rref_id, fork, parent = RRefPid(*pid)
+        rref_id, fork = tuple(rref_id), tuple(fork)
+        info = self.agent.worker_info(owner)
+        if owner == self.agent.info.id:
+            return RRef._make(self.agent, info, rref_id, None, True)
+        rref = RRef._make(self.agent, info, rref_id, fork, parent < 0)
+        if parent >= 0:
+            ack = self.agent.send_control(owner, ControlOp.FORK_REQUEST, rref_id, fork, parent)
+            ack.add_done_callback(rref._on_confirmed)
+        return rref
+
+
+class RRef:
+    """A reference to a value owned by some worker (``RRef(value)``: owned here).
+
+    Methods follow ``torch.distributed.rpc.RRef``. An RRef can be pickled only as an
+    argument or result of an RPC.
+    """
+
+    def __init__(self, value: Any, type_hint: Any = None):
+        del type_hint
+        from jdist.rpc._api import current_agent
+
+        agent = current_agent()
+        rref_id = agent.rrefs.new_id()
+        fut: Future = Future(_desc=f"value of RRef {rref_id}")
+        fut.set_result(value)
+        agent.rrefs.create_owned(rref_id, fut)
+        self._init(agent, agent.info, rref_id, None, True)
+
+    @classmethod
+    def _make(cls, agent: RpcAgent, owner: WorkerInfo, rref_id: Id, fork: Id | None,
+              confirmed: bool) -> RRef:
+        self = cls.__new__(cls)
+        self._init(agent, owner, rref_id, fork, confirmed)
+        return self
+
+    def _init(self, agent: RpcAgent, owner: WorkerInfo, rref_id: Id, fork: Id | None,
+              confirmed: bool) -> None:
+        self._agent = agent
+        self._owner = owner
+        self._rref_id = rref_id
+        self._fork = fork
+        self._confirmed = confirmed
+        self._created: Future | None = None  # set by remote(): the owner's answer
+        self._entry = None
+        self._live = False
+        if owner.id == agent.info.id:
+            self._entry = agent.rrefs.handle_acquired(rref_id)
+        self._live = True
+
+    def __repr__(self) -> str:
+        role = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{role}(RRefId = {self._rref_id}, owner={self._owner})"
+
+    def __reduce__(self):
+        raise RRefError("an RRef can only be pickled as an argument or result of "
+                        "rpc_sync/rpc_async/remote")
+
+    def __del__(self) -> None:
+        if not getattr(self, "_live", False):
+            return
+        self._live = False
+        # __del__ can run inside any code (even while a lock is held in this thread), so
+        # it only queues the release; the agent's release thread does the work.
+        try:
+            if self._owner.id == self._agent.info.id:
+                self._agent.released.put(("owner", self._rref_id))
+            elif self._fork is not None:
+                self._agent.released.put(("user", self._owner.id, self._rref_id, self._fork))
+        except Exception:  # interpreter shutting down
+            pass
+
+    def _on_confirmed(self, fut: Future) -> None:
+        if fut.exception() is None:
+            self._confirmed = True
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._owner.id == self._agent.info.id
+
+    def owner(self) -> WorkerInfo:
+        """The owner's WorkerInfo."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The owner's worker name."""
+        return self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows about this reference (always True on the owner)."""
+        return self.is_owner() or self._confirmed
+
+    def local_value(self, timeout: float = -1) -> Any:
+        """The value itself; only on the owner (waits while ``remote`` still runs it).
+
+        Raises:
+          RRefError: called on a user (torch's message names both workers).
+        """
+        if not self.is_owner():
+            raise RRefError(
+                f"RRef.local_value(): can't call localValue() on user {self._agent.info}. "
+                f"Call it on owner {self._owner}")
+        from jdist.rpc._options import resolve_timeout
+
+        return self._entry.future.wait(
+            resolve_timeout(timeout, self._agent.options.rpc_timeout))
+
+    def to_here(self, timeout: float = -1) -> Any:
+        """A copy of the value, fetched from the owner (blocking).
+
+        Raises:
+          the error of the ``remote`` call that made the value, if it failed;
+          RpcTimeoutError: the fetch took longer than ``timeout`` (-1: default, 0: none).
+        """
+        if self.is_owner():
+            return self.local_value(timeout)
+        return self._agent.rpc_async(self._owner, rref_fetch, (self,), None, timeout).wait()
+
+    def rpc_sync(self, timeout: float = -1) -> _Proxy:
+        """``rref.rpc_sync().m(*a)`` runs ``local_value().m(*a)`` on the owner."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = -1) -> _Proxy:
+        """Like :meth:`rpc_sync` but each method call returns a Future."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = -1) -> _Proxy:
+        """Like :meth:`rpc_sync` but each method call returns an RRef to its result."""
+        return _Proxy(self, "remote", timeout)
+
+
+class _Proxy:
+    def __init__(self, rref: RRef, how: str, timeout: float):
+        self._rref, self._how, self._timeout = rref, how, timeout
+
+    def __getattr__(self, name: str):
+        rref, how, timeout = self._rref, self._how, self._timeout
+        agent = rref._agent
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            a = (rref, name, args, kwargs)
+            if how == "remote":
+                return agent.remote(rref.owner(), rref_method_call, a, None, timeout)
+            fut = agent.rpc_async(rref.owner(), rref_method_call, a, None, timeout)
+            return fut.wait() if how == "rpc_sync" else fut
+
+        return call
+
+
+def rref_fetch(rref: RRef) -> Future:
+    """Owner side of ``to_here``: the value's future (sent back when it completes)."""
+    return rref._entry.future
+
+
+rref_fetch._jdist_async_execution = True  # type: ignore[attr-defined]
+
+
+def rref_method_call(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
+    """Owner side of the RRef proxies: ``getattr(value, name)(*args, **kwargs)``."""
+    return getattr(rref.local_value(), name)(*args, **kwargs)

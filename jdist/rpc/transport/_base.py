@@ -1,0 +1,121 @@
+"""Transport interfaces: a :class:`Comm` moves whole messages (lists of byte frames).
+
+A transport decides *how* bytes move (TCP sockets, in-process queues); which bytes move
+is the protocol's business. Every transport passes the same test suite
+(``tests/rpc/test_transport.py``).
+
+Threading contract (the agent relies on it):
+
+- ``Comm.send`` is thread-safe and blocking: it returns once the frames are handed to
+  the operating system (or the peer's queue), so the caller may mutate its arrays
+  afterwards. Call it from worker threads, never from the event loop for large data.
+- ``Comm.recv`` is a coroutine run by a single reader task on the comm's event loop.
+- ``Comm.close`` may be called from any thread, any number of times.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+
+from jdist.errors import RpcError
+
+__all__ = [
+    "Buffer",
+    "Comm",
+    "CommClosedError",
+    "Listener",
+    "Transport",
+    "parse_address",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class CommClosedError(RpcError, ConnectionError):
+    """The connection is closed (by either side, or because the peer sent garbage)."""
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """Split ``"scheme://location"`` into ``(scheme, location)``.
+
+    Raises:
+      ValueError: ``address`` has no ``scheme://`` part.
+    """
+    if not isinstance(address, str) or "://" not in address:
+        raise ValueError(
+            f"transport address must look like 'tcp://127.0.0.1:29500' or 'inproc://name', "
+            f"got {address!r}")
+    scheme, loc = address.split("://", 1)
+    return scheme, loc
+
+
+class Comm(abc.ABC):
+    """One bidirectional, message-oriented connection."""
+
+    #: messages larger than this (sum of frame lengths) are refused and the comm closed
+    max_message_bytes: int
+
+    @abc.abstractmethod
+    def send(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
+        """Send one message; thread-safe; raises :class:`CommClosedError` when closed.
+
+        Raises:
+          CommClosedError: the connection is closed, or the send did not finish within
+            ``timeout`` seconds (the comm is then closed: a half-sent message cannot be
+            taken back).
+        """
+
+    @abc.abstractmethod
+    async def recv(self) -> list[bytearray]:
+        """The next message's frames; raises :class:`CommClosedError` at end of stream."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the connection (idempotent, any thread); a pending ``recv`` ends."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran or the connection dropped."""
+
+    def set_max_message_bytes(self, n: int) -> None:
+        """Change the receive cap (the agent raises it once the peer is authenticated)."""
+        self.max_message_bytes = int(n)
+
+
+class Listener(abc.ABC):
+    """A bound endpoint accepting connections; ``address`` is dialable by peers."""
+
+    address: str
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop accepting; existing comms are left to their owners."""
+
+
+Handler = Callable[[Comm], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    """A scheme's way to listen and connect; one instance serves any number of comms."""
+
+    scheme: str
+
+    @abc.abstractmethod
+    async def listen(self, address: str, handler: Handler, *,
+                     max_message_bytes: int) -> Listener:
+        """Start accepting at ``address``; each new comm is passed to ``handler``.
+
+        ``address`` may leave the port (``tcp://127.0.0.1:0``) or name open; the
+        returned listener's ``address`` is the concrete one.
+        """
+
+    @abc.abstractmethod
+    async def connect(self, address: str, *, timeout: float,
+                      max_message_bytes: int) -> Comm:
+        """Open a comm to ``address``.
+
+        Raises:
+          CommClosedError: nothing listens there or the connection failed in ``timeout``.
+        """

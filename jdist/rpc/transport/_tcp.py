@@ -1,0 +1,235 @@
+"""TCP transport on asyncio: length-prefixed frames, zero-copy send and receive.
+
+Receiving runs on the event loop with ``loop.sock_recv_into`` into the buffers that
+:class:`FrameDecoder` hands out, so a large array frame is read straight into its final
+``bytearray``. Sending is done by the calling thread with ``socket.sendmsg`` over the
+frames' memoryviews (one system call for header and buffers, no join, no copy), waiting
+with ``poll`` when the kernel buffer is full; a lock keeps messages whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from jdist.rpc.transport._base import (
+    Buffer,
+    Comm,
+    CommClosedError,
+    Handler,
+    Listener,
+    Transport,
+    parse_address,
+)
+from jdist.rpc.transport._framing import FrameDecoder, FrameError, encode_prefix
+from jdist.rpc.transport._registry import register_transport
+
+__all__ = ["TCPTransport", "TCPComm", "split_host_port"]
+
+_IOV_MAX = 512
+
+
+def split_host_port(loc: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; IPv6 hosts in brackets.
+
+    Raises:
+      ValueError: no port, or the port is not an int in 0..65535.
+    """
+    host, sep, port = loc.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"TCP address needs host:port, got {loc!r} (e.g. 127.0.0.1:29500)")
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"TCP port must be an int, got {port!r} in {loc!r}") from None
+    if not 0 <= p <= 65535:
+        raise ValueError(f"TCP port must be in 0..65535, got {p}")
+    return host.strip("[]"), p
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+        except OSError:
+            pass
+
+
+class TCPComm(Comm):
+    """A connected non-blocking socket; reads on ``loop``, writes from any thread."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
+                 max_message_bytes: int):
+        self.sock = sock
+        self.loop = loop
+        self.max_message_bytes = int(max_message_bytes)
+        self._decoder = FrameDecoder(max_message_bytes)
+        self._ready: list[list[bytearray]] = []
+        self._wlock = threading.Lock()
+        self._closed = False
+        try:
+            self.peer = "{}:{}".format(*sock.getpeername()[:2])
+        except OSError:
+            self.peer = "?"
+
+    def __repr__(self) -> str:
+        return f"TCPComm(peer={self.peer}, closed={self._closed})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def set_max_message_bytes(self, n: int) -> None:
+        self.max_message_bytes = int(n)
+        self._decoder.max_message_bytes = int(n)
+
+    def send(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
+        views = [memoryview(encode_prefix(frames))]
+        views += [memoryview(f).cast("B") for f in frames if memoryview(f).nbytes]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._wlock:
+            if self._closed:
+                raise CommClosedError(f"connection to {self.peer} is closed")
+            try:
+                self._sendmsg_all(views, deadline)
+            except (OSError, TimeoutError) as e:
+                self.close()
+                raise CommClosedError(f"send to {self.peer} failed: {e}") from e
+
+    def _sendmsg_all(self, views: list[memoryview], deadline: float | None) -> None:
+        i = 0
+        poller = None
+        while i < len(views):
+            try:
+                n = self.sock.sendmsg(views[i:i + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(self.sock.fileno(), select.POLLOUT)
+                wait = 1000 if deadline is None else (deadline - time.monotonic()) * 1000
+                if wait <= 0:
+                    raise TimeoutError("send timed out; peer is not reading") from None
+                poller.poll(min(wait, 1000))
+                if self._closed:
+                    raise OSError("connection closed during send") from None
+                continue
+            while n > 0:
+                size = views[i].nbytes
+                if n >= size:
+                    n -= size
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
+
+    async def recv(self) -> list[bytearray]:
+        while not self._ready:
+            if self._closed:
+                raise CommClosedError(f"connection to {self.peer} is closed")
+            try:
+                n = await self.loop.sock_recv_into(self.sock, self._decoder.get_buffer())
+            except OSError as e:
+                self._finish()
+                raise CommClosedError(f"connection to {self.peer} dropped: {e}") from e
+            if n == 0:
+                self._finish()
+                raise CommClosedError(f"connection to {self.peer} closed by the peer")
+            try:
+                self._ready.extend(self._decoder.buffer_updated(n))
+            except FrameError as e:
+                self._finish()
+                raise CommClosedError(f"bad data from {self.peer}, connection closed: {e}") \
+                    from e
+        return self._ready.pop(0)
+
+    def _finish(self) -> None:
+        self._closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        # shutdown() wakes a pending sock_recv_into with EOF; the reader then closes
+        # the socket on the loop thread, so the selector never sees a dead descriptor.
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class TCPListener(Listener):
+    def __init__(self, sock: socket.socket, address: str, task: asyncio.Task):
+        self.sock = sock
+        self.address = address
+        self._task = task
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self.sock.close()
+
+
+class TCPTransport(Transport):
+    """``tcp://host:port``; port 0 picks a free one."""
+
+    scheme = "tcp"
+
+    async def listen(self, address: str, handler: Handler, *,
+                     max_message_bytes: int) -> Listener:
+        scheme, loc = parse_address(address)
+        if scheme != self.scheme:
+            raise ValueError(f"TCPTransport cannot listen on {address!r}")
+        host, port = split_host_port(loc)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+
+        async def accept_loop() -> None:
+            while True:
+                try:
+                    conn, _ = await loop.sock_accept(sock)
+                except OSError:
+                    await asyncio.sleep(0.05)
+                    continue
+                _tune(conn)
+                loop.create_task(handler(TCPComm(conn, loop, max_message_bytes)))
+
+        task = loop.create_task(accept_loop())
+        return TCPListener(sock, f"tcp://{shown}:{bound}", task)
+
+    async def connect(self, address: str, *, timeout: float,
+                      max_message_bytes: int) -> Comm:
+        scheme, loc = parse_address(address)
+        if scheme != self.scheme:
+            raise ValueError(f"TCPTransport cannot connect to {address!r}")
+        host, port = split_host_port(loc)
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            sock.close()
+            raise CommClosedError(f"cannot connect to {address}: {e!r}") from e
+        return TCPComm(sock, loop, max_message_bytes)
+
+
+register_transport("tcp", TCPTransport)

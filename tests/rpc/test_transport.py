@@ -1,0 +1,159 @@
+"""One transport test suite, run against every registered scheme (tcp and inproc)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from jdist.rpc.transport import CommClosedError, get_transport, parse_address
+
+ADDRS = {"tcp": "tcp://127.0.0.1:0", "inproc": "inproc://"}
+
+
+class LoopThread:
+    """An event loop running in a daemon thread (what the agent does)."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(params=sorted(ADDRS))
+def pair(request):
+    """(transport, server loop, client loop, listener, queue of server comms)."""
+    transport = get_transport(request.param)
+    server, client = LoopThread(), LoopThread()
+    accepted: list = []
+    got = threading.Event()
+
+    async def handler(comm):
+        accepted.append(comm)
+        got.set()
+
+    listener = server.run(transport.listen(ADDRS[request.param], handler,
+                                           max_message_bytes=1 << 20))
+    yield transport, server, client, listener, accepted, got
+    server.run(listener.stop())
+    server.stop()
+    client.stop()
+
+
+def _connect(pair_):
+    transport, server, client, listener, accepted, got = pair_
+    comm = client.run(transport.connect(listener.address, timeout=5.0,
+                                        max_message_bytes=1 << 20))
+    assert got.wait(5)
+    return comm, accepted[-1]
+
+
+def test_listener_address_is_concrete(pair):
+    listener = pair[3]
+    scheme, loc = parse_address(listener.address)
+    assert scheme in ADDRS
+    if scheme == "tcp":
+        assert loc.startswith("127.0.0.1:") and not loc.endswith(":0")
+
+
+def test_roundtrip_frames_both_directions(pair):
+    comm_c, comm_s = _connect(pair)
+    _, server, client, *_ = pair
+    arr = np.arange(100_000, dtype=np.float32)  # 400 kB: bigger than the staging buffer
+    frames = [b"header", b"", memoryview(arr).cast("B")]
+    comm_c.send(frames)
+    got = server.run(comm_s.recv())
+    assert [bytes(f) for f in got[:2]] == [b"header", b""]
+    np.testing.assert_array_equal(np.frombuffer(got[2], np.float32), arr)
+    assert isinstance(got[2], bytearray)  # writable, so numpy arrays built on it are too
+    comm_s.send([b"reply", b"x" * 10])
+    back = client.run(comm_c.recv())
+    assert [bytes(f) for f in back] == [b"reply", b"x" * 10]
+
+
+def test_many_messages_keep_order(pair):
+    comm_c, comm_s = _connect(pair)
+    server = pair[1]
+    for i in range(200):
+        comm_c.send([str(i).encode(), bytes(i)])
+
+    async def read_all():
+        return [await comm_s.recv() for _ in range(200)]
+
+    msgs = server.run(read_all())
+    assert [int(m[0]) for m in msgs] == list(range(200))
+    assert [len(m[1]) for m in msgs] == list(range(200))
+
+
+def test_concurrent_senders_keep_messages_whole(pair):
+    comm_c, comm_s = _connect(pair)
+    server = pair[1]
+    payload = {t: bytes([t]) * 50_000 for t in range(4)}
+
+    def sender(t):
+        for _ in range(20):
+            comm_c.send([bytes([t]), payload[t]])
+
+    threads = [threading.Thread(target=sender, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+
+    async def read_all():
+        return [await comm_s.recv() for _ in range(80)]
+
+    msgs = server.run(read_all(), timeout=20)
+    for t in threads:
+        t.join()
+    for tag, body in msgs:
+        assert bytes(body) == payload[tag[0]]
+
+
+def test_oversized_message_refused_and_closed(pair):
+    comm_c, comm_s = _connect(pair)
+    server = pair[1]
+    try:
+        comm_c.send([b"x" * ((1 << 20) + 1)])
+    except CommClosedError:
+        pass  # the receiver may already have hung up
+    with pytest.raises(CommClosedError, match="max_frame_bytes"):
+        server.run(comm_s.recv())
+    assert comm_s.closed
+
+
+def test_close_ends_pending_recv_and_send_fails(pair):
+    comm_c, comm_s = _connect(pair)
+    _, server, client, *_ = pair
+    fut = asyncio.run_coroutine_threadsafe(comm_s.recv(), server.loop)
+    comm_c.close()
+    with pytest.raises(CommClosedError):
+        fut.result(5)
+    with pytest.raises(CommClosedError):
+        comm_c.send([b"late"])
+    comm_c.close()  # idempotent
+
+
+def test_connect_to_nothing_fails_fast(pair):
+    transport, _, client, listener, *_ = pair
+    scheme = parse_address(listener.address)[0]
+    dead = "tcp://127.0.0.1:1" if scheme == "tcp" else "inproc://nobody-listens"
+    with pytest.raises(CommClosedError, match="nobody|connect"):
+        client.run(transport.connect(dead, timeout=2.0, max_message_bytes=100))
+
+
+def test_parse_address_rejects_missing_scheme():
+    with pytest.raises(ValueError, match="tcp://127.0.0.1:29500"):
+        parse_address("127.0.0.1:29500")
+
+
+def test_unknown_scheme_lists_known():
+    with pytest.raises(ValueError, match="inproc.*tcp"):
+        get_transport("carrier-pigeon")
