@@ -31,9 +31,12 @@ from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh, resolve_group
 from jdist.errors import JdistError, NotInitializedError, PeerFailedError
 
-__all__ = ["member_group", "process_mesh", "local_device", "next_seq", "program",
+__all__ = ["FUSE_LIMIT", "member_group", "process_mesh", "local_device", "next_seq", "program",
            "execute", "to_global", "from_block", "fingerprint_check", "stats",
            "is_runtime_failure", "peer_failure", "run", "x64"]
+
+
+FUSE_LIMIT = 256 << 10  # bytes; up to this size the check is fused into the program
 
 
 def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -244,6 +247,12 @@ def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable
             fn = program(group, key, build, shape, dtype)
             block = execute(group, what, fn, data)
             return from_block(block, as_jax)
+        if np.dtype(dtype).itemsize * int(np.prod(shape)) > FUSE_LIMIT:
+            # large arrays: a separate fingerprint program is cheaper than lax.cond's
+            # copies of the operand; the collective then runs only if it passed
+            fingerprint_check(group, what, fp)
+            fn = program(group, key, build, shape, dtype)
+            return from_block(execute(group, what, fn, data), as_jax)
         fn = checked_program(group, key, build, shape, dtype)
         stats(group)["checked"] += 1
         fps, block = execute(group, what, fn, (to_global(group, fp, (fpr.FP_LEN,),

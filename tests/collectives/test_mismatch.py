@@ -34,6 +34,8 @@ def _mismatch_child() -> dict:
                          else jdist.broadcast(np.ones(3), src=0)),
         "op": lambda: jdist.all_reduce(np.ones(3), jdist.ReduceOp.MAX if r else
                                        jdist.ReduceOp.SUM),
+        # above the fusing limit the check runs as its own program first
+        "large": lambda: jdist.all_reduce(np.ones(100_000 + r, np.float32)),
     }
     for name, call in cases.items():
         t = time.monotonic()
@@ -71,6 +73,8 @@ def test_mismatch_raises_on_every_rank():
         assert "running all_reduce" in msg and "running broadcast" in msg, msg
         msg, _ = res["op"]
         assert "op=SUM" in msg and "op=MAX" in msg, msg
+        msg, _ = res["large"]
+        assert "shape=(100000,)" in msg and "shape=(100001,)" in msg, msg
         # checked: one fused program run; JDIST_DEBUG=OFF: one plain run, no check
         assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 0), res
 

@@ -1,0 +1,112 @@
+"""Eager all_reduce across 2 processes: jdist against torch.distributed (gloo).
+
+Both run in the same invocation, each in its own 2 fresh processes (one CPU device
+each), on the same float32 sizes from 4 KiB to 64 MiB. jdist is timed with its
+default mismatch check and with ``JDIST_DEBUG=OFF``; the difference is the
+fingerprint's cost. Each number is the median over timed calls after warm-up, as seen
+by rank 0 (every call is blocking and returns the reduced array).
+
+    PYTHONPATH=. python benchmarks/collectives.py            # full table
+    PYTHONPATH=. python benchmarks/collectives.py --smoke    # 2 sizes, few calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _iters(nbytes: int, smoke: bool) -> int:
+    if smoke:
+        return 3
+    return int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
+
+
+def _time(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _jdist_child(sizes, smoke) -> dict:
+    import jdist
+
+    jdist.init_process_group(timeout=300)
+    out = {}
+    for nbytes in sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        res = {}
+        for mode in ("ON", "OFF"):
+            os.environ["JDIST_DEBUG"] = mode
+            for _ in range(3):
+                jdist.all_reduce(x)
+            jdist.barrier()
+            res[mode] = _time(lambda x=x: jdist.all_reduce(x), _iters(nbytes, smoke))
+        assert float(x[0]) > 1.0  # really reduced, in place
+        out[nbytes] = res
+    os.environ.pop("JDIST_DEBUG", None)
+    jdist.destroy_process_group()
+    return out
+
+
+def _torch_child(sizes, smoke) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=300))
+    out = {}
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32)
+        for _ in range(3):
+            dist.all_reduce(t)
+        dist.barrier()
+        out[nbytes] = _time(lambda t=t: dist.all_reduce(t), _iters(nbytes, smoke))
+    dist.destroy_process_group()
+    return out
+
+
+def _fmt(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description="jdist vs torch eager all_reduce")
+    parser.add_argument("--smoke", action="store_true", help="2 sizes, 3 calls each")
+    args = parser.parse_args(argv)
+    from jdist.launch import spawn
+
+    # the children unpickle the functions by module name, so use this file as a module
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    mod = importlib.import_module("benchmarks.collectives")
+    sizes = [4 << 10, 1 << 20] if args.smoke else SIZES
+    env = {"OMP_NUM_THREADS": "1"}
+    jd = spawn(mod._jdist_child, args=(sizes, args.smoke), nprocs=2, timeout=1200, env=env)[0]
+    th = spawn(mod._torch_child, args=(sizes, args.smoke), nprocs=2, timeout=1200, env=env)[0]
+    rows = []
+    print(f"{'size':>8} | {'torch ms':>9} | {'jdist ms':>9} | {'ratio':>6} | "
+          f"{'no-check ms':>11} | {'ratio':>6} | {'check cost ms':>13}")
+    print("-" * 80)
+    for nbytes in sizes:
+        t, j, j0 = th[nbytes] * 1e3, jd[nbytes]["ON"] * 1e3, jd[nbytes]["OFF"] * 1e3
+        rows.append({"bytes": nbytes, "torch_ms": t, "jdist_ms": j, "jdist_nocheck_ms": j0})
+        print(f"{_fmt(nbytes):>8} | {t:9.3f} | {j:9.3f} | {j / t:6.2f} | {j0:11.3f} | "
+              f"{j0 / t:6.2f} | {j - j0:13.3f}")
+    print("ratio = jdist time / torch time (lower is better); check cost = the "
+          "fingerprint exchange that JDIST_DEBUG=OFF skips")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
