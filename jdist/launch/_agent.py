@@ -205,9 +205,10 @@ def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
     head = (f"rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}) {f.how} "
             f"on attempt {f.attempt + 1} of {attempts}"
             if f.rank >= 0 else f"{f.how} on attempt {f.attempt + 1} of {attempts}")
+    if f.rank < 0:
+        return f"job failed: {head}."
     tail = "".join(f"    {line}\n" for line in f.stderr_tail.splitlines()) or "    (empty)\n"
-    more = (f"; no restarts left (--max-restarts {max_restarts})" if f.rank >= 0
-            else "")
+    more = f"; no restarts left (--max-restarts {max_restarts})"
     return f"job failed: {head}{more}. Last lines of its stderr:\n{tail}".rstrip("\n")
 
 
@@ -227,6 +228,10 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
             previous[sig] = signal.signal(sig, on_signal)
     agent = None
     r = 0
+    if not cfg.module and not os.path.isfile(cfg.script):
+        _say(f"error: script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
+             f"pass a path to a Python file, or -m for a module")
+        return 2
     try:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()
@@ -267,7 +272,10 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
                 agent.store.compare_set(f"round/{r}/failed", "", blob)
             except (StoreError, OSError):
                 pass
-        _say(f"got {name}; stopped every worker")
+            _say(f"got {name}; stopped every worker")
+            agent.finish()
+        else:
+            _say(f"got {name} while starting; no worker was running")
         return 128 + t.signum
     except (LaunchError, StoreError) as e:
         if agent is not None and agent.group is not None:
