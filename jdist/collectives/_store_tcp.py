@@ -53,6 +53,10 @@ from jdist.errors import StoreAuthError, StoreError, StoreTimeoutError, StoreVal
 __all__ = ["TCPStore"]
 
 _IO_MARGIN_S = 30.0  # extra socket time beyond a server-side wait deadline
+# after a lost connection, the next request reconnects within this window only: a server
+# that was up and went away has most likely exited, and callers (heartbeats, teardown)
+# must learn that quickly rather than after the store timeout
+_RECONNECT_S = 2.0
 _servers: dict[tuple[str, int], weakref.ref] = {}
 _servers_lock = threading.Lock()
 
@@ -339,7 +343,7 @@ class TCPStore(Store):
         # default, so the socket's mode is not switched (a syscall) on every call
         base = self._timeout_s if wait == -1.0 else wait
         io = None if base is None else base + _IO_MARGIN_S
-        return self._client.request(req, io, self._timeout_s)
+        return self._client.request(req, io, _RECONNECT_S)
 
     def _check_size(self, value: bytes) -> bytes:
         if len(value) > self._cap:

@@ -12,7 +12,12 @@ import pytest
 
 from jdist.collectives import TCPStore
 from jdist.collectives import _store_wire as wire
-from jdist.errors import StoreAuthError, StoreTimeoutError, StoreValueTooLargeError
+from jdist.errors import (
+    StoreAuthError,
+    StoreError,
+    StoreTimeoutError,
+    StoreValueTooLargeError,
+)
 from jdist.launch import free_port
 
 TOKEN = "secret-1"
@@ -200,6 +205,7 @@ def test_binds_to_the_given_host_only_and_stops_with_its_master():
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.2", m.port), timeout=2).close()
     port = m.port
+    c = _client(port)
     m.close()
     del m
     import gc
@@ -214,6 +220,11 @@ def test_binds_to_the_given_host_only_and_stops_with_its_master():
         time.sleep(0.05)
     else:
         pytest.fail("the server kept listening after its master store was closed")
+    t0 = time.monotonic()
+    for _ in range(2):  # the lost connection, then a failed reconnect: both fail fast
+        with pytest.raises(StoreError, match=f"127.0.0.1:{port}"):
+            c.set("k", "v")
+    assert time.monotonic() - t0 < 10
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match=f"127.0.0.1:{port}.*MASTER_ADDR"):
         TCPStore("127.0.0.1", port, timeout=0.5, auth_token=TOKEN)
