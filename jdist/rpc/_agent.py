@@ -87,6 +87,7 @@ class RpcAgent:
         self.address: str | None = None
         self.store: Any = None  # the rendezvous store (set by start_agent)
         self.state = "new"
+        self._ready = threading.Event()  # set once the worker table is installed
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)
         self.released: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,6 +125,7 @@ class RpcAgent:
             self._by_name[name] = info
             self._addresses[rank] = address
             self._conn_locks[rank] = threading.Lock()
+        self._ready.set()
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -430,6 +432,8 @@ class RpcAgent:
             self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
 
     def _invoke(self, func, args, kwargs, ctx: int):
+        if not self._ready.is_set():  # a peer was faster than our own rendezvous
+            self._ready.wait(self.options.connect_timeout)
         if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
             with self.enter_context_hook(ctx):
                 return func(*args, **kwargs)

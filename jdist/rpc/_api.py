@@ -46,6 +46,8 @@ class _RpcState:
         self.lock = threading.Lock()
         self.agent: RpcAgent | None = None
         self.store: Any = None
+        self.owns_store = False
+        self.generation = 0
 
 
 _state = _RpcState()
@@ -80,9 +82,19 @@ def _env_int(value: int | None, var: str, what: str) -> int:
 
 
 def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
-                key: bytes | None) -> Any:
+                key: bytes | None) -> tuple[Any, bool]:
+    """The rendezvous store and whether we own it (and must close it at shutdown)."""
     if all(hasattr(init_method, m) for m in ("set", "get", "add", "compare_set")):
-        return init_method
+        return init_method, False
+    from jdist.collectives._group import group_state
+
+    pg_store = group_state.runtime.get("store") if group_state.runtime else None
+    if pg_store is not None and init_method == "env://":
+        # torch reuses the process group's store; a per-init prefix keeps old keys apart
+        from jdist.collectives._store import PrefixStore
+
+        _state.generation += 1
+        return PrefixStore(f"rpc-{_state.generation}", pg_store), False
     if not isinstance(init_method, str):
         raise TypeError(f"init_method must be 'env://', 'tcp://host:port' or a store, "
                         f"got {init_method!r}")
@@ -102,7 +114,7 @@ def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
     from jdist.collectives._store import TCPStore
 
     return TCPStore(host, int(port), world_size, rank == 0, timedelta(seconds=timeout),
-                    auth_token=None if key is None else key.decode("latin-1"))
+                    auth_token=None if key is None else key), True
 
 
 def _shared_key(store: Any, rank: int, timeout: float) -> bytes:
@@ -125,8 +137,13 @@ def _shared_key(store: Any, rank: int, timeout: float) -> bytes:
 
 
 def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOptions,
-                store: Any, auth_key: bytes | None = None) -> RpcAgent:
-    """Start an agent, rendezvous through ``store`` and return it (no singleton)."""
+                store: Any, auth_key: bytes | None = None,
+                on_started: Any = None) -> RpcAgent:
+    """Start an agent, rendezvous through ``store`` and return it (no singleton).
+
+    ``on_started(agent)`` runs once it listens, before the rendezvous: peers may call
+    it from then on (their calls wait until the worker table is installed).
+    """
     check_name(name)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..{world_size - 1} for world_size={world_size}, "
@@ -134,9 +151,14 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
     key = auth_key or options.auth_key() or _shared_key(store, rank, options.rpc_timeout or 300)
     agent = RpcAgent(name, rank, world_size, options, key)
     agent.start()
+    if on_started is not None:
+        on_started(agent)
     try:
+        t0 = time.monotonic()
         table = rendezvous(store, name, rank, world_size, agent.address,
                            options.rpc_timeout or 300.0)
+        if os.environ.get("JDIST_RPC_DEBUG"):
+            print(f"rendezvous of {name} took {time.monotonic() - t0:.3f} s", flush=True)
     except BaseException:
         agent.close()
         raise
@@ -173,10 +195,19 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
         if _state.agent is not None:
             raise AlreadyInitializedError(f"RPC is already initialized as {_state.agent.info}; "
                                           "call jdist.rpc.shutdown() first")
-        store = _make_store(options.init_method, rank, world_size,
-                            options.rpc_timeout or 300.0, options.auth_key())
-        _state.agent = start_agent(name, rank, world_size, options, store)
-        _state.store = store
+        store, owns = _make_store(options.init_method, rank, world_size,
+                                  options.rpc_timeout or 300.0, options.auth_key())
+        def publish(agent: RpcAgent) -> None:
+            _state.agent = agent
+
+        try:
+            start_agent(name, rank, world_size, options, store, on_started=publish)
+        except BaseException:
+            _state.agent = None
+            if owns:
+                _close(store)
+            raise
+        _state.store, _state.owns_store = store, owns
 
 
 def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = None) -> None:
@@ -250,15 +281,26 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
       RpcTimeoutError: live workers did not join within ``timeout`` (named); this
         worker is shut down anyway.
     """
-    with _state.lock:
-        agent, _state.agent = _state.agent, None
-        store, _state.store = _state.store, None
+    agent = _state.agent
     if agent is None:
         raise NotInitializedError("RPC is not initialized: nothing to shut down")
     try:
-        stop_agent(agent, graceful, timeout)
+        stop_agent(agent, graceful, timeout)  # still serving peers until it closes
     finally:
-        del store
+        with _state.lock:
+            store, _state.store, _state.agent = _state.store, None, None
+            owns, _state.owns_store = _state.owns_store, False
+        if owns:
+            _close(store)
+
+
+def _close(store: Any) -> None:
+    close = getattr(store, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            pass
 
 
 def rpc_async(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
