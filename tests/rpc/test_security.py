@@ -162,7 +162,8 @@ def test_unknown_kind_and_bad_headers_answered_not_fatal(tcp_agents):
     st.binary(max_size=64),
     st.builds(lambda xs: msgpack.packb(xs),
               st.lists(st.one_of(st.integers(-5, 10), st.text(max_size=3),
-                                 st.lists(st.integers(-2**63, 2**63 - 1), max_size=3), st.none()), max_size=7))))
+                                 st.lists(st.integers(-2**63, 2**63 - 1), max_size=3),
+                                 st.none()), max_size=7))))
 def test_header_decoder_fuzz(blob):
     try:
         P.decode_header([blob, b"payload"])
