@@ -233,14 +233,17 @@ class StoreServer:
             return
         if conn.closing:
             return  # discard whatever follows a refused frame
-        if (conn.authed and not conn.inbuf and conn.waiter is None and len(data) >= 4
+        if (conn.authed and not conn.inbuf and conn.waiter is None and not conn.outbuf
+                and len(data) >= 4
                 and int.from_bytes(data[:4], "big") == len(data) - 4
                 and len(data) - 4 <= self._frame_cap):
             self._one_frame(conn, data[4:])  # fast path: exactly one whole request
             return
         conn.inbuf += data
-        if conn.waiter is not None and len(conn.inbuf) > self._frame_cap + 4:
-            self._close(conn)  # pipelining past a blocked request without bound
+        if len(conn.inbuf) > self._frame_cap + 4:
+            # a client waits for each reply, so it never has more than one frame in
+            # flight: this one pipelines requests it does not read the answers of
+            self._close(conn)
             return
         self._process(conn)
 
@@ -275,6 +278,8 @@ class StoreServer:
         if not want and conn.closing:
             self._close(conn)
             return
+        if not want and conn.writing and conn.inbuf:
+            self._resume.append(conn)  # frames held back while the reply was queued
         if want != conn.writing:
             conn.writing = want
             self._sel.modify(conn.sock, _READ | (_WRITE if want else 0), conn)
@@ -308,7 +313,8 @@ class StoreServer:
         if not conn.authed and not self._handshake(conn):
             return
         buf = conn.inbuf
-        while conn.waiter is None and not conn.dead and not conn.closing and len(buf) >= 4:
+        while (conn.waiter is None and not conn.dead and not conn.closing and not conn.outbuf
+               and len(buf) >= 4):
             n = int.from_bytes(buf[:4], "big")
             if n > self._frame_cap:
                 conn.closing = True

@@ -172,6 +172,11 @@ def test_garbage_and_dying_clients_leave_the_server_serving(master):
     body = msgpack.packb([wire.Op.WAIT, ["never"], None])
     s.sendall(len(body).to_bytes(4, "big") + body)
     s.close()
+    good.set("big", b"b" * 2_000_000)
+    s = _raw_authed(master.port)  # floods requests and never reads the answers
+    body = msgpack.packb([wire.Op.GET, "big", None])
+    s.sendall((len(body).to_bytes(4, "big") + body) * 2000)
+    hostile.append(s)
     # the server still serves everyone else
     assert good.get("k") == b"v"
     assert good.add("c", 3) == 3
