@@ -4,6 +4,10 @@ Weight conversion between torch modules and Flax NNX modules (both directions, p
 by layer definition order; see :mod:`jdist.testing._convert` for the rule and for what
 the user must keep consistent: layouts, epsilons, BatchNorm momentum).
 
+Parity harness: :func:`run_parity` trains a torch model and its NNX port side by side
+and returns a :class:`ParityReport` (per-step losses, per-layer parameter differences);
+``python -m jdist.testing.parity`` runs built-in pairs (see :mod:`jdist.testing._parity`).
+
 torch is a test oracle only: it is imported lazily inside the functions that use it,
 never by ``import jdist.testing``.
 """
@@ -15,6 +19,22 @@ from jdist.testing._convert import paired_layers as paired_layers
 from jdist.testing._convert import state_dict_to_nnx as state_dict_to_nnx
 from jdist.testing._convert import torch_to_flax_momentum as torch_to_flax_momentum
 from jdist.testing._convert import torch_to_nnx as torch_to_nnx
+from jdist.testing._parity import LOSSES as LOSSES
+from jdist.testing._parity import OPTIMIZERS as OPTIMIZERS
+from jdist.testing._parity import ArrayDiff as ArrayDiff
+from jdist.testing._parity import LossPair as LossPair
+from jdist.testing._parity import OptimizerSpec as OptimizerSpec
+from jdist.testing._parity import ParityReport as ParityReport
+from jdist.testing._parity import StepResult as StepResult
+from jdist.testing._parity import batch_schedule as batch_schedule
+from jdist.testing._parity import compare_models as compare_models
+from jdist.testing._parity import copy_torch_weights as copy_torch_weights
+from jdist.testing._parity import loss_pair as loss_pair
+from jdist.testing._parity import make_optax as make_optax
+from jdist.testing._parity import make_torch_optimizer as make_torch_optimizer
+from jdist.testing._parity import optimizer_spec as optimizer_spec
+from jdist.testing._parity import run_parity as run_parity
+from jdist.testing._parity_models import TorchBatchNorm as TorchBatchNorm
 
 __all__ = [
     "flax_to_torch_momentum",
@@ -24,4 +44,21 @@ __all__ = [
     "state_dict_to_nnx",
     "torch_to_flax_momentum",
     "torch_to_nnx",
+    # parity harness
+    "LOSSES",
+    "OPTIMIZERS",
+    "ArrayDiff",
+    "LossPair",
+    "OptimizerSpec",
+    "ParityReport",
+    "StepResult",
+    "TorchBatchNorm",
+    "batch_schedule",
+    "compare_models",
+    "copy_torch_weights",
+    "loss_pair",
+    "make_optax",
+    "make_torch_optimizer",
+    "optimizer_spec",
+    "run_parity",
 ]
