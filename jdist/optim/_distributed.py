@@ -1,9 +1,14 @@
 """Horovod's ``DistributedOptimizer`` as an optax transformation (usable in ``shard_map``).
 
 ``DistributedOptimizer(tx)`` averages the gradients across the replicas of ``group``
-and then runs ``tx``. The average is fused: leaves are flattened per dtype (after
-compression) into one buffer each, so a float32 model costs one all-reduce per step
-(Horovod's tensor fusion, without its background negotiation: the program is static).
+and then runs ``tx``. The average is fused per dtype (after compression): one ``psum``
+over all leaves of a dtype, which XLA's all-reduce combiner compiles into one combined
+(variadic) all-reduce on CPU, and into chunks of
+``xla_gpu_all_reduce_combine_threshold_bytes`` on GPU. This is Horovod's tensor fusion
+done by the compiler: no copy into a fusion buffer (concatenating into one flat buffer
+measured several times slower on XLA:CPU) and no background negotiation, since the
+program is static. The lowered program lists one all-reduce per leaf; the compiled one
+(``comm_report(compiled)``) shows the fused collective.
 
 Semantics follow Horovod's torch frontend:
 
@@ -55,7 +60,7 @@ def group_axis(group) -> Any:
 
 def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Compression.none,
                     prescale: float = 1.0, postscale: float = 1.0):
-    """Sum (or average) a pytree over ``axis`` with one all-reduce per (compressed) dtype.
+    """Sum (or average) a pytree over ``axis``, fused per (compressed) dtype (see module doc).
 
     Must run inside ``shard_map`` (or any context where ``axis`` is bound).
     """
@@ -70,19 +75,17 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
     post = postscale / size if op == ReduceOp.AVG else postscale
     out = [None] * len(leaves)
     for dtype, idxs in groups.items():
-        flat = jnp.concatenate([packed[i][0].reshape(-1) for i in idxs])
-        if prescale != 1.0 and jnp.issubdtype(dtype, jnp.floating):
-            flat = flat * jnp.asarray(prescale, dtype)
-        flat = jax.lax.psum(flat, axis)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            flat = flat // size if op == ReduceOp.AVG else flat  # integer leaves: floor mean
-        elif post != 1.0:
-            flat = flat * jnp.asarray(post, dtype)
-        pos = 0
-        for i in idxs:
-            y, ctx = packed[i]
-            out[i] = compression.decompress(flat[pos:pos + y.size].reshape(y.shape), ctx)
-            pos += y.size
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        parts = [packed[i][0] for i in idxs]
+        if prescale != 1.0 and floating:
+            parts = [y * jnp.asarray(prescale, dtype) for y in parts]
+        parts = jax.lax.psum(parts, axis)  # one group: XLA's combiner runs it as one
+        for i, y in zip(idxs, parts, strict=True):
+            if not floating:
+                y = y // size if op == ReduceOp.AVG else y  # integer leaves: floor mean
+            elif post != 1.0:
+                y = y * jnp.asarray(post, dtype)
+            out[i] = compression.decompress(y, packed[i][1])
     return jax.tree.unflatten(treedef, out)
 
 
