@@ -17,6 +17,7 @@ awaited, and an exception in replica ``i`` is re-raised as
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 import traceback
@@ -30,7 +31,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jdist.collectives._group import DEFAULT_AXIS
-from jdist.dp._scatter_gather import dim_spec, is_array, resolve_devices
+from jdist.dp._scatter_gather import _children, dim_spec, is_array, resolve_devices
 
 __all__ = [
     "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
@@ -42,8 +43,49 @@ def _dynamic(x: Any) -> bool:
     return is_array(x) or isinstance(x, (jax.core.Tracer, np.generic))
 
 
+class _Dataclass:
+    """Pytree stand-in for a dataclass that is not a registered pytree (fields as children)."""
+
+    __slots__ = ("cls", "names", "values")
+
+    def __init__(self, cls: type, names: tuple, values: tuple) -> None:
+        self.cls, self.names, self.values = cls, names, values
+
+
+jax.tree_util.register_pytree_node(
+    _Dataclass, lambda d: (d.values, (d.cls, d.names)),
+    lambda aux, ch: _Dataclass(aux[0], aux[1], tuple(ch)))
+
+
+def _plain_dataclass(x: Any) -> bool:
+    return (dataclasses.is_dataclass(x) and not isinstance(x, type)
+            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)))
+
+
+def _encode(x: Any) -> Any:
+    if _plain_dataclass(x):
+        names = tuple(f.name for f in dataclasses.fields(x) if f.init)
+        return _Dataclass(type(x), names, tuple(_encode(getattr(x, n)) for n in names))
+    split = None if is_array(x) else _children(x)
+    return x if split is None else split[1]([_encode(c) for c in split[0]])
+
+
+def _decode(x: Any) -> Any:
+    if isinstance(x, _Dataclass):
+        return x.cls(**{n: _decode(v) for n, v in zip(x.names, x.values, strict=True)})
+    split = None if is_array(x) else _children(x)
+    return x if split is None else split[1]([_decode(c) for c in split[0]])
+
+
 def partition(tree: Any) -> tuple[list, tuple]:
-    """``(arrays, key)``: the array leaves of ``tree``, and a hashable rest to rebuild it."""
+    """``(arrays, key)``: the array leaves of ``tree``, and a hashable rest to rebuild it.
+
+    Dataclasses that are not registered pytrees are looked into (their fields), as
+    ``scatter`` does.
+    """
+    encoded = any(_plain_dataclass(x) for x in jax.tree_util.tree_leaves(tree))
+    if encoded:
+        tree = _encode(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dyn = [x for x in leaves if _dynamic(x)]
     static = tuple((i, x) for i, x in enumerate(leaves) if not _dynamic(x))
@@ -55,16 +97,17 @@ def partition(tree: Any) -> tuple[list, tuple]:
                 f"non-array argument {x!r} of type {type(x).__name__} is not hashable; "
                 f"replicas receive non-array arguments as compile-time constants, so make "
                 f"it hashable (a tuple, a frozen dataclass) or an array") from None
-    return dyn, (treedef, static)
+    return dyn, (treedef, static, encoded)
 
 
 def rebuild(dyn: Sequence, key: tuple) -> Any:
     """Inverse of :func:`partition`."""
-    treedef, static = key
+    treedef, static = key[0], key[1]
     fixed = dict(static)
     it = iter(dyn)
     leaves = [fixed[i] if i in fixed else next(it) for i in range(treedef.num_leaves)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    tree = jax.tree_util.tree_unflatten(treedef, leaves)
+    return _decode(tree) if len(key) > 2 and key[2] else tree
 
 
 class OutputMeta(NamedTuple):

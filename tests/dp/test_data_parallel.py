@@ -1,7 +1,9 @@
 """DataParallel / data_parallel: equal to one device (forward and gradients), traps, caching."""
 
+import dataclasses
 import re
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,26 +54,41 @@ def test_functional_forward_and_grad_equal_single_device(n, ndev):
     assert all(leaf.devices() == {DEVS[0]} for leaf in jax.tree.leaves(g))
 
 
-def test_tuple_dict_and_kwargs_inputs():
+@dataclasses.dataclass
+class Extra:  # a plain (unregistered) dataclass: scattered field by field
+    m: object
+    note: str = "n"
+
+
+class Out(NamedTuple):
+    y: object
+    mode: object
+    none: object
+
+
+def test_tuple_dict_dataclass_and_kwargs_inputs():
     p, x = mlp_params(), batch(11)
     mask = jnp.arange(11.0)[:, None] % 3
 
     def apply(p, inputs, extra, *, scale, mode):
         a, b = inputs
-        out = mlp_apply(p, a + b) * extra["m"] * scale
-        return {"y": out, "mode": mode, "none": None}
+        out = mlp_apply(p, a + b) * extra["e"].m * scale
+        assert extra["e"].note == "n" and extra["e"].m.shape[0] in (3, 2, 11)
+        return Out(y=out, mode=mode, none=None)
 
-    want = jax.jit(lambda p: apply(p, (x, x * 2), {"m": mask}, scale=0.5, mode="train")["y"])(p)
-    got = data_parallel((apply, p), ((x, x * 2), {"m": mask}), device_ids=[0, 1, 2, 3],
+    want = jax.jit(lambda p: apply(p, (x, x * 2), {"e": Extra(mask)}, scale=0.5,
+                                   mode="train").y)(p)
+    got = data_parallel((apply, p), ((x, x * 2), {"e": Extra(mask)}), device_ids=[0, 1, 2, 3],
                         module_kwargs={"scale": 0.5, "mode": "train"})
-    close(got["y"], want)
-    assert got["none"] is None
-    assert got["mode"] == ["train"] * 4  # other objects: one per replica, as a list
+    assert isinstance(got, Out)
+    close(got.y, want)
+    assert got.none is None
+    assert got.mode == ["train"] * 4  # other objects: one per replica, as a list
     g = jax.grad(lambda p: jnp.sum(data_parallel(
-        (apply, p), ((x, x * 2), {"m": mask}), [0, 1, 2, 3],
-        module_kwargs={"scale": 0.5, "mode": "t"})["y"] ** 2))(p)
-    close(g, jax.jit(jax.grad(lambda p: jnp.sum(apply(p, (x, x * 2), {"m": mask}, scale=0.5,
-                                                      mode="t")["y"] ** 2)))(p))
+        (apply, p), ((x, x * 2), {"e": Extra(mask)}), [0, 1, 2, 3],
+        module_kwargs={"scale": 0.5, "mode": "t"}).y ** 2))(p)
+    close(g, jax.jit(jax.grad(lambda p: jnp.sum(apply(p, (x, x * 2), {"e": Extra(mask)}, scale=0.5,
+                                                      mode="t").y ** 2)))(p))
 
 
 class Net(nnx.Module):
