@@ -1,0 +1,179 @@
+"""jdist.rpc against torch.distributed.rpc (TensorPipe) and a raw socket, same run.
+
+Two processes on loopback for each system (``jdist.launch.spawn``); rank 0 measures:
+
+- latency: median wall time of ``rpc_sync("w1", echo, (16 float32,))`` (a no-op that
+  returns its small array argument); goal: jdist <= torch;
+- throughput: a 64 MiB float32 array echoed (sent and returned) by ``rpc_sync``;
+  bytes moved (2 x 64 MiB) / median round-trip time; goal: jdist >= torch and
+  >= 50% of a raw Python socket doing the same echo (``sendall`` + ``recv_into``).
+
+Each system runs in its own pair of processes, one after the other, in blocks
+(jdist, torch, raw, jdist, torch, raw, ...); each number is the best block median.
+
+    PYTHONPATH=. python benchmarks/rpc.py           # 2 rounds, 2000 calls, 10 echoes
+    PYTHONPATH=. python benchmarks/rpc.py --smoke   # 1 round, 200 calls, 3 echoes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[1])
+MIB = 1 << 20
+
+
+def echo(x):
+    return x
+
+
+def _measure(call, small, big, n_lat: int, n_tp: int) -> tuple[float, float]:
+    for _ in range(50):
+        call(small)
+    lat = []
+    for _ in range(n_lat):
+        t0 = time.perf_counter()
+        call(small)
+        lat.append(time.perf_counter() - t0)
+    call(big)
+    tp = []
+    for _ in range(n_tp):
+        t0 = time.perf_counter()
+        out = call(big)
+        tp.append(time.perf_counter() - t0)
+        assert out.shape == big.shape
+    nbytes = 2 * big.nbytes
+    return statistics.median(lat), nbytes / statistics.median(tp)
+
+
+def bench_jdist(n_lat: int, n_tp: int, size: int):
+    import numpy as np
+
+    from jdist import rpc
+
+    rank = int(os.environ["RANK"])
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                 rpc_backend_options=rpc.RpcBackendOptions(rpc_timeout=120))
+    res = None
+    if rank == 0:
+        res = _measure(lambda x: rpc.rpc_sync("w1", echo, (x,)), np.ones(16, np.float32),
+                       np.ones(size // 4, np.float32), n_lat, n_tp)
+    rpc.shutdown()
+    return res
+
+
+def bench_torch(n_lat: int, n_tp: int, size: int):
+    import torch
+    import torch.distributed.rpc as trpc
+
+    rank = int(os.environ["RANK"])
+    opts = trpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)
+    trpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    res = None
+    if rank == 0:
+        res = _measure(lambda x: trpc.rpc_sync("w1", echo, (x,)), torch.ones(16),
+                       torch.ones(size // 4), n_lat, n_tp)
+    trpc.shutdown()
+    return res
+
+
+def _recv_exact(sock: socket.socket, buf) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def bench_raw(n_lat: int, n_tp: int, size: int):
+    """Rank 1 echoes length-prefixed messages; rank 0 measures like the RPC runs."""
+    import numpy as np
+
+    rank = int(os.environ["RANK"])
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 1:
+        srv = socket.create_server(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = bytearray(8)
+        while True:
+            try:
+                _recv_exact(conn, head)
+            except ConnectionError:
+                return None
+            body = bytearray(int.from_bytes(head, "big"))
+            _recv_exact(conn, body)
+            conn.sendall(head)
+            conn.sendall(body)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(arr):
+        data = memoryview(arr).cast("B")
+        sock.sendall(len(data).to_bytes(8, "big"))
+        sock.sendall(data)
+        head = bytearray(8)
+        _recv_exact(sock, head)
+        out = np.empty_like(arr)
+        _recv_exact(sock, memoryview(out).cast("B"))
+        return out
+
+    res = _measure(call, np.ones(16, np.float32), np.ones(size // 4, np.float32), n_lat, n_tp)
+    sock.close()
+    return res
+
+
+def main(argv=None) -> None:
+    from jdist.launch import spawn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny run (CI)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--echoes", type=int, default=10)
+    p.add_argument("--mib", type=int, default=64)
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.rounds, a.calls, a.echoes = 1, 200, 3
+    args = (a.calls, a.echoes, a.mib * MIB)
+    env = {"OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    best: dict[str, list[float]] = {}
+    for _ in range(a.rounds):
+        for name, fn in (("jdist", bench_jdist), ("torch", bench_torch), ("raw", bench_raw)):
+            lat, tp = spawn(fn, args=args, nprocs=2, timeout=600, env=env)[0]
+            old = best.get(name)
+            best[name] = [min(lat, old[0]) if old else lat, max(tp, old[1]) if old else tp]
+    print(f"rpc_sync latency, echo of 16 float32 (median of {a.calls}, best of {a.rounds}):")
+    for name in ("jdist", "torch", "raw"):
+        print(f"  {name:6s} {best[name][0] * 1e6:8.1f} us")
+    print(f"echo of a {a.mib} MiB float32 array, bytes moved / median round trip:")
+    for name in ("jdist", "torch", "raw"):
+        print(f"  {name:6s} {best[name][1] / 1e9:8.2f} GB/s")
+    lat_ratio = best["jdist"][0] / best["torch"][0]
+    tp_torch = best["jdist"][1] / best["torch"][1]
+    tp_raw = best["jdist"][1] / best["raw"][1]
+    print(f"latency  jdist/torch = {lat_ratio:.2f}  (goal <= 1)")
+    print(f"throughput jdist/torch = {tp_torch:.2f}  (goal >= 1)")
+    print(f"throughput jdist/raw socket = {tp_raw:.2f}  (goal >= 0.5)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    import benchmarks.rpc as _self  # so spawned workers can import the bench functions
+
+    _self.main()
