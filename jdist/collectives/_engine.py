@@ -29,7 +29,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh, resolve_group
-from jdist.errors import JdistError, NotInitializedError, PeerFailedError
+from jdist.errors import (
+    CollectiveTimeoutError,
+    JdistError,
+    NotInitializedError,
+    PeerFailedError,
+)
 
 __all__ = ["FUSE_LIMIT", "member_group", "process_mesh", "local_device", "next_seq", "program",
            "execute", "to_global", "from_block", "fingerprint_check", "stats",
@@ -71,6 +76,13 @@ def process_mesh(group: ProcessGroup):
 def local_device(group: ProcessGroup):
     """This process's device in the process mesh."""
     return group.devices_per_rank[group.rank][0]
+
+
+def note(group: ProcessGroup, seq: int, what: str) -> None:
+    """Publish (through the heartbeat) that this rank entered collective ``seq``."""
+    wd = group_state.runtime.get("watchdog")
+    if wd is not None:
+        wd.note(group.name, seq, what)
 
 
 def next_seq(group: ProcessGroup) -> int:
@@ -169,23 +181,40 @@ def is_runtime_failure(exc: BaseException) -> bool:
         or isinstance(exc, jax.errors.JaxRuntimeError))
 
 
-def peer_failure(group: ProcessGroup, what: str, exc: BaseException) -> PeerFailedError:
-    """A :class:`PeerFailedError` for ``exc``, naming the dead ranks when found."""
+def peer_failure(group: ProcessGroup, what: str, exc: BaseException,
+                 seq: int | None = None) -> JdistError:
+    """The error to raise for runtime failure ``exc``: a dead rank, or a timeout.
+
+    :class:`PeerFailedError` names ranks found dead; a gloo timeout with every rank
+    alive becomes :class:`CollectiveTimeoutError` naming the ranks that never reached
+    collective ``seq``.
+    """
     wd = group_state.runtime.get("watchdog")
-    dead = wd.diagnose(group.ranks) if wd is not None else {}
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    timed_out = "timed out" in str(exc).lower()
+    dead = wd.diagnose(group.ranks, wait=0.0 if timed_out else None) if wd else {}
     if dead:
         who = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(dead.items()))
         return PeerFailedError(
             f"{what} on group {group.name!r} failed because a peer died: {who}. Look at "
-            f"that rank's own error first. (runtime error: {str(exc).splitlines()[0]})"
+            f"that rank's own error first. (runtime error: {first})"
+        )
+    if timed_out:
+        behind = wd.behind(group.ranks, group.name, seq) if wd and seq is not None else {}
+        who = "; ".join(f"rank {r} {where}" for r, where in sorted(behind.items()))
+        return CollectiveTimeoutError(
+            f"{what} (collective #{seq}) on group {group.name!r} timed out after the group "
+            f"timeout ({group.timeout:g} s): {who or 'no rank was found behind'}. Make every "
+            f"member call the same collectives, or raise init_process_group(timeout=...). "
+            f"(runtime error: {first})"
         )
     return PeerFailedError(
         f"{what} on group {group.name!r} failed in the runtime and no dead rank was "
-        f"found among {list(group.ranks)}: {str(exc).splitlines()[0]}"
+        f"found among {list(group.ranks)}: {first}"
     )
 
 
-def execute(group: ProcessGroup, what: str, fn: Callable, arg) -> Any:
+def execute(group: ProcessGroup, what: str, fn: Callable, arg, seq: int | None = None) -> Any:
     """Run ``fn`` on ``arg`` (an array or a tuple of them); return this process's blocks.
 
     A runtime failure (a peer closed its connection) becomes :class:`PeerFailedError`
@@ -202,7 +231,7 @@ def execute(group: ProcessGroup, what: str, fn: Callable, arg) -> Any:
         block.block_until_ready()
     except Exception as exc:
         if is_runtime_failure(exc):
-            raise peer_failure(group, what, exc) from exc
+            raise peer_failure(group, what, exc, seq) from exc
         raise
     return block
 
@@ -214,8 +243,10 @@ def fingerprint_check(group: ProcessGroup, what: str, fp: np.ndarray) -> None:
     def build():
         return lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
+    seq = int(fp[1])
+    note(group, seq, what)
     fn = program(group, ("fingerprint",), build, (fpr.FP_LEN,), np.int32)
-    block = execute(group, what, fn, to_global(group, fp, (fpr.FP_LEN,), np.int32))
+    block = execute(group, what, fn, to_global(group, fp, (fpr.FP_LEN,), np.int32), seq)
     fps = np.asarray(block)[0].reshape(group.size(), fpr.FP_LEN)
     stats(group)["checked"] += 1
     fpr.check(fps, group.ranks, group.name)
@@ -241,22 +272,25 @@ def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable
       CollectiveMismatchError: the members' fingerprints differ (on every member).
       PeerFailedError: a member died (named).
     """
+    seq = None if fp is None else int(fp[1])
+    if seq is not None:
+        note(group, seq, what)
     with x64(dtype):
         data = to_global(group, x, shape, dtype)
         if fp is None or not fpr.debug_enabled():
             fn = program(group, key, build, shape, dtype)
-            block = execute(group, what, fn, data)
+            block = execute(group, what, fn, data, seq)
             return from_block(block, as_jax)
         if np.dtype(dtype).itemsize * int(np.prod(shape)) > FUSE_LIMIT:
             # large arrays: a separate fingerprint program is cheaper than lax.cond's
             # copies of the operand; the collective then runs only if it passed
             fingerprint_check(group, what, fp)
             fn = program(group, key, build, shape, dtype)
-            return from_block(execute(group, what, fn, data), as_jax)
+            return from_block(execute(group, what, fn, data, seq), as_jax)
         fn = checked_program(group, key, build, shape, dtype)
         stats(group)["checked"] += 1
         fps, block = execute(group, what, fn, (to_global(group, fp, (fpr.FP_LEN,),
-                                                         np.int32), data))
+                                                         np.int32), data), seq)
         fpr.check(np.asarray(fps)[0].reshape(group.size(), fpr.FP_LEN), group.ranks,
                   group.name)
         return from_block(block, as_jax)

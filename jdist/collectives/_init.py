@@ -77,6 +77,33 @@ def _clear_backends() -> None:
     jeb.clear_backends()
 
 
+def _xla_flag(flags: str, name: str) -> float | None:
+    for f in flags.split():
+        if f.startswith(f"--{name}="):
+            try:
+                return float(f.split("=", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def _set_collective_timeout(timeout: float) -> None:
+    """Make a stuck CPU collective *raise* after the group timeout instead of hanging.
+
+    XLA's gloo collectives raise after ``--xla_cpu_collective_timeout_seconds``, but
+    abort the process after ``--xla_cpu_collective_call_terminate_timeout_seconds``
+    (about 40 s by default). Unless the user set the first, it becomes the group
+    timeout, capped 5 s below the abort so that the error wins. XLA reads its flags
+    when its runtime starts, so this only acts before the first init of a process.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _xla_flag(flags, "xla_cpu_collective_timeout_seconds") is not None:
+        return
+    terminate = _xla_flag(flags, "xla_cpu_collective_call_terminate_timeout_seconds") or 40.0
+    seconds = max(1, int(min(timeout, terminate - 5)))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
+
+
 def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> None:
     if _backends_initialized():
         if group_state.generation > 1:
@@ -87,6 +114,7 @@ def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> None:
                 f"computation in this process (jax.devices(), creating arrays, jit calls "
                 f"all start JAX's runtime); move it to the top of the program"
             )
+    _set_collective_timeout(timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Recoverable tasks: a dead peer does not make JAX's coordination service abort the
     # survivors (they raise PeerFailedError instead) nor block their exit. Teardown is

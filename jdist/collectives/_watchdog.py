@@ -9,12 +9,15 @@ collective fails (gloo reports "Connection closed by peer") or a store wait runs
 - otherwise a rank whose counter did not move for ``3 * interval`` seconds is dead;
 - if the store itself is unreachable, its host (rank 0) is dead.
 
-The caller raises :class:`jdist.errors.PeerFailedError` naming those ranks. All store
-traffic of the runtime after init goes through :attr:`Watchdog.lock` (one client).
+The caller raises :class:`jdist.errors.PeerFailedError` naming those ranks. The beat
+also publishes which collective (group, sequence number) this rank last entered, so a
+collective that times out names the ranks that never reached it (:meth:`behind`). All
+store traffic of the runtime after init goes through :attr:`Watchdog.lock` (one client).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -63,6 +66,8 @@ class Watchdog:
         self.store_host_rank = store_host_rank
         self.lock = threading.Lock()
         self.dead: dict[int, str] = {}
+        self.progress: dict[str, tuple[int, str]] = {}
+        self._published = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jdist-heartbeat", daemon=True)
 
@@ -75,13 +80,42 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval + 1.0)
 
+    def note(self, group: str, seq: int, what: str) -> None:
+        """Record that this rank entered collective ``seq`` (``what``) of ``group``."""
+        self.progress[group] = (seq, what)
+
     def _beat(self) -> bool:
         try:
+            progress = json.dumps(self.progress)
             with self.lock:
                 self.store.add(self.prefix + str(self.rank), 1)
+                if progress != self._published:
+                    self.store.set(self.prefix + f"progress/{self.rank}", progress)
+                    self._published = progress
             return True
         except Exception:  # the store host may be gone; diagnosis reports it
             return False
+
+    def behind(self, ranks, group: str, seq: int) -> dict[int, str]:
+        """Ranks (of ``ranks``) that have not entered collective ``seq`` of ``group``.
+
+        Values say where each of them is, from the progress they last published.
+        """
+        out = {}
+        try:
+            with self.lock:
+                for r in ranks:
+                    if r == self.rank:
+                        continue
+                    key = self.prefix + f"progress/{r}"
+                    prog = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+                    at = prog.get(group)
+                    if at is None or at[0] < seq:
+                        out[r] = ("has not called any collective on this group" if at is None
+                                  else f"is still at collective #{at[0]} ({at[1]})")
+        except Exception:
+            return out
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

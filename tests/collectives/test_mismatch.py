@@ -3,6 +3,8 @@
 - Ranks calling different shapes / dtypes / collectives raise CollectiveMismatchError on
   every rank, quickly, naming each rank's call; the group stays usable afterwards;
   ``JDIST_DEBUG=OFF`` skips the check.
+- A rank that never calls makes the other raise CollectiveTimeoutError after the group
+  timeout, naming it and where it is.
 - A rank killed with SIGKILL makes the survivor raise PeerFailedError naming it.
 """
 
@@ -18,13 +20,15 @@ import numpy as np
 
 from tests.helpers import run_procs
 
+TIMEOUT = 6  # seconds: the group timeout of the mismatch job
+
 
 def _mismatch_child() -> dict:
     import jdist
     from jdist.collectives import _engine
-    from jdist.errors import CollectiveMismatchError
+    from jdist.errors import CollectiveMismatchError, CollectiveTimeoutError
 
-    jdist.init_process_group(timeout=30)
+    jdist.init_process_group(timeout=TIMEOUT)
     r = jdist.get_rank()
     out = {}
     cases = {
@@ -56,6 +60,16 @@ def _mismatch_child() -> dict:
     jdist.all_reduce(np.ones(4))
     out["checked_off"] = (stats["calls"] - before[0], stats["checked"] - before[1])
     del os.environ["JDIST_DEBUG"]
+    # a rank that never calls: the other raises after the group timeout, naming it
+    if r == 0:
+        t = time.monotonic()
+        try:
+            jdist.all_reduce(np.ones(4))
+            out["straggler"] = ("no error", 0.0)
+        except CollectiveTimeoutError as e:
+            out["straggler"] = (str(e), time.monotonic() - t)
+    else:
+        time.sleep(TIMEOUT + 4)
     jdist.destroy_process_group()
     return out
 
@@ -77,6 +91,9 @@ def test_mismatch_raises_on_every_rank():
         assert "shape=(100000,)" in msg and "shape=(100001,)" in msg, msg
         # checked: one fused program run; JDIST_DEBUG=OFF: one plain run, no check
         assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 0), res
+    msg, dt = results[0]["straggler"]
+    assert "timed out" in msg and "rank 1 is still at collective #" in msg, msg
+    assert TIMEOUT - 1 <= dt < TIMEOUT + 5, dt
 
 
 def _dying_rank() -> None:
