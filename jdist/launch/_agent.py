@@ -16,7 +16,12 @@ launchers' environment, and runs without a secret otherwise). Keys, under the pr
   so every node reports the same rank); the other nodes poll it and stop their workers;
 - ``round/<r>/done`` / ``round/<r>/stopped``: counters of nodes whose workers
   finished / were stopped; a new attempt starts when every node stopped the last one;
-- ``job/abort`` (a launcher got SIGINT/SIGTERM: no restart), ``job/exited``.
+- ``hb/<i>``: a counter each launcher bumps every second from a thread with its own
+  connection; a launcher whose counter stands still for ``--heartbeat-timeout`` is
+  declared gone (its workers died with it: they get SIGKILL when their launcher dies),
+  and the job stops without restart;
+- ``job/abort`` (a launcher got SIGINT/SIGTERM or went silent: no restart),
+  ``job/exited``.
 
 The restart budget ``--max-restarts`` counts attempts of the whole job (torch counts
 it per agent, pytorch#108158).
@@ -45,6 +50,7 @@ __all__ = ["run", "LaunchError"]
 
 _POLL_S = 0.05
 _REMOTE_POLL_S = 0.2
+_BEAT_S = 1.0
 
 
 class LaunchError(RuntimeError):
@@ -70,6 +76,46 @@ class _Agent:
         env_token = environ.get("JDIST_AUTH_TOKEN") or None
         self.env_token = env_token
         self.store: Store = PrefixStore("jdist-run", self._open_store(env_token))
+        self.round = 0
+        self.silent_node: int | None = None
+        self._stop_beats = threading.Event()
+
+    # --- heartbeats ----------------------------------------------------------------------
+    def start_heartbeats(self) -> None:
+        """Beat, and watch the other launchers' beats, from a daemon thread."""
+        if self.cfg.nnodes > 1:
+            threading.Thread(target=self._beat_loop, args=(self.store.clone(),), daemon=True,
+                             name="jdist-run-heartbeat").start()
+
+    def _beat_loop(self, store: Store) -> None:
+        cfg = self.cfg
+        others = [i for i in range(cfg.nnodes) if i != cfg.node_rank]
+        seen = {i: (-1, time.monotonic()) for i in others}
+        try:
+            while not self._stop_beats.wait(_BEAT_S):
+                store.add(f"hb/{cfg.node_rank}", 1)
+                now = time.monotonic()
+                for i in others:
+                    count = store.add(f"hb/{i}", 0)
+                    if count != seen[i][0]:
+                        seen[i] = (count, now)
+                    elif now - seen[i][1] > cfg.heartbeat_timeout:
+                        self.silent_node = i
+                        how = (f"stopped: the launcher of node {i} stopped responding (no "
+                               f"heartbeat for {now - seen[i][1]:.0f}s)")
+                        blob = json.dumps(Failure(-1, -1, i, 1, how, "", self.round)._asdict())
+                        store.set("job/abort", "1")
+                        store.compare_set(f"round/{self.round}/failed", "", blob)
+                        return
+        except (StoreError, OSError):
+            return  # the store host is gone; the main loop finds out by itself
+        finally:
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+
+    def stop_heartbeats(self) -> None:
+        self._stop_beats.set()
 
     def _open_store(self, token: str | None) -> Store:
         cfg = self.cfg
@@ -176,6 +222,9 @@ class _Agent:
         s.add(f"round/{r}/stopped", 1)
         deadline = time.monotonic() + cfg.rdzv_timeout
         while s.add(f"round/{r}/stopped", 0) < cfg.nnodes:
+            if self.silent_node is not None:
+                raise LaunchError(f"the launcher of node {self.silent_node} stopped "
+                                  f"responding; cannot restart without it")
             if time.monotonic() > deadline:
                 raise LaunchError(f"not every node stopped its workers of attempt {r + 1} "
                                   f"within {cfg.rdzv_timeout:g}s")
@@ -185,7 +234,7 @@ class _Agent:
         """Say goodbye; node 0 keeps its store up until the others left (or 10 s)."""
         try:
             self.store.add("job/exited", 1)
-            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1:
+            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1 and self.silent_node is None:
                 deadline = time.monotonic() + 10.0
                 while (self.store.add("job/exited", 0) < self.cfg.nnodes
                        and time.monotonic() < deadline):
@@ -236,12 +285,14 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()
         s = agent.store
+        agent.start_heartbeats()
         world = sum(nprocs)
         offset = sum(nprocs[:cfg.node_rank])
         while True:
             if cfg.node_rank == 0:
                 s.set(f"round/{r}/port", str(free_port(cfg.master_addr)))
             port = int(s.get(f"round/{r}/port"))
+            agent.round = r
             job = JobInfo(world, offset, cfg.nnodes, cfg.node_rank, cfg.nproc_per_node,
                           cfg.master_addr, port, token, run_id, r, max_restarts)
             failure = agent.watch(agent.start(job), r)
@@ -283,8 +334,10 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         _say(f"error: {e}")
         return 1
     finally:
-        if agent is not None and agent.group is not None:
-            agent.group.stop(0.0)
+        if agent is not None:
+            agent.stop_heartbeats()
+            if agent.group is not None:
+                agent.group.stop(0.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

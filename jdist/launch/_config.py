@@ -20,6 +20,7 @@ class LaunchConfig(NamedTuple):
     max_restarts: int
     shutdown_timeout: float
     rdzv_timeout: float
+    heartbeat_timeout: float
     log_dir: str | None
     tee: bool
     module: bool
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 5)")
     p.add_argument("--rdzv-timeout", type=float, default=300.0,
                    help="seconds the launchers wait for each other (default 300)")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="with several nodes: seconds without a heartbeat from another "
+                        "node's launcher before the job is stopped (default 30)")
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="write each rank's stdout/stderr to LOG_DIR/attempt_K/rank_N/"
                         "{stdout,stderr}.log (the console then shows them only with --tee)")
@@ -101,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         p.error(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
     if a.rdzv_timeout <= 0:
         p.error(f"--rdzv-timeout must be > 0 seconds, got {a.rdzv_timeout}")
+    if a.heartbeat_timeout <= 0:
+        p.error(f"--heartbeat-timeout must be > 0 seconds, got {a.heartbeat_timeout}")
     port = a.master_port
     if port is not None and not 1 <= port <= 65535:
         p.error(f"--master-port must be in [1, 65535], got {port}")
@@ -112,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         nnodes=a.nnodes, node_rank=a.node_rank, nproc_per_node=a.nproc_per_node,
         master_addr=a.master_addr, master_port=port, devices_per_proc=a.devices_per_proc,
         max_restarts=a.max_restarts, shutdown_timeout=a.shutdown_timeout,
-        rdzv_timeout=a.rdzv_timeout, log_dir=a.log_dir, tee=a.tee, module=a.module,
+        rdzv_timeout=a.rdzv_timeout, heartbeat_timeout=a.heartbeat_timeout,
+        log_dir=a.log_dir, tee=a.tee, module=a.module,
         script=a.script, script_args=tuple(a.script_args),
     )
