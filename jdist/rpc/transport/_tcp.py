@@ -1,15 +1,17 @@
 """TCP transport on asyncio: length-prefixed frames, zero-copy send and receive.
 
-Receiving runs on the event loop with ``loop.sock_recv_into`` into the buffers that
-:class:`FrameDecoder` hands out, so a large array frame is read straight into its final
-``bytearray``. Sending is done by the calling thread with ``socket.sendmsg`` over the
-frames' memoryviews (one system call for header and buffers, no join, no copy), waiting
-with ``poll`` when the kernel buffer is full; a lock keeps messages whole.
+Receiving runs on the event loop through an :class:`asyncio.BufferedProtocol` whose
+buffers are the ones :class:`FrameDecoder` hands out, so a large array frame is read
+straight into its final ``bytearray``. Sending is done by the calling thread with
+``socket.sendmsg`` over the frames' memoryviews (one system call for header and
+buffers, no join, no copy), waiting with ``poll`` when the kernel buffer is full; a lock
+keeps messages whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import select
 import socket
 import threading
@@ -61,6 +63,35 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
+class _Reader(asyncio.BufferedProtocol):
+    """The loop receives straight into the decoder's buffers; no future per read."""
+
+    def __init__(self, comm: TCPComm):
+        self.comm = comm
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.comm._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        comm = self.comm
+        try:
+            msgs = comm._decoder.buffer_updated(nbytes)
+        except FrameError as e:
+            comm._fail(CommClosedError(f"bad data from {comm.peer}, connection closed: {e}"))
+            comm.transport.abort()
+            return
+        if msgs:
+            comm._ready.extend(msgs)
+            comm._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f"dropped: {exc}" if exc else "closed by the peer"
+        self.comm._fail(CommClosedError(f"connection to {self.comm.peer} {why}"))
+
+
 class TCPComm(Comm):
     """A connected non-blocking socket; reads on ``loop``, writes from any thread."""
 
@@ -70,13 +101,21 @@ class TCPComm(Comm):
         self.loop = loop
         self.max_message_bytes = int(max_message_bytes)
         self._decoder = FrameDecoder(max_message_bytes)
-        self._ready: list[list[bytearray]] = []
+        self._ready: collections.deque[list[bytearray]] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._error: CommClosedError | None = None
         self._wlock = threading.Lock()
         self._closed = False
+        self.transport: asyncio.Transport | None = None
         try:
             self.peer = "{}:{}".format(*sock.getpeername()[:2])
         except OSError:
             self.peer = "?"
+
+    async def _attach(self) -> TCPComm:
+        self.transport, _ = await self.loop.connect_accepted_socket(
+            lambda: _Reader(self), sock=self.sock)
+        return self
 
     def __repr__(self) -> str:
         return f"TCPComm(peer={self.peer}, closed={self._closed})"
@@ -88,6 +127,17 @@ class TCPComm(Comm):
     def set_max_message_bytes(self, n: int) -> None:
         self.max_message_bytes = int(n)
         self._decoder.max_message_bytes = int(n)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, err: CommClosedError) -> None:
+        self._closed = True
+        if self._error is None:
+            self._error = err
+        self._wake()
 
     def send(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         views = [memoryview(encode_prefix(frames))]
@@ -130,39 +180,29 @@ class TCPComm(Comm):
 
     async def recv(self) -> list[bytearray]:
         while not self._ready:
-            if self._closed:
-                raise CommClosedError(f"connection to {self.peer} is closed")
+            if self._error is not None:
+                raise self._error
+            self._waiter = self.loop.create_future()
             try:
-                n = await self.loop.sock_recv_into(self.sock, self._decoder.get_buffer())
-            except OSError as e:
-                self._finish()
-                raise CommClosedError(f"connection to {self.peer} dropped: {e}") from e
-            if n == 0:
-                self._finish()
-                raise CommClosedError(f"connection to {self.peer} closed by the peer")
-            try:
-                self._ready.extend(self._decoder.buffer_updated(n))
-            except FrameError as e:
-                self._finish()
-                raise CommClosedError(f"bad data from {self.peer}, connection closed: {e}") \
-                    from e
-        return self._ready.pop(0)
-
-    def _finish(self) -> None:
-        self._closed = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._ready.popleft()
 
     def close(self) -> None:
-        # shutdown() wakes a pending sock_recv_into with EOF; the reader then closes
-        # the socket on the loop thread, so the selector never sees a dead descriptor.
+        # shutdown() is thread-safe and makes the loop see end-of-stream, so the
+        # transport closes the socket on the loop thread (never under the selector).
         self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if self._error is None:
+            try:
+                self.loop.call_soon_threadsafe(self._fail, CommClosedError(
+                    f"connection to {self.peer} is closed"))
+            except RuntimeError:
+                pass
 
 
 class TCPListener(Listener):
@@ -209,7 +249,12 @@ class TCPTransport(Transport):
                     await asyncio.sleep(0.05)
                     continue
                 _tune(conn)
-                loop.create_task(handler(TCPComm(conn, loop, max_message_bytes)))
+                try:
+                    comm = await TCPComm(conn, loop, max_message_bytes)._attach()
+                except OSError:
+                    conn.close()
+                    continue
+                loop.create_task(handler(comm))
 
         task = loop.create_task(accept_loop())
         return TCPListener(sock, f"tcp://{shown}:{bound}", task)
@@ -229,7 +274,7 @@ class TCPTransport(Transport):
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
             raise CommClosedError(f"cannot connect to {address}: {e!r}") from e
-        return TCPComm(sock, loop, max_message_bytes)
+        return await TCPComm(sock, loop, max_message_bytes)._attach()
 
 
 register_transport("tcp", TCPTransport)
