@@ -14,6 +14,7 @@ from jdist import errors as errors
 from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
 from jdist.collectives import FileStore as FileStore
 from jdist.collectives import HashStore as HashStore
+from jdist.collectives import P2POp as P2POp
 from jdist.collectives import PrefixStore as PrefixStore
 from jdist.collectives import ProcessGroup as ProcessGroup
 from jdist.collectives import ReduceOp as ReduceOp
@@ -23,9 +24,12 @@ from jdist.collectives import Work as Work
 from jdist.collectives import all_gather as all_gather
 from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
 from jdist.collectives import all_gather_object as all_gather_object
+from jdist.collectives import all_gather_single as all_gather_single
 from jdist.collectives import all_reduce as all_reduce
 from jdist.collectives import all_to_all as all_to_all
+from jdist.collectives import all_to_all_single as all_to_all_single
 from jdist.collectives import barrier as barrier
+from jdist.collectives import batch_isend_irecv as batch_isend_irecv
 from jdist.collectives import broadcast as broadcast
 from jdist.collectives import broadcast_object_list as broadcast_object_list
 from jdist.collectives import destroy_process_group as destroy_process_group
@@ -47,6 +51,7 @@ from jdist.collectives import new_group as new_group
 from jdist.collectives import recv as recv
 from jdist.collectives import reduce as reduce
 from jdist.collectives import reduce_scatter as reduce_scatter
+from jdist.collectives import reduce_scatter_single as reduce_scatter_single
 from jdist.collectives import reduce_scatter_tensor as reduce_scatter_tensor
 from jdist.collectives import scatter as scatter
 from jdist.collectives import scatter_object_list as scatter_object_list
@@ -106,6 +111,11 @@ __all__ = [
     "recv",
     "isend",
     "irecv",
+    "P2POp",
+    "batch_isend_irecv",
+    "all_to_all_single",
+    "all_gather_single",
+    "reduce_scatter_single",
     "Work",
     "errors",
     "__version__",

@@ -6,13 +6,16 @@ Owners of each private module add their public names here, one import per line.
 from jdist.collectives import functional as functional
 from jdist.collectives._eager import all_gather as all_gather
 from jdist.collectives._eager import all_gather_into_tensor as all_gather_into_tensor
+from jdist.collectives._eager import all_gather_single as all_gather_single
 from jdist.collectives._eager import all_reduce as all_reduce
 from jdist.collectives._eager import all_to_all as all_to_all
+from jdist.collectives._eager import all_to_all_single as all_to_all_single
 from jdist.collectives._eager import barrier as barrier
 from jdist.collectives._eager import broadcast as broadcast
 from jdist.collectives._eager import gather as gather
 from jdist.collectives._eager import reduce as reduce
 from jdist.collectives._eager import reduce_scatter as reduce_scatter
+from jdist.collectives._eager import reduce_scatter_single as reduce_scatter_single
 from jdist.collectives._eager import reduce_scatter_tensor as reduce_scatter_tensor
 from jdist.collectives._eager import scatter as scatter
 from jdist.collectives._group import NON_GROUP_MEMBER as NON_GROUP_MEMBER
@@ -33,6 +36,8 @@ from jdist.collectives._object import all_gather_object as all_gather_object
 from jdist.collectives._object import broadcast_object_list as broadcast_object_list
 from jdist.collectives._object import gather_object as gather_object
 from jdist.collectives._object import scatter_object_list as scatter_object_list
+from jdist.collectives._p2p import P2POp as P2POp
+from jdist.collectives._p2p import batch_isend_irecv as batch_isend_irecv
 from jdist.collectives._p2p import irecv as irecv
 from jdist.collectives._p2p import isend as isend
 from jdist.collectives._p2p import recv as recv
@@ -81,6 +86,11 @@ __all__ = [
     "recv",
     "isend",
     "irecv",
+    "P2POp",
+    "batch_isend_irecv",
+    "all_to_all_single",
+    "all_gather_single",
+    "reduce_scatter_single",
     "Work",
     "Store",
     "TCPStore",

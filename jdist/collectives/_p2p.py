@@ -17,6 +17,8 @@ different peers overlap and a ring of them cannot deadlock.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,7 +29,7 @@ from jdist.collectives._eager import _prep, _write_back, queues
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh
 from jdist.errors import CollectiveTimeoutError, NotInitializedError
 
-__all__ = ["send", "recv", "isend", "irecv"]
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
 
 def _world(what: str) -> ProcessGroup:
@@ -195,3 +197,31 @@ def irecv(tensor, src: int | None = None, group=None, tag: int = 0,
     key = ("recv", src if src is not None else "any")
     fut = queues().submit(key, lambda: _do_recv(world, tensor, src, tag))
     return Work(fut, f"irecv from rank {src if src is not None else 'any'}")
+
+
+class P2POp(NamedTuple):
+    """One point-to-point operation for :func:`batch_isend_irecv` (torch's ``P2POp``).
+
+    Attributes:
+      op: ``jdist.isend`` or ``jdist.irecv``.
+      tensor: the array to send, or the buffer giving the received shape and dtype.
+      peer: the other process's global rank.
+      group: the process group (default WORLD).
+      tag: message tag.
+    """
+
+    op: Callable
+    tensor: Any
+    peer: int | None = None
+    group: Any = None
+    tag: int = 0
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list:
+    """Start every operation of the list; returns their ``Work`` handles, in order."""
+    if not p2p_op_list or not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError("batch_isend_irecv expects a non-empty list of jdist.P2POp")
+    for p in p2p_op_list:
+        if p.op not in (isend, irecv):
+            raise ValueError(f"P2POp.op must be jdist.isend or jdist.irecv, got {p.op!r}")
+    return [p.op(p.tensor, p.peer, p.group, p.tag) for p in p2p_op_list]

@@ -119,6 +119,8 @@ def _data_movement(jdist, r: int, n: int) -> None:
         recv = jdist.all_to_all(None, table[r])
         for k in range(n):
             close(recv[k], table[k][r], f"all_to_all {dtype} [{k}]")
+        close(jdist.all_to_all_single(None, np.concatenate(table[r])),
+              np.concatenate([table[k][r] for k in range(n)]), f"all_to_all_single {dtype}")
 
 
 def _jax_in_jax_out(jdist, r: int, n: int) -> None:
@@ -195,6 +197,13 @@ def _p2p(jdist, r: int, n: int) -> None:
     for w in works:
         w.wait(timeout=60)
         assert w.is_completed()
+    # the same ring through batch_isend_irecv
+    ops = [jdist.P2POp(jdist.isend, np.full((3,), r, np.int32), nxt),
+           jdist.P2POp(jdist.irecv, np.zeros((3,), np.int32), prv)]
+    works = jdist.batch_isend_irecv(ops)
+    s, v = works[1].wait(timeout=60)
+    works[0].wait(timeout=60)
+    assert s == prv and (v == prv).all(), (s, v)
     # recv from any source: every rank sends to rank 0
     if r == 0:
         seen = sorted(int(jdist.recv(np.zeros((1,), np.int64))[0]) for _ in range(n - 1))
