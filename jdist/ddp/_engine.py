@@ -33,7 +33,8 @@ class Engine:
 
     def __init__(self, group: ProcessGroup, leaves: Sequence[LeafInfo], *,
                  bucket_cap_mb: float | None, find_unused_parameters: bool,
-                 broadcast_buffers: bool, compiler_options: dict | None = None):
+                 broadcast_buffers: bool, compiler_options: dict | None = None,
+                 flat_buckets: bool = True):
         self.group = group
         self.leaves = tuple(leaves)
         self.bucket_cap_mb = bucket_cap_mb
@@ -56,6 +57,7 @@ class Engine:
             platform = group.mesh.devices.flat[0].platform
             compiler_options = bucket_compiler_options(bucket_cap_mb, platform)
         self.compiler_options = dict(compiler_options)
+        self.flat_buckets = bool(flat_buckets)
 
     # ----------------------------------------------------------------- hooks
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -126,7 +128,7 @@ class Engine:
             mesh=self.group.mesh, axis=self.group.axis_name,
             num_replicas=self.group.num_replicas, layout=self.layout,
             hook=self._traced_hook(), find_unused=self.find_unused,
-            compiler_options=self.compiler_options)
+            compiler_options=self.compiler_options, flat_buckets=self.flat_buckets)
 
     # ----------------------------------------------------------------- layout
     def ensure_layout(self, loss: Callable, params, buffers, batch, extra) -> None:

@@ -46,7 +46,7 @@ class FunctionalDDP:
                  process_group: ProcessGroup | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  init_sync: bool = True, comm_hook: Any = None,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, flat_buckets: bool = True):
         self.process_group = resolve_group(process_group)
         infos = leaf_infos(params)
         if not infos:
@@ -63,7 +63,8 @@ class FunctionalDDP:
         self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
                               find_unused_parameters=find_unused_parameters,
                               broadcast_buffers=broadcast_buffers,
-                              compiler_options=compiler_options)
+                              compiler_options=compiler_options,
+                              flat_buckets=flat_buckets)
         if comm_hook is not None:
             state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
             self.register_comm_hook(state, hook)

@@ -39,6 +39,7 @@ class Config(NamedTuple):
     hook: Callable
     find_unused: bool
     compiler_options: dict | None = None
+    flat_buckets: bool = True
 
 
 def _is_key(x) -> bool:
@@ -118,7 +119,7 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
             (value, (aux, new_buffers)), grads, hstate = reduced_value_and_grad(
                 loss, params, (buffers, batch, extra), layout=cfg.layout, hook=cfg.hook,
                 hook_state=hstate, acc=acc, axis=ax, num_replicas=nrep,
-                find_unused=cfg.find_unused, scale=scale, post=post)
+                find_unused=cfg.find_unused, scale=scale, post=post, flat=cfg.flat_buckets)
             if join is None:
                 value = jax.lax.pmean(value, ax)
             else:

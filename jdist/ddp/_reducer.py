@@ -12,6 +12,10 @@ it, the rule
    all-reduce over the replica axis), threading the hook state from bucket to bucket;
 3. unflattens the reduced buffer and returns it as the cotangent.
 
+With ``flat_buckets=False`` and no registered hook, a bucket's gradients are reduced by
+one variadic ``pmean`` without the copy into a flat buffer (XLA lowers it to one
+all-reduce per gradient, which its own combiner may merge).
+
 Parameters are made *varying* (``lax.pcast(..., to='varying')``) before differentiating:
 with ``check_vma=True`` the gradient of a replicated input is otherwise already summed
 over replicas by the transpose of the implicit broadcast. The reduced, replicated
@@ -93,7 +97,7 @@ class ReduceRecord:
 
     Attributes:
       state: the hook state, threaded from one bucket's rule to the next.
-      reduced: bucket index -> reduced flat buffer (replicated).
+      reduced: bucket index -> reduced gradients of its parameters (replicated).
       fired: bucket indices in the order their rules ran.
       unused: paths of parameters whose cotangent was a symbolic zero.
     """
@@ -122,10 +126,19 @@ def _split(buf: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
 
 def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
               grads: Sequence[jax.Array], axis: Any, num_replicas: int,
-              scale: Any = None, post: Any = None) -> jax.Array:
+              scale: Any = None, post: Any = None, flat: bool = True) -> list[jax.Array]:
+    """Reduce one bucket; returns the reduced gradients, one array per parameter."""
     bucket = layout.buckets[bi]
     if scale is not None:  # join(): replicas out of inputs contribute zeros
         grads = [g * scale.astype(g.dtype) for g in grads]
+    if not flat and hook is mean_allreduce_hook:
+        # no flat copy: one variadic pmean (XLA lowers it per gradient and may combine)
+        outs = list(jax.lax.pmean(tuple(grads), axis))
+        if post is not None:
+            outs = [o * post.astype(o.dtype) for o in outs]
+        rec.reduced[bi] = outs
+        rec.fired.append(bi)
+        return outs
     buf = _flat(grads, jnp.dtype(bucket.dtype))
     gb = GradBucket(
         index=bi, buffer=buf, gradients=tuple(grads), parameters=bucket.paths,
@@ -147,14 +160,15 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
         )
     if post is not None:
         out = out * post.astype(out.dtype)
-    rec.reduced[bi] = out
+    outs = _split(out, grads)
+    rec.reduced[bi] = outs
     rec.fired.append(bi)
-    return out
+    return outs
 
 
 def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
                      acc: Sequence[Any] | None, axis: Any, num_replicas: int,
-                     find_unused: bool, scale: Any, post: Any) -> Callable:
+                     find_unused: bool, scale: Any, post: Any, flat: bool) -> Callable:
     bucket = layout.buckets[bi]
 
     @jax.custom_vjp
@@ -176,8 +190,8 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             rec.unused.extend(missing)
             if not find_unused:
                 raise UnusedParametersError(unused_message(missing))
-        out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post)
-        return (to_varying(_split(out, grads), axis),)
+        out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post, flat)
+        return (to_varying(out, axis),)
 
     ident.defvjp(fwd, bwd, symbolic_zeros=True)
     return ident
@@ -207,7 +221,7 @@ def _wrapper(traced: _graph.Traced, groups: Sequence[Sequence[int]],
 def reduced_value_and_grad(
     loss: Callable, params: Any, args: tuple, *, layout: BucketLayout, hook: Callable,
     hook_state: Any, acc: Any, axis: Any, num_replicas: int, find_unused: bool,
-    scale: Any = None, post: Any = None,
+    scale: Any = None, post: Any = None, flat: bool = True,
 ) -> tuple[Any, Any, Any]:
     """Differentiate ``loss(params, *args) -> (scalar, aux)`` with bucketed reduction.
 
@@ -233,7 +247,8 @@ def reduced_value_and_grad(
     rec = ReduceRecord(hook_state)
     groups = [b.leaves for b in layout.buckets]
     before = _wrapper(traced, groups, lambda bi: _bucket_identity(
-        rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused, scale, post))
+        rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused, scale, post,
+        flat))
     flat_args = list(varying) + jax.tree.leaves(args)
 
     def scalar_loss(ls):
@@ -253,11 +268,10 @@ def reduced_value_and_grad(
         zeros = [jnp.zeros(layout.leaves[j].shape, layout.leaves[j].dtype) for j in b.leaves]
         if acc_leaves is not None:
             zeros = [z + acc_leaves[j] for z, j in zip(zeros, b.leaves, strict=False)]
-        _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas, scale, post)
+        _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas, scale, post, flat)
     out_leaves: list[Any] = [None] * len(leaves)
     for bi, b in enumerate(layout.buckets):
-        metas = [layout.leaves[j] for j in b.leaves]
-        for j, g in zip(b.leaves, _split(rec.reduced[bi], metas), strict=True):
+        for j, g in zip(b.leaves, rec.reduced[bi], strict=True):
             out_leaves[j] = g
     return (value, aux), jax.tree.unflatten(tdef, out_leaves), rec.state
 

@@ -35,11 +35,12 @@ def test_train_step_equals_full_batch_training(cap, tx):
     assert len(ddp.buckets.buckets) == (1 if cap is None else 2)
 
 
-def test_value_and_grad_returns_replica_mean_and_aux():
+@pytest.mark.parametrize("flat", [True, False])
+def test_value_and_grad_returns_replica_mean_and_aux(flat):
     b = data()
     ref = MLP(rngs=nnx.Rngs(1))
     ref_loss, ref_grads = nnx.value_and_grad(mse)(ref, b)
-    ddp = DDP(MLP(rngs=nnx.Rngs(1)), bucket_cap_mb=0.001)
+    ddp = DDP(MLP(rngs=nnx.Rngs(1)), bucket_cap_mb=0.001, flat_buckets=flat)
     f = ddp.value_and_grad(lambda m, b: (mse(m, b), m(b["x"]).shape[0]), has_aux=True)
     (loss, aux), grads = f(b)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
