@@ -10,6 +10,10 @@ written by a crashed writer is cut off by the next writer.
 As in torch, the processes count themselves in the file; when the last one closes its
 store (``close()`` or garbage collection) the file is deleted, and with
 ``world_size > 0`` more users than ``world_size`` is an error.
+
+Differences from torch: the user count is hidden from ``num_keys``/``list_keys`` (torch
+lists it), ``delete_key`` of a missing key returns False (torch: True), the file format
+is jdist's own, and a timeout raises :class:`jdist.errors.StoreTimeoutError`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ Differences from torch (documented on purpose):
 - ``add`` on a non-integer value raises ``ValueError`` and the connection stays usable
   (torch's server drops the connection);
 - ``timeout`` may be seconds as a float as well as a ``timedelta``;
+- a timeout raises :class:`jdist.errors.StoreTimeoutError` (a ``RuntimeError`` and a
+  ``TimeoutError``; torch: ``DistStoreError``) naming the keys and the time waited;
+- after a lost connection the next request reconnects (within 2 s) instead of failing
+  for good;
 - the queue API (``queue_push``/``queue_pop``/``queue_len``), ``barrier`` and
   ``master_listen_fd`` are not provided; ``use_libuv`` is accepted and ignored.
 
