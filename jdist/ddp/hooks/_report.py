@@ -83,8 +83,7 @@ def _group_size(attrs: str, default: int) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
     if m:
         return int(m.group(2))
-    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-    return default if not m else default
+    return default  # empty groups (all devices) or point-to-point ops
 
 
 def _parse_computations(text: str):
