@@ -251,7 +251,10 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ sending
     def _dumps(self, obj: Any, dest: int) -> tuple[bytes, list]:
-        return S.dumps(obj, lambda o: self.rrefs.persistent_id(o, dest))
+        def reduce_rref(r: RRef) -> tuple:
+            return S.load_hook, (tuple(self.rrefs.persistent_id(r, dest)),)
+
+        return S.dumps(obj, {RRef: reduce_rref})
 
     def _loads(self, frames: list) -> Any:
         return S.loads(frames[1], frames[2:], self.rrefs.persistent_load)

@@ -135,9 +135,7 @@ class RRefContext:
             self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
 
     # ---- pickling ----
-    def persistent_id(self, obj: Any, dest: int) -> RRefPid | None:
-        if not isinstance(obj, RRef):
-            return None
+    def persistent_id(self, obj: RRef, dest: int) -> RRefPid:
         if obj._agent is not self.agent:
             raise RRefError("an RRef can only be sent by the agent that made it")
         me = self.agent.info.id

@@ -5,27 +5,42 @@ copied into the payload: their memory is handed out as ``PickleBuffer`` views, w
 transport sends as separate frames straight from the array (and the receiver rebuilds
 the array on top of the received frame, again without a copy). jax arrays travel the
 same way as their host view and are rebuilt with ``jax.device_put`` on the receiver's
-default device. ``persistent_id`` / ``persistent_load`` hooks let the agent swap RRefs
-for ids (the fork protocol) while pickling.
+default device. The C pickler's ``dispatch_table`` does the type dispatch (no Python
+call per pickled object); the agent adds a reducer that swaps RRefs for ids (the fork
+protocol), rebuilt through :func:`load_hook` by the agent decoding the message.
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["dumps", "loads", "describe_callable", "check_callable_picklable"]
+__all__ = ["dumps", "loads", "load_hook", "rebuild_jax", "describe_callable",
+           "check_callable_picklable"]
 
-PersistentId = Callable[[Any], Any]
-PersistentLoad = Callable[[Any], Any]
+Reducers = dict  # type -> reduce function, consulted by pickle's C dispatch table
+_LOAD = threading.local()  # the agent decoding in this thread (for RRefs)
+_jax_types: tuple = ()
 
 
-def _is_jax_array(obj: Any) -> bool:
-    jax = sys.modules.get("jax")
-    return jax is not None and isinstance(obj, jax.Array)
+def _jax_array_types() -> tuple:
+    """Concrete jax array types, once jax is imported (never imports jax itself)."""
+    global _jax_types
+    if not _jax_types and "jax" in sys.modules:
+        try:
+            from jax._src.array import ArrayImpl
+
+            _jax_types = (ArrayImpl,)
+        except ImportError:  # pragma: no cover - another jax layout
+            import jax
+
+            _jax_types = (type(jax.device_put(0)),)
+    return _jax_types
 
 
 def _jax_to_host(x: Any) -> Any:
@@ -38,54 +53,58 @@ def _jax_to_host(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _jax_from_host(arr: Any) -> Any:
+def rebuild_jax(arr: Any) -> Any:
+    """Receiver side of a jax array: onto this process's default device."""
     import jax
 
     return jax.device_put(arr)
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file, buffers: list, hook: PersistentId | None):
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
-        self._hook = hook
-
-    def persistent_id(self, obj: Any) -> Any:
-        if self._hook is not None:
-            pid = self._hook(obj)
-            if pid is not None:
-                return pid
-        if _is_jax_array(obj):
-            return ("jax", _jax_to_host(obj))
-        return None
+def _reduce_jax(x: Any) -> tuple:
+    return rebuild_jax, (_jax_to_host(x),)
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, buffers: Sequence[Any], hook: PersistentLoad | None):
-        super().__init__(file, buffers=buffers)
-        self._hook = hook
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and pid and pid[0] == "jax":
-            return _jax_from_host(pid[1])
-        if self._hook is not None:
-            return self._hook(pid)
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+def load_hook(pid: Any) -> Any:
+    """Rebuild a persistent object (an RRef) with the agent decoding in this thread."""
+    hook = getattr(_LOAD, "hook", None)
+    if hook is None:
+        raise pickle.UnpicklingError(
+            "this payload holds an RRef: it can only be unpickled by an RPC agent")
+    return hook(pid)
 
 
-def dumps(obj: Any, hook: PersistentId | None = None) -> tuple[bytes, list[memoryview]]:
+def dumps(obj: Any, reducers: Reducers | None = None) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj``; return ``(payload, buffers)`` with array memory out of band.
 
-    ``hook(obj)`` may return a persistent id (a picklable tuple) to replace ``obj``.
+    ``reducers`` maps exact types to reduce functions (the agent swaps RRefs for ids);
+    jax arrays travel as their host numpy view.
     """
     buffers: list = []
     f = io.BytesIO()
-    _Pickler(f, buffers, hook).dump(obj)
+    p = pickle.Pickler(f, protocol=5, buffer_callback=buffers.append)
+    table = dict(copyreg.dispatch_table)
+    for t in _jax_array_types():
+        table[t] = _reduce_jax
+    if reducers:
+        table.update(reducers)
+    p.dispatch_table = table
+    p.dump(obj)
     return f.getvalue(), [b.raw() for b in buffers]
 
 
-def loads(payload: Any, buffers: Sequence[Any] = (), hook: PersistentLoad | None = None) -> Any:
-    """Inverse of :func:`dumps`; arrays are rebuilt on top of ``buffers`` (no copy)."""
-    return _Unpickler(io.BytesIO(payload), buffers, hook).load()
+def loads(payload: Any, buffers: Sequence[Any] = (),
+          hook: Callable[[Any], Any] | None = None) -> Any:
+    """Inverse of :func:`dumps`; arrays are rebuilt on top of ``buffers`` (no copy).
+
+    ``hook(pid)`` rebuilds the objects that a reducer replaced with
+    ``(load_hook, (pid,))`` (RRefs), in this thread only.
+    """
+    prev = getattr(_LOAD, "hook", None)
+    _LOAD.hook = hook
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    finally:
+        _LOAD.hook = prev
 
 
 def describe_callable(func: Any) -> str:
