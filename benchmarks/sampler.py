@@ -10,7 +10,8 @@ For each dataset size it times, in the same run and on the same seeds:
 * the permutation alone: ``torch.randperm`` vs ``jdist.sampler.randperm``.
 
 and prints jdist/torch ratios (lower is better; the goal is <= 3x). It also checks
-that both produce identical indices. Timings are medians of ``--repeats`` runs.
+that both produce identical indices. Timings are the best of ``--repeats`` runs, with
+torch and jdist runs interleaved, so that load from other processes hits both alike.
 
 ``--large`` also compares ``randperm`` with torch at n = 214748363 and 214748364, the two
 sides of torch's switch to its inside-out algorithm (needs about 4 GB and a minute).
@@ -19,7 +20,6 @@ sides of torch's switch to its inside-out algorithm (needs about 4 GB and a minu
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -29,13 +29,17 @@ from torch.utils.data import DistributedSampler as TorchSampler
 from jdist.sampler import DistributedSampler, randperm
 
 
-def _median_time(fn, repeats):
-    times, result = [], None
+def _best_times(fn_a, fn_b, repeats):
+    """Best-of-``repeats`` seconds for two functions run alternately, and their results."""
+    best_a = best_b = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        result_a = fn_a()
+        best_a = min(best_a, time.perf_counter() - start)
+        start = time.perf_counter()
+        result_b = fn_b()
+        best_b = min(best_b, time.perf_counter() - start)
+    return best_a, best_b, result_a, result_b
 
 
 def _torch_randperm(n, seed):
@@ -48,8 +52,9 @@ def run(sizes, repeats):
     rows = []
     seed, epoch = 1234, 3
     for n in sizes:
-        t_torch, perm_t = _median_time(lambda n=n: _torch_randperm(n, seed + epoch), repeats)
-        t_ours, perm_j = _median_time(lambda n=n: randperm(n, seed + epoch), repeats)
+        t_torch, t_ours, perm_t, perm_j = _best_times(
+            lambda n=n: _torch_randperm(n, seed + epoch), lambda n=n: randperm(n, seed + epoch),
+            repeats)
         assert np.array_equal(perm_t.numpy(), perm_j), "randperm differs from torch"
         rows.append((n, "randperm (whole permutation)", t_torch, t_ours))
         for replicas in (1, 8):
@@ -57,13 +62,14 @@ def run(sizes, repeats):
             ours = DistributedSampler(n, replicas, 0, True, seed)
             theirs.set_epoch(epoch)
             ours.set_epoch(epoch)
-            t_torch, list_t = _median_time(lambda s=theirs: list(s), repeats)
-            t_ours, list_j = _median_time(
+            t_torch, t_ours, list_t, list_j = _best_times(
+                lambda s=theirs: list(s),
                 lambda s=ours, e=epoch: (s.set_epoch(e + 1), s.set_epoch(e), list(s))[2],
                 repeats)
             assert list_t == list_j, "sampler indices differ from torch"
             rows.append((n, f"list(sampler), {replicas} replicas", t_torch, t_ours))
-            t_np, arr = _median_time(lambda s=ours: s.indices(), repeats)
+            t_torch, t_np, list_t, arr = _best_times(
+                lambda s=theirs: list(s), lambda s=ours: s.indices(), repeats)
             assert arr.tolist() == list_t
             rows.append((n, f"sampler.indices() (numpy), {replicas} replicas", t_torch, t_np))
     return rows
@@ -73,8 +79,9 @@ def check_large():
     from jdist.sampler import TORCH_SWAP_LIMIT
 
     for n, seed in [(TORCH_SWAP_LIMIT - 1, 2**32 + 3), (TORCH_SWAP_LIMIT, 5)]:
-        t_torch, perm_t = _median_time(lambda n=n, s=seed: _torch_randperm(n, s).numpy(), 1)
-        t_ours, perm_j = _median_time(lambda n=n, s=seed: randperm(n, s, dtype=np.int32), 1)
+        t_torch, t_ours, perm_t, perm_j = _best_times(
+            lambda n=n, s=seed: _torch_randperm(n, s).numpy(),
+            lambda n=n, s=seed: randperm(n, s, dtype=np.int32), 1)
         same = bool(np.array_equal(perm_t, perm_j))
         del perm_t, perm_j
         print(f"randperm n={n} seed={seed}: identical={same}  torch {t_torch:.1f}s  "
