@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jdist.dp._parallel_apply import (
     Programs,
     ReplicaProgram,
+    fold_keys,
     nnx_apply,
     partition,
     rebuild,
@@ -66,7 +67,7 @@ class Runtime:
 
     def program(self, key: Any, fn: Callable, mesh, dim: int) -> ReplicaProgram:
         return self.programs.get((key, mesh, dim), lambda: ReplicaProgram(
-            fn, mesh=mesh, dim=dim, expand_scalars=True))
+            fn, mesh=mesh, dim=dim, expand_scalars=True, fold_rng=True))
 
 
 _default_runtime = Runtime(default_cache)
@@ -133,15 +134,16 @@ def _apply_vmapped(fn, params, a_dyn, akey, sizes, dim) -> tuple:
     stacked = [jnp.moveaxis(jnp.reshape(a, a.shape[:dim] + (m, c) + a.shape[dim + 1:]), dim, 0)
                for a in main]
     metas = []
+    p_dyn, pkey = partition(params)
 
-    def one(dyn):
+    def one(dyn, index):
         args, kwargs = rebuild(dyn, akey)
-        out, aux = fn(params, args, kwargs)
+        out, aux = fn(rebuild(fold_keys(p_dyn, index), pkey), args, kwargs)
         arrays, meta = split_output(out, True, dim)
         metas.append(meta)
         return arrays, aux
 
-    arrays, aux = jax.vmap(one)(stacked)
+    arrays, aux = jax.vmap(one)(stacked, jnp.arange(m, dtype=jnp.int32))
     arrays = [jnp.reshape(jnp.moveaxis(a, 0, dim),
                           a.shape[1:dim + 1] + (m * a.shape[dim + 1],) + a.shape[dim + 2:])
               for a in arrays]
@@ -149,7 +151,7 @@ def _apply_vmapped(fn, params, a_dyn, akey, sizes, dim) -> tuple:
     static_lists = [[v] * m for _, v in meta.static]
     if m < k:
         args, kwargs = rebuild(tail, akey)
-        out_t, _ = fn(params, args, kwargs)
+        out_t, _ = fn(rebuild(fold_keys(p_dyn, m), pkey), args, kwargs)
         arrays_t, meta_t = split_output(out_t, True, dim)
         _check_same(meta, meta_t, m)
         arrays = [jnp.concatenate([a, b], axis=dim) for a, b in zip(arrays, arrays_t, strict=True)]
@@ -172,7 +174,7 @@ def _dispatch(runtime, key, fn, params, a_dyn, akey, devices, m, sizes, dim):
             p = runtime.replicas.put(params, placement)
             sharding = NamedSharding(mesh, dim_spec(dim)) if prog_mesh is not None else placement
             args, kwargs = rebuild(jax.device_put(part, sharding), akey)
-            results.append(runtime.program(key, fn, prog_mesh, dim)(p, args, kwargs))
+            results.append(runtime.program(key, fn, prog_mesh, dim)(p, args, kwargs, idx * m))
         except Exception as e:  # noqa: BLE001 - re-raised below, after all are dispatched
             errors[idx * m] = replica_error(e, idx * m, dev)
     if errors:
@@ -288,8 +290,9 @@ class DataParallel(nnx.Module):
     directly; outputs are gathered on ``output_device``; gradients land where the
     parameters live. Each replica computes its own BatchNorm statistics from its chunk and
     replica 0's update is written back (torch keeps device 0's buffers); the same holds for
-    other state updates (RNG counts, sown values). All replicas start from the same RNG
-    state, so dropout masks of equally sized chunks coincide (torch draws per device).
+    other state updates (RNG counts, sown values). Replica ``i`` folds ``i`` into the
+    module's PRNG keys, so replicas draw independent dropout masks (torch draws per
+    device); one device or one chunk uses the keys unchanged.
     Unlike torch: inputs with different batch sizes raise ``ValueError`` instead of
     dropping samples, parameters need not be on ``device_ids[0]`` first, and a CPU-only
     machine runs over its (virtual) CPU devices instead of unwrapping the module.

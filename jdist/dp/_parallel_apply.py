@@ -35,7 +35,7 @@ from jdist.dp._scatter_gather import _children, dim_spec, is_array, resolve_devi
 
 __all__ = [
     "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
-    "join_output", "nnx_apply", "replica_error", "parallel_apply",
+    "join_output", "fold_keys", "nnx_apply", "replica_error", "parallel_apply",
 ]
 
 
@@ -110,6 +110,15 @@ def rebuild(dyn: Sequence, key: tuple) -> Any:
     return _decode(tree) if len(key) > 2 and key[2] else tree
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def fold_keys(leaves: Sequence, index: Any) -> list:
+    """``leaves`` with ``index`` folded into every typed PRNG key array."""
+    return [jax.random.fold_in(x, index) if _is_key(x) else x for x in leaves]
+
+
 class OutputMeta(NamedTuple):
     """How to rebuild a replica's output from the arrays a program returned.
 
@@ -165,47 +174,57 @@ class ReplicaProgram:
         outputs concatenated along ``dim`` and ``aux`` stacked on a new leading axis.
       dim: the batch dimension.
       expand_scalars: unsqueeze 0-d outputs to shape (1,) (always on with a mesh).
+      fold_rng: fold each replica's index into the typed PRNG keys among the params, so
+        replicas draw independent random numbers (dropout), as torch's devices do.
     """
 
-    def __init__(self, fn: Callable, mesh=None, dim: int = 0, expand_scalars: bool = False):
+    def __init__(self, fn: Callable, mesh=None, dim: int = 0, expand_scalars: bool = False,
+                 fold_rng: bool = False):
         self._fn = fn
         self._mesh = mesh
         self._dim = dim
         self._expand = expand_scalars or mesh is not None
+        self._fold = fold_rng
         self._meta: dict = {}
-        self._pending: Hashable = None
-        self._jitted = jax.jit(self._traced, static_argnums=2)
+        self._jitted = jax.jit(self._traced, static_argnums=3)
         self.traces = 0
 
-    def _inner(self, p_dyn, a_dyn, key):
+    def _inner(self, p_dyn, a_dyn, index, key):
+        if self._fold:
+            if self._mesh is not None:
+                index = index + jax.lax.axis_index(DEFAULT_AXIS)
+            p_dyn = fold_keys(p_dyn, index)
         params = rebuild(p_dyn, key[0])
         args, kwargs = rebuild(a_dyn, key[1])
         out, aux = self._fn(params, args, kwargs)
         arrays, meta = split_output(out, self._expand, self._dim)
-        self._meta[self._pending] = meta
+        self._meta[key] = meta  # key includes the shapes: one entry per compiled program
         if self._mesh is not None:
             aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
         return arrays, aux
 
-    def _traced(self, p_dyn, a_dyn, key):
+    def _traced(self, p_dyn, a_dyn, index, key):
         self.traces += 1
         if self._mesh is None:
-            return self._inner(p_dyn, a_dyn, key)
+            return self._inner(p_dyn, a_dyn, index, key)
         body = jax.shard_map(
             functools.partial(self._inner, key=key), mesh=self._mesh,
-            in_specs=(PartitionSpec(), dim_spec(self._dim)),
+            in_specs=(PartitionSpec(), dim_spec(self._dim), PartitionSpec()),
             out_specs=(dim_spec(self._dim), PartitionSpec(DEFAULT_AXIS)), check_vma=False)
-        return body(p_dyn, a_dyn)
+        return body(p_dyn, a_dyn, index)
 
-    def __call__(self, params: Any, args: tuple, kwargs: dict) -> tuple[list, Any, OutputMeta]:
-        """Returns ``(arrays, aux, meta)``; ``join_output(arrays, meta)`` is the output."""
+    def __call__(self, params: Any, args: tuple, kwargs: dict,
+                 index: int = 0) -> tuple[list, Any, OutputMeta]:
+        """Returns ``(arrays, aux, meta)``; ``join_output(arrays, meta)`` is the output.
+
+        ``index`` is the (first) replica's index, folded into PRNG keys with ``fold_rng``.
+        """
         p_dyn, pkey = partition(params)
         a_dyn, akey = partition((tuple(args), dict(kwargs)))
-        key = (pkey, akey)
-        sig = (key, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in p_dyn + a_dyn))
-        self._pending = sig
-        arrays, aux = self._jitted(p_dyn, a_dyn, key)
-        return arrays, aux, self._meta[sig]
+        shapes = tuple((tuple(x.shape), x.dtype) for x in p_dyn + a_dyn)
+        key = (pkey, akey, shapes)  # static; the shapes are in jit's cache key anyway
+        arrays, aux = self._jitted(p_dyn, a_dyn, np.int32(index), key)
+        return arrays, aux, self._meta[key]
 
 
 def nnx_apply(graphdef: Any, call: Callable | None = None) -> Callable:

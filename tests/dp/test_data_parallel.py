@@ -253,3 +253,22 @@ def test_bad_arguments_raise():
         DataParallel((mlp_apply, {}), device_ids=[0, 99])
     with pytest.raises(ValueError, match="dim must be"):
         DataParallel((mlp_apply, {}), dim=-1)
+
+
+def test_dropout_masks_are_independent_across_replicas():
+    class Drop(nnx.Module):
+        def __init__(self):
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.drop(x)
+
+    model = Drop()
+    key_before = jax.random.key_data(model.drop.rngs.key.get_value())
+    out = DataParallel(model, device_ids=[0, 1, 2, 3])(jnp.ones((4, 64)))  # one row each
+    masks = np.asarray(out) != 0
+    assert all(not np.array_equal(masks[0], masks[i]) for i in range(1, 4))
+    assert 0.25 < masks.mean() < 0.75
+    assert int(model.drop.rngs.count.get_value()) == 1  # replica 0's update
+    np.testing.assert_array_equal(
+        jax.random.key_data(model.drop.rngs.key.get_value()), key_before)
