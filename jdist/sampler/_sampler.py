@@ -148,7 +148,8 @@ class DistributedSampler:
         )
 
     def __iter__(self):
-        start, self._start = self._start, 0
+        start = self._start
+        order = self.indices()  # raises before any state changes
         if start == 0 and self.shuffle and self._iterated_epoch == self.epoch:
             warnings.warn(
                 f"DistributedSampler iterated again with epoch {self.epoch}: this pass "
@@ -159,9 +160,9 @@ class DistributedSampler:
             )
         if start == 0:
             self._iterated_epoch = self.epoch
-        remaining = self.indices()[start:].tolist()
+        self._start = 0
         self._base = start
-        self._iterator = iter(remaining)
+        self._iterator = iter(order[start:].tolist())
         return self._iterator
 
     def __len__(self) -> int:

@@ -157,9 +157,11 @@ def test_constructor_errors():
 def test_dataset_length_change_is_reported():
     data = list(range(10))
     sampler = DistributedSampler(data, 2, 0)
+    sampler.load_state_dict({"epoch": 0, "consumed": 2})
     data.append(10)
     with pytest.raises(ValueError, match="changed from 10 to 11"):
         list(sampler)
+    assert sampler.state_dict()["consumed"] == 2  # a failed iter() keeps the position
 
 
 def test_works_as_a_torch_dataloader_sampler():
