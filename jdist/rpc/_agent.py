@@ -265,9 +265,10 @@ class RpcAgent:
         if p is not None:
             p.future.set_exception(exc)
 
-    def _send_request(self, worker: WorkerInfo, rid: int, frames: list) -> None:
+    def _send_request(self, worker: WorkerInfo, rid: int, frames: list,
+                      timeout: float | None = None) -> None:
         try:
-            self._conn_to(worker.id).send(frames)
+            self._conn_to(worker.id).send(frames, timeout or self._send_timeout())
         except CommClosedError as e:
             self._mark_dead(worker.id, str(e))
             self._fail(rid, WorkerUnavailableError(f"worker {worker} is unavailable: {e}"))
@@ -289,6 +290,10 @@ class RpcAgent:
                             "pytrees of them, plain Python objects).") from e
         return P.encode(msg, payload, bufs)
 
+    def _send_timeout(self) -> float | None:
+        """Bound on handing one message to a peer that does not read (then it's cut off)."""
+        return self.options.rpc_timeout or None
+
     def _context_id(self) -> int:
         return self.context_id_hook() if self.context_id_hook is not None else P.NO_CONTEXT
 
@@ -302,7 +307,7 @@ class RpcAgent:
         frames = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
                                    args, kwargs)
         fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
-        self._send_request(worker, rid, frames)
+        self._send_request(worker, rid, frames, t)
         return fut
 
     def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
@@ -335,7 +340,7 @@ class RpcAgent:
         fut = self._register_rid(rid, worker, fn, t, f"remote({worker}, {fn})")
         rref._created = fut
         fut.add_done_callback(rref._on_confirmed)
-        self._send_request(worker, rid, frames)
+        self._send_request(worker, rid, frames, t)
         return rref
 
     def _remote_local(self, rref_id, func, args, kwargs, fn: str) -> RRef:
@@ -403,7 +408,7 @@ class RpcAgent:
                 frames_out = P.encode(P.Result(msg.rid), *S.dumps(None))
             except Exception as e:
                 frames_out = P.encode(P.Failure(msg.rid), *S.dumps(failure_payload(e, self.info)))
-            self._ctl_submit(comm.send, frames_out)
+            self._ctl_submit(comm.send, frames_out, self._send_timeout())
         else:
             self._on_call(comm, peer, msg, frames)
 
@@ -480,13 +485,13 @@ class RpcAgent:
             self._reply_failure(comm, rid, TypeError(
                 f"the result of {fn} on {self.info} cannot be pickled: {e}"), peer, fn)
             return
-        _quiet(comm.send, frames)
+        _quiet(comm.send, frames, self._send_timeout())
 
     def _reply_failure(self, comm: Comm, rid: int, exc: BaseException, peer: int,
                        fn: str) -> None:
         del peer, fn
         frames = P.encode(P.Failure(rid), *S.dumps(failure_payload(exc, self.info)))
-        _quiet(comm.send, frames)
+        _quiet(comm.send, frames, self._send_timeout())
 
     def _on_reply(self, msg: Any, frames: list) -> None:
         with self._lock:
