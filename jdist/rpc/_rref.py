@@ -205,9 +205,14 @@ class RRef:
             self._entry = agent.rrefs.handle_acquired(rref_id)
         self._live = True
 
-    def __repr__(self) -> str:
-        role = "OwnerRRef" if self.is_owner() else "UserRRef"
-        return f"{role}(RRefId = {self._rref_id}, owner={self._owner})"
+    def __repr__(self) -> str:  # torch's format
+        def gid(i: Id) -> str:
+            return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
+
+        if self.is_owner():
+            return f"OwnerRRef({gid(self._rref_id)})"
+        fork = gid(self._fork) if self._fork is not None else "None"
+        return f"UserRRef(RRefId = {gid(self._rref_id)}, ForkId = {fork})"
 
     def __reduce__(self):
         raise RRefError("an RRef can only be pickled as an argument or result of "
@@ -255,7 +260,7 @@ class RRef:
         """
         if not self.is_owner():
             raise RRefError(
-                f"RRef.local_value(): can't call localValue() on user {self._agent.info}. "
+                f"For {self!r}, can't call localValue() on user {self._agent.info}. "
                 f"Call it on owner {self._owner}")
         from jdist.rpc._options import resolve_timeout
 

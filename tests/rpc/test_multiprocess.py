@@ -33,9 +33,9 @@ def test_three_workers_end_to_end():
     assert (owner, owner_name, is_owner) == (WorkerInfo(1, "w1"), "w1", False)
     assert (a, b, c, n) == (7, 8, 8, 8)
     assert r0["confirmed"] is True
-    assert r0["local_value"] == ("RRef.local_value(): can't call localValue() on user "
-                                 "WorkerInfo(id=0, name=w0). Call it on owner "
-                                 "WorkerInfo(id=1, name=w1)")
+    assert r0["local_value"].startswith("For UserRRef(RRefId = GloballyUniqueId(created_on=0, ")
+    assert r0["local_value"].endswith(", can't call localValue() on user WorkerInfo(id=0, "
+                                      "name=w0). Call it on owner WorkerInfo(id=1, name=w1)")
     # reference counting
     assert r0["kept"] == 1000 and r0["owned_peak"] >= 1000 and r0["sample"] == 999.0
     assert r0["owned_after"] == 0, f"owner table still has {r0['owned_after']} values"
