@@ -55,6 +55,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jdist.errors import WeightConversionError
 from jdist.testing import _convert
 
 __all__ = [
@@ -389,6 +390,9 @@ def compare_models(torch_model, nnx_model, *, strict: bool = True) -> tuple[Arra
     Layers are paired as :func:`~jdist.testing.paired_layers` pairs them; NNX arrays are
     brought to torch's layout first (kernels transposed). Includes BatchNorm running
     statistics (``running_mean``, ``running_var``).
+
+    Raises:
+      WeightConversionError: the models do not pair, or a pair's shapes differ.
     """
     pairs = _convert._pair(_convert.torch_layers(torch_model),
                            _convert.nnx_layers(nnx_model), "torch", "nnx", strict)
@@ -401,8 +405,10 @@ def compare_models(torch_model, nnx_model, *, strict: bool = True) -> tuple[Arra
             tv = _convert._to_numpy(tv).astype(np.float64)
             nv = np.asarray(nv, dtype=np.float64)
             if tv.shape != nv.shape:
-                raise ValueError(f"torch {t.describe()} {name!r} has shape {tv.shape} but nnx "
-                                 f"{n.describe()} gives {nv.shape}; the models differ")
+                raise WeightConversionError(
+                    f"shape mismatch: torch {t.describe()} {name!r} has shape {tv.shape} but "
+                    f"nnx {n.describe()} gives {nv.shape} (in torch's layout); build both "
+                    f"layers with the same sizes")
             diff = float(np.max(np.abs(tv - nv))) if tv.size else 0.0
             out.append(ArrayDiff(t.path, n.path, t.kind, name, tuple(tv.shape), diff))
     return tuple(out)
