@@ -69,7 +69,7 @@ def train_mlp(rank, world, cap, tx_name, steps=3, group=None):
     return losses, params
 
 
-def join_linear(rank, world, n_batches, divide=True, group=None):
+def join_linear(rank, world, n_batches, divide=True, group=None, throw=False):
     """Uneven inputs: this rank has ``n_batches`` batches; SGD on a linear model."""
     import jax.numpy as jnp
     import optax
@@ -88,7 +88,7 @@ def join_linear(rank, world, n_batches, divide=True, group=None):
     ddp = DDP(model, process_group=group)
     step = ddp.train_step(loss, nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param))
     local = ddp.process_group.num_replicas // max(ddp.process_group.size(), 1)
-    with ddp.join(divide_by_initial_world_size=divide):
+    with ddp.join(divide_by_initial_world_size=divide, throw_on_early_termination=throw):
         for i in range(n_batches):
             x = np.full((local, 3), float(rank + 1) * (i + 1), np.float32)
             step(x)
@@ -138,6 +138,14 @@ def multiprocess_main():
     except ModelMismatchError as e:
         out["mismatch"] = str(e)
     out["join"] = join_linear(rank, world, 5 if rank == 0 else 3)
+    out["join_active"] = join_linear(rank, world, 5 if rank == 0 else 3, divide=False)
+    from jdist.errors import JoinError
+
+    try:
+        join_linear(rank, world, 2 if rank == 0 else 1, throw=True)
+        out["join_throw"] = None
+    except JoinError as e:
+        out["join_throw"] = str(e)
     from examples.train_ddp import main as example
 
     out["example"] = example(["--smoke"])

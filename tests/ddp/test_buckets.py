@@ -92,3 +92,20 @@ def test_find_unused_layout_is_torch_iter0_layout_and_never_rebuilt():
 def test_bad_bucket_cap_names_value(bad):
     with pytest.raises(BucketLayoutError, match="bucket_cap_mb"):
         DDP(Stack(1, 4, rngs=nnx.Rngs(0)), bucket_cap_mb=bad)
+
+
+def test_xla_options_map_bucket_cap_and_are_valid_compile_options():
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.ddp._xla import bucket_compiler_options
+
+    cpu = bucket_compiler_options(None, "cpu")
+    assert cpu == {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+    gpu = bucket_compiler_options(2, "gpu")
+    assert gpu["xla_gpu_all_reduce_combine_threshold_bytes"] == 2 * 1024 * 1024
+    assert bucket_compiler_options(None, "gpu")[
+        "xla_gpu_all_reduce_combine_threshold_bytes"] == 25 * 1024 * 1024
+    for opts in (cpu, gpu):  # XLA rejects unknown option names at compile time
+        f = jax.jit(lambda x: x + 1, compiler_options=opts)
+        assert float(f(jnp.ones(()))) == 2.0

@@ -52,8 +52,16 @@ def test_two_processes_two_devices_each():
     # join: rank 0 has 5 batches, rank 1 has 3; grads of absent replicas count as zeros
     # and the mean still divides by all 4 replicas (divide_by_initial_world_size=True)
     expect = -sum((2 * 1 * (i + 1) + (2 * 2 * (i + 1) if i < 3 else 0)) / 4 for i in range(5))
+    # divide_by_initial_world_size=False: the mean over the replicas still active
+    active = -sum((2 * 1 * (i + 1) + 2 * 2 * (i + 1)) / 4 if i < 3 else (i + 1)
+                  for i in range(5))
     for r in res:
         np.testing.assert_allclose(r["join"], [expect] * 3)
+        np.testing.assert_allclose(r["join_active"], [active] * 3)
+    # throw_on_early_termination: torch's texts, on both ranks, nothing hangs
+    assert res[1]["join_throw"] == "Rank 1 exhausted all inputs."
+    assert res[0]["join_throw"] == ("Detected at least one rank that exhausted inputs. "
+                                    "Throwing across all ranks.")
     # the demo runs on 2 processes x 2 devices (smoke mode) and agrees on the accuracy
     ex = [r["example"] for r in res]
     assert [e["rank"] for e in ex] == [0, 1] and ex[0]["world"] == 2
