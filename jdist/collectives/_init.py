@@ -230,6 +230,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
                             _platform_backend(requested), seconds)
     except BaseException:
+        if jax.distributed.is_initialized():  # e.g. a backend that does not fit
+            _shutdown_jax({"jax": True})
         if own_store:
             _close_store(store)
         raise
