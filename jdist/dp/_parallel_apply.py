@@ -31,7 +31,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jdist.collectives._group import DEFAULT_AXIS
-from jdist.dp._scatter_gather import _children, dim_spec, is_array, resolve_devices
+from jdist.dp._scatter_gather import (
+    dim_spec,
+    is_array,
+    resolve_devices,
+    split_container,
+)
 
 __all__ = [
     "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
@@ -66,14 +71,14 @@ def _encode(x: Any) -> Any:
     if _plain_dataclass(x):
         names = tuple(f.name for f in dataclasses.fields(x) if f.init)
         return _Dataclass(type(x), names, tuple(_encode(getattr(x, n)) for n in names))
-    split = None if is_array(x) else _children(x)
+    split = None if is_array(x) else split_container(x)
     return x if split is None else split[1]([_encode(c) for c in split[0]])
 
 
 def _decode(x: Any) -> Any:
     if isinstance(x, _Dataclass):
         return x.cls(**{n: _decode(v) for n, v in zip(x.names, x.values, strict=True)})
-    split = None if is_array(x) else _children(x)
+    split = None if is_array(x) else split_container(x)
     return x if split is None else split[1]([_decode(c) for c in split[0]])
 
 

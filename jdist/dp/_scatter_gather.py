@@ -1,9 +1,9 @@
 """Split a batch pytree over devices (``scatter``) and concatenate outputs (``gather``).
 
-The pure core is :func:`chunk_sizes` (``torch.chunk`` arithmetic) and the pytree walk
-:func:`map_structure`; ``scatter``/``scatter_kwargs``/``gather`` are thin shells that move
-arrays between devices with ``jax.device_put`` (differentiable, so gradients flow back
-through both).
+The pure core is :func:`chunk_sizes` (``torch.chunk`` arithmetic), :func:`batch_size`
+(the common size, checked) and :func:`split_container` (one level of the container walk);
+``scatter``/``scatter_kwargs``/``gather`` are thin shells that move arrays between devices
+with ``jax.device_put`` (differentiable, so gradients flow back through both).
 
 Differences from ``torch.nn.parallel``:
   * arrays whose sizes along ``dim`` differ raise ``ValueError`` quoting every size (torch
@@ -39,6 +39,7 @@ __all__ = [
     "mesh_for",
     "dim_spec",
     "is_array",
+    "split_container",
     "scatter",
     "scatter_kwargs",
     "gather",
@@ -81,8 +82,12 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _children(obj: Any):
-    """``(children, rebuild)`` for a container scatter/gather recurse into, else None."""
+def split_container(obj: Any):
+    """``(children, rebuild)`` for a container scatter/gather recurse into, else None.
+
+    Containers: namedtuples, tuples, lists, dicts, dataclass instances (init fields) and
+    registered pytree nodes; anything else (arrays, None, strings, objects) is a leaf.
+    """
     if _is_namedtuple(obj):
         return list(obj), lambda ch: type(obj)(*ch)
     if isinstance(obj, (tuple, list)):
@@ -116,7 +121,7 @@ def _walk_arrays(obj: Any, path: str, out: list) -> None:
     if is_array(obj):
         out.append((path, obj))
         return
-    split = _children(obj)
+    split = split_container(obj)
     if split is None:
         return
     children, _ = split
@@ -232,7 +237,7 @@ def _scatter_tree(obj: Any, sizes: tuple, devices: tuple, dim: int) -> list:
     k = len(sizes)
     if is_array(obj):
         return _split_array(obj, sizes, devices, dim)
-    split = _children(obj)
+    split = split_container(obj)
     if split is None or not split[0]:
         return [obj] * k
     children, rebuild = split
@@ -329,12 +334,13 @@ def _gather_tree(outs: list, target: jax.Device, dim: int):
                     f"All dicts must have the same number of keys (and the same keys): "
                     f"replica 0 has {sorted(map(str, first))}, replica {i} has "
                     f"{sorted(map(str, o))}")
-    split = _children(first)
+    split = split_container(first)
     if split is None or isinstance(first, str):
         return list(outs)
     children, rebuild = split
     keys = list(first) if isinstance(first, dict) else None
-    per_replica = [[o[k] for k in keys] if keys is not None else _children(o)[0] for o in outs]
+    per_replica = [[o[k] for k in keys] if keys is not None else split_container(o)[0]
+                   for o in outs]
     if any(len(ch) != len(children) for ch in per_replica):
         raise ValueError(
             f"replicas returned {type(first).__name__}s of different lengths "
