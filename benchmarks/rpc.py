@@ -8,8 +8,9 @@ Two processes on loopback for each system (``jdist.launch.spawn``); rank 0 measu
   bytes moved (2 x 64 MiB) / median round-trip time; goal: jdist >= torch and
   >= 50% of a raw Python socket doing the same echo (``sendall`` + ``recv_into``).
 
-Each system runs in its own pair of processes, one after the other, in blocks
-(jdist, torch, raw, jdist, torch, raw, ...); each number is the best block median.
+Each system runs in its own pair of processes, one after the other, in rounds
+(jdist, torch, raw, jdist, ...); each number is the best round's. CPU time of both
+processes per operation is printed too: on a busy machine it is the steadier measure.
 
     PYTHONPATH=. python benchmarks/rpc.py           # 2 rounds, 2000 calls, 10 echoes
     PYTHONPATH=. python benchmarks/rpc.py --smoke   # 1 round, 200 calls, 3 echoes
@@ -33,23 +34,28 @@ def echo(x):
     return x
 
 
-def _measure(call, small, big, n_lat: int, n_tp: int) -> tuple[float, float]:
+def _measure(call, small, big, n_lat: int, n_tp: int, peer_cpu) -> tuple:
+    """(median latency, bytes/s, CPU s per small call, CPU s per big echo); CPU of both."""
     for _ in range(50):
         call(small)
     lat = []
+    c0, p0 = time.process_time(), peer_cpu()
     for _ in range(n_lat):
         t0 = time.perf_counter()
         call(small)
         lat.append(time.perf_counter() - t0)
+    cpu_small = (time.process_time() - c0 + peer_cpu() - p0) / n_lat
     call(big)
     tp = []
+    c0, p0 = time.process_time(), peer_cpu()
     for _ in range(n_tp):
         t0 = time.perf_counter()
         out = call(big)
         tp.append(time.perf_counter() - t0)
         assert out.shape == big.shape
+    cpu_big = (time.process_time() - c0 + peer_cpu() - p0) / n_tp
     nbytes = 2 * big.nbytes
-    return statistics.median(lat), nbytes / statistics.median(tp)
+    return statistics.median(lat), nbytes / statistics.median(tp), cpu_small, cpu_big
 
 
 def bench_jdist(n_lat: int, n_tp: int, size: int):
@@ -63,7 +69,8 @@ def bench_jdist(n_lat: int, n_tp: int, size: int):
     res = None
     if rank == 0:
         res = _measure(lambda x: rpc.rpc_sync("w1", echo, (x,)), np.ones(16, np.float32),
-                       np.ones(size // 4, np.float32), n_lat, n_tp)
+                       np.ones(size // 4, np.float32), n_lat, n_tp,
+                       lambda: rpc.rpc_sync("w1", time.process_time))
     rpc.shutdown()
     return res
 
@@ -78,7 +85,8 @@ def bench_torch(n_lat: int, n_tp: int, size: int):
     res = None
     if rank == 0:
         res = _measure(lambda x: trpc.rpc_sync("w1", echo, (x,)), torch.ones(16),
-                       torch.ones(size // 4), n_lat, n_tp)
+                       torch.ones(size // 4), n_lat, n_tp,
+                       lambda: trpc.rpc_sync("w1", time.process_time))
     trpc.shutdown()
     return res
 
@@ -108,7 +116,11 @@ def bench_raw(n_lat: int, n_tp: int, size: int):
                 _recv_exact(conn, head)
             except ConnectionError:
                 return None
-            body = bytearray(int.from_bytes(head, "big"))
+            size = int.from_bytes(head, "big")
+            if size == 0:  # CPU-time query
+                conn.sendall(int(time.process_time() * 1e9).to_bytes(8, "big"))
+                continue
+            body = bytearray(size)
             _recv_exact(conn, body)
             conn.sendall(head)
             conn.sendall(body)
@@ -133,7 +145,14 @@ def bench_raw(n_lat: int, n_tp: int, size: int):
         _recv_exact(sock, memoryview(out).cast("B"))
         return out
 
-    res = _measure(call, np.ones(16, np.float32), np.ones(size // 4, np.float32), n_lat, n_tp)
+    def peer_cpu():
+        sock.sendall((0).to_bytes(8, "big"))
+        out = bytearray(8)
+        _recv_exact(sock, out)
+        return int.from_bytes(out, "big") / 1e9
+
+    res = _measure(call, np.ones(16, np.float32), np.ones(size // 4, np.float32), n_lat, n_tp,
+                   peer_cpu)
     sock.close()
     return res
 
@@ -152,25 +171,28 @@ def main(argv=None) -> None:
         a.rounds, a.calls, a.echoes = 1, 200, 3
     args = (a.calls, a.echoes, a.mib * MIB)
     env = {"OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-    best: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple]] = {"jdist": [], "torch": [], "raw": []}
     for _ in range(a.rounds):
         for name, fn in (("jdist", bench_jdist), ("torch", bench_torch), ("raw", bench_raw)):
-            lat, tp = spawn(fn, args=args, nprocs=2, timeout=600, env=env)[0]
-            old = best.get(name)
-            best[name] = [min(lat, old[0]) if old else lat, max(tp, old[1]) if old else tp]
-    print(f"rpc_sync latency, echo of 16 float32 (median of {a.calls}, best of {a.rounds}):")
+            runs[name].append(spawn(fn, args=args, nprocs=2, timeout=600, env=env)[0])
+    best = {n: (min(r[0] for r in rs), max(r[1] for r in rs), min(r[2] for r in rs),
+                min(r[3] for r in rs)) for n, rs in runs.items()}
+    print(f"rpc_sync echo of 16 float32 (median of {a.calls}, best of {a.rounds} rounds); "
+          "CPU = both processes:")
     for name in ("jdist", "torch", "raw"):
-        print(f"  {name:6s} {best[name][0] * 1e6:8.1f} us")
-    print(f"echo of a {a.mib} MiB float32 array, bytes moved / median round trip:")
+        print(f"  {name:6s} latency {best[name][0] * 1e6:8.1f} us   "
+              f"CPU {best[name][2] * 1e6:8.1f} us/call")
+    print(f"echo of a {a.mib} MiB float32 array (bytes moved / median round trip):")
     for name in ("jdist", "torch", "raw"):
-        print(f"  {name:6s} {best[name][1] / 1e9:8.2f} GB/s")
-    lat_ratio = best["jdist"][0] / best["torch"][0]
-    tp_torch = best["jdist"][1] / best["torch"][1]
-    tp_raw = best["jdist"][1] / best["raw"][1]
-    print(f"latency  jdist/torch = {lat_ratio:.2f}  (goal <= 1)")
-    print(f"throughput jdist/torch = {tp_torch:.2f}  (goal >= 1)")
-    print(f"throughput jdist/raw socket = {tp_raw:.2f}  (goal >= 0.5)")
-
+        print(f"  {name:6s} {best[name][1] / 1e9:8.2f} GB/s   "
+              f"CPU {best[name][3] * 1e3:8.1f} ms/echo")
+    j, t, r = best["jdist"], best["torch"], best["raw"]
+    print(f"latency    jdist/torch = {j[0] / t[0]:.2f}  (goal <= 1); "
+          f"CPU per call jdist/torch = {j[2] / t[2]:.2f}")
+    print(f"throughput jdist/torch = {j[1] / t[1]:.2f}  (goal >= 1); "
+          f"CPU per echo jdist/torch = {j[3] / t[3]:.2f}")
+    print(f"throughput jdist/raw socket = {j[1] / r[1]:.2f}  (goal >= 0.5); "
+          f"CPU per echo jdist/raw = {j[3] / r[3]:.2f}")
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)

@@ -98,6 +98,11 @@ class RpcAgent:
         #: factory entered around incoming calls with their context id.
         self.context_id_hook: Callable[[], int] | None = None
         self.enter_context_hook: Callable[[int], Any] | None = None
+        #: asked first by rpc_async: a Future for a differentiable call, or None
+        self.call_hook: Callable[..., Future | None] | None = None
+        from jdist.rpc.autograd._context import install
+
+        install(self)
 
     def __repr__(self) -> str:
         return f"RpcAgent({self.info}, {self.state}, address={self.address})"
@@ -300,6 +305,10 @@ class RpcAgent:
     def rpc_async(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
                   timeout: float | None = -1) -> Future:
         """Send ``func(*args, **kwargs)`` to ``to``; a Future of its result."""
+        if self.call_hook is not None:
+            fut = self.call_hook(to, func, args, kwargs, timeout)
+            if fut is not None:
+                return fut
         worker = self.worker_info(to)
         t = resolve_timeout(timeout, self.options.rpc_timeout)
         fn = S.describe_callable(func)

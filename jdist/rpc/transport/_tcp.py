@@ -56,11 +56,7 @@ def split_host_port(loc: str) -> tuple[str, int]:
 def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
-        except OSError:
-            pass
+    # buffer sizes are left to the kernel: setting SO_RCVBUF turns off its autotuning
 
 
 class _Reader(asyncio.BufferedProtocol):

@@ -1,0 +1,233 @@
+"""Distributed autograd contexts: ids, per-worker tables, the thread's current context.
+
+No jax here: the RPC agent imports this module to learn which context id to put on an
+outgoing call (:func:`current_context_id`) and to enter a context around an incoming
+one (:func:`enter_context`). Everything is per agent, so several agents in one process
+(the in-process tests) keep separate tables, as separate processes would.
+
+A context id is ``(worker id << 48) | counter``: globally unique, as torch's. A context
+holds, on each worker it reached:
+
+- ``grads``: gradients accumulated for this worker's own parameters (``nnx.Variable``
+  objects, keyed by ``id()``, the Variable kept alive beside its gradient);
+- ``vjps``: the VJP closures of the functions this worker ran for a differentiable
+  RPC, keyed by the message id the caller holds (torch's ``send``/``recv`` pair).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from jdist.errors import DistAutogradError
+
+__all__ = [
+    "NO_CONTEXT",
+    "DistAutogradContext",
+    "registry",
+    "current",
+    "current_context_id",
+    "enter_context",
+    "no_context",
+    "not_found",
+]
+
+NO_CONTEXT = -1  # the same value as jdist.rpc._protocol.NO_CONTEXT
+_ID_BITS = 48
+
+
+def _internal(fn: Any) -> Any:
+    """Mark a function sent by distributed autograd itself (never made differentiable)."""
+    fn._jdist_autograd_internal = True
+    return fn
+
+
+def not_found(context_id: int) -> DistAutogradError:
+    """torch's error for an unknown (never made, or released) context id."""
+    return DistAutogradError(f"Could not find autograd context with id: {context_id}")
+
+
+class DistAutogradContext:
+    """One worker's share of one distributed autograd pass (thread-safe)."""
+
+    def __init__(self, context_id: int, agent: Any):
+        self.context_id = context_id
+        self.agent = agent
+        self.lock = threading.Lock()
+        self.grads: dict[int, list] = {}  # id(variable) -> [variable, gradient]
+        self.vjps: dict[tuple[int, int], Any] = {}  # message id -> recorded VJP
+        self._msg_ids = itertools.count()
+        self.released = False
+
+    def __repr__(self) -> str:
+        return (f"DistAutogradContext(id={self.context_id}, worker={self.agent.info}, "
+                f"{len(self.grads)} gradients, {len(self.vjps)} recorded calls)")
+
+    def new_message_id(self) -> tuple[int, int]:
+        """A message id unique in this context across workers: (this worker, counter)."""
+        return (self.agent.info.id, next(self._msg_ids))
+
+    def accumulate(self, variable: Any, grad: Any) -> None:
+        """Add ``grad`` to the gradient of ``variable`` (an ``nnx.Variable``)."""
+        with self.lock:
+            entry = self.grads.get(id(variable))
+            if entry is None:
+                self.grads[id(variable)] = [variable, grad]
+            else:
+                entry[1] = entry[1] + grad
+
+    def gradient_of(self, variable: Any) -> Any:
+        """The accumulated gradient of ``variable`` or ``None``."""
+        with self.lock:
+            entry = self.grads.get(id(variable))
+            return None if entry is None else entry[1]
+
+
+class _Registry:
+    """The contexts known to one agent."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.lock = threading.Lock()
+        self.contexts: dict[int, DistAutogradContext] = {}
+        self._counter = itertools.count()
+
+    def new(self) -> DistAutogradContext:
+        cid = (self.agent.info.id << _ID_BITS) | next(self._counter)
+        ctx = DistAutogradContext(cid, self.agent)
+        with self.lock:
+            self.contexts[cid] = ctx
+        return ctx
+
+    def get_or_create(self, cid: int) -> DistAutogradContext:
+        with self.lock:
+            ctx = self.contexts.get(cid)
+            if ctx is None:
+                ctx = self.contexts[cid] = DistAutogradContext(cid, self.agent)
+            return ctx
+
+    def get(self, cid: int) -> DistAutogradContext:
+        """The context ``cid``.
+
+        Raises:
+          DistAutogradError: no such context on this worker (torch's message).
+        """
+        with self.lock:
+            ctx = self.contexts.get(cid)
+        if ctx is None:
+            raise not_found(cid)
+        return ctx
+
+    def release(self, cid: int) -> bool:
+        """Forget ``cid`` here (its gradients and recorded VJPs); whether it existed."""
+        with self.lock:
+            ctx = self.contexts.pop(cid, None)
+        if ctx is None:
+            return False
+        with ctx.lock:
+            ctx.released = True
+            ctx.grads.clear()
+            ctx.vjps.clear()
+        return True
+
+
+_registries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_registries_lock = threading.Lock()
+_tls = threading.local()
+
+
+def registry(agent: Any) -> _Registry:
+    """The context table of ``agent`` (made on first use)."""
+    reg = _registries.get(agent)
+    if reg is None:
+        with _registries_lock:
+            reg = _registries.get(agent)
+            if reg is None:
+                reg = _registries[agent] = _Registry(agent)
+    return reg
+
+
+def current() -> DistAutogradContext | None:
+    """The context this thread is in (made by ``context()`` or entered for an RPC)."""
+    return getattr(_tls, "ctx", None)
+
+
+def _set_current(ctx: DistAutogradContext | None) -> None:
+    _tls.ctx = ctx
+
+
+def current_context_id(agent: Any) -> int:
+    """The id an outgoing call of ``agent`` carries (``NO_CONTEXT`` outside a context)."""
+    ctx = current()
+    if ctx is None or ctx.agent is not agent or ctx.released:
+        return NO_CONTEXT
+    return ctx.context_id
+
+
+@contextmanager
+def enter_context(agent: Any, cid: int) -> Iterator[DistAutogradContext]:
+    """Make ``cid`` current in this thread while an incoming call runs (callee side).
+
+    The context is created on first contact, as torch does when the first message of a
+    context reaches a worker.
+    """
+    prev = current()
+    ctx = registry(agent).get_or_create(cid)
+    _set_current(ctx)
+    try:
+        yield ctx
+    finally:
+        _set_current(prev)
+
+
+@contextmanager
+def no_context() -> Iterator[None]:
+    """Run the body outside any context (calls made in it carry no context id)."""
+    prev = current()
+    _set_current(None)
+    try:
+        yield
+    finally:
+        _set_current(prev)
+
+
+def tracing() -> Any:
+    """The differentiable trace this thread runs in (set by the engine), or ``None``."""
+    return getattr(_tls, "trace", None)
+
+
+def set_tracing(trace: Any) -> Any:
+    """Set this thread's trace; returns the previous one (restore it afterwards)."""
+    prev = getattr(_tls, "trace", None)
+    _tls.trace = trace
+    return prev
+
+
+def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
+    """``agent.rpc_async`` asks this first: a Future when the call is differentiable.
+
+    A call is differentiable when it is made inside a differentiable trace of this
+    worker's current context (``dist_autograd.backward``'s loss function, or a function
+    this worker runs for a differentiable RPC). Otherwise ``None``: a plain call.
+    """
+    trace = tracing()
+    ctx = current()
+    if trace is None or ctx is None or ctx.agent is not agent or ctx.released:
+        return None
+    if getattr(func, "_jdist_autograd_internal", False):
+        return None
+    from jdist.rpc.autograd._engine import differentiable_call
+
+    return differentiable_call(ctx, to, func, args, kwargs, timeout)
+
+
+def install(agent: Any) -> None:
+    """Point ``agent``'s hooks at this module (called by the agent's constructor)."""
+    agent.context_id_hook = lambda: current_context_id(agent)
+    agent.enter_context_hook = lambda cid: enter_context(agent, cid)
+    agent.call_hook = lambda to, func, args, kwargs, timeout: call_hook(
+        agent, to, func, args, kwargs, timeout)

@@ -1,0 +1,247 @@
+"""The distributed autograd engine: differentiable RPCs and the backward pass.
+
+JAX keeps no tape on eager arrays, so a distributed pass is the user's loss function
+run under ``jax.vjp`` by :func:`backward`. Inside it (and inside every function a
+worker runs for a differentiable call) an RPC becomes a ``jax.custom_vjp``:
+
+- forward rule (the caller's ``send``): runs the call; the callee runs the function
+  under ``jax.vjp`` with the arrays it received and its own parameters as primal
+  inputs, keeps the VJP closure in its context under the call's message id (the
+  ``recv``), and answers with the value;
+- backward rule: sends the cotangent of the value to the callee, which runs the stored
+  VJP (whose own differentiable calls send their cotangents on, worker to worker: torch's
+  FAST mode), adds the gradients of its parameters to its context and answers with the
+  cotangents of the arrays it received.
+
+A scalar "token" tracer, an extra input of every such ``custom_vjp``, ties calls whose
+arguments carry no traced array (a remote lookup with integer indices) into the
+trace, so their backward rules still run. Eager ``jax.vjp`` runs ``custom_vjp`` rules
+with concrete arrays, which is what lets them make RPCs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist.errors import DistAutogradError
+from jdist.rpc._futures import Future
+from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
+
+__all__ = ["differentiable_call", "backward", "rebuild_args", "call_traced"]
+
+
+class _Slot(NamedTuple):
+    """Stands for the ``index``-th differentiable array in a sent structure."""
+
+    index: int
+
+
+def _is_slot(x: Any) -> bool:
+    return isinstance(x, _Slot)
+
+
+def _is_diff_value(x: Any) -> bool:
+    """A result leaf that carries a gradient: a floating (or complex) array."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+    return False
+
+
+def _split_outputs(out: Any) -> tuple[Any, list]:
+    """(structure with Slots at the differentiable leaves, those leaves)."""
+    leaves, tdef = flatten_args(out)
+    diff, skel = [], []
+    for leaf in leaves:
+        if _is_diff_value(leaf):
+            skel.append(_Slot(len(diff)))
+            diff.append(leaf)
+        else:
+            skel.append(leaf)
+    return jax.tree_util.tree_unflatten(tdef, skel), diff
+
+
+def _fill(skeleton: Any, values: list) -> Any:
+    leaves, tdef = jax.tree_util.tree_flatten(skeleton, is_leaf=_is_slot)
+    return jax.tree_util.tree_unflatten(
+        tdef, [values[x.index] if _is_slot(x) else x for x in leaves])
+
+
+def rebuild_args(leaves: list, tdef: Any, slots: list[int], params: list, xs: list,
+                 pvals: list) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with received arrays and traced parameter copies put back."""
+    new = list(leaves)
+    for pos, x in zip(slots, xs, strict=True):
+        new[pos] = x
+    for (pos, tracked), pv in zip(params, pvals, strict=True):
+        new[pos] = tracked.rebuild(pv)
+    return jax.tree_util.tree_unflatten(tdef, new)
+
+
+def call_traced(token: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` with this thread's differentiable trace set to ``token``."""
+    prev = C.set_tracing(token)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        C.set_tracing(prev)
+
+
+def _concrete(x: Any, what: str) -> Any:
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        raise DistAutogradError(
+            f"{what}: a differentiable RPC ran inside jax.jit (or another staging "
+            "transform), where its arguments have no values to send. Make the RPC outside "
+            "jit and jit only the local parts of the loss function.") from None
+
+
+# ---------------------------------------------------------------- caller side
+def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: Any,
+                        kwargs: Any, timeout: Any) -> Future:
+    """An RPC made inside a differentiable trace (see the module docstring).
+
+    The call completes before this returns (the ``custom_vjp`` needs its value), so
+    ``rpc_async`` inside a loss function gives an already-completed Future.
+    """
+    agent = ctx.agent
+    token = C.tracing()
+    leaves, tdef = flatten_args((tuple(args or ()), dict(kwargs or {})))
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+    xs = [leaves[i] for i in pos]
+    skel = list(leaves)
+    for k, i in enumerate(pos):
+        skel[i] = _Slot(k)
+    skeleton = jax.tree_util.tree_unflatten(tdef, skel)
+    msg = ctx.new_message_id()
+    fn_name = getattr(func, "__qualname__", repr(func))
+    box: dict = {}
+
+    def forward(xs_concrete):
+        vals = [_concrete(x, f"rpc of {fn_name}") for x in xs_concrete]
+        skel_out, diff_out = agent.rpc_async(
+            to, _callee_forward, (msg, func, skeleton, vals), None, timeout).wait()
+        box["skeleton"] = skel_out
+        return tuple(jnp.asarray(d) for d in diff_out)
+
+    def fwd(tok, *xs_):
+        del tok
+        return forward(xs_), None
+
+    def bwd(_, cts):
+        cts = [np.asarray(c) for c in cts]
+        ct_xs = agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
+        out = [jnp.zeros((), token.dtype)]
+        for x, c in zip(xs, ct_xs, strict=True):
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                out.append(jnp.asarray(c, x.dtype))
+            else:
+                out.append(np.zeros(x.shape, jax.dtypes.float0))
+        return tuple(out)
+
+    @jax.custom_vjp
+    def call(tok, *xs_):
+        del tok
+        return forward(xs_)
+
+    call.defvjp(fwd, bwd)
+    diff = call(token, *xs)
+    out = _fill(box["skeleton"], list(diff))
+    fut: Future = Future(_desc=f"differentiable rpc of {fn_name}")
+    fut.set_result(out)
+    return fut
+
+
+# ---------------------------------------------------------------- callee side
+def _require_context(what: str) -> C.DistAutogradContext:
+    ctx = C.current()
+    if ctx is None:
+        raise DistAutogradError(f"{what} arrived without a distributed autograd context id")
+    return ctx
+
+
+@C._internal
+def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
+    """Run ``func`` under ``jax.vjp``; keep the VJP under ``msg``; return the value."""
+    ctx = _require_context("a differentiable call")
+    leaves, tdef = flatten_args(skeleton)
+    slots = [0] * len(xs)
+    for i, x in enumerate(leaves):
+        if _is_slot(x):
+            slots[x.index] = i
+    params = find_params(leaves, ctx.agent.info.id)
+    xs = [jnp.asarray(x) for x in xs]
+    pvals = [t.values() for _, t in params]
+
+    def g(token, xs_, pvals_):
+        args, kwargs = rebuild_args(leaves, tdef, slots, params, xs_, pvals_)
+        skel_out, diff = _split_outputs(call_traced(token, func, args, kwargs))
+        return tuple(diff), skel_out
+
+    diff, vjp_fn, skel_out = jax.vjp(g, jnp.zeros((), jnp.float32), xs, pvals, has_aux=True)
+    with ctx.lock:
+        if ctx.released:
+            raise C.not_found(ctx.context_id)
+        ctx.vjps[msg] = (vjp_fn, [t for _, t in params])
+    return skel_out, [np.asarray(d) for d in diff]
+
+
+@C._internal
+def _callee_backward(msg: tuple, cts: list) -> list:
+    """Run the VJP recorded under ``msg`` with ``cts``; keep parameter gradients here."""
+    ctx = _require_context("a backward message")
+    with ctx.lock:
+        entry = ctx.vjps.pop(msg, None)
+    if entry is None:
+        raise DistAutogradError(
+            f"{ctx.agent.info} has no recorded call {msg} in autograd context "
+            f"{ctx.context_id}: it was already used by a backward pass, or the context was "
+            "released")
+    vjp_fn, params = entry
+    _, ct_xs, ct_p = vjp_fn(tuple(jnp.asarray(c) for c in cts))
+    for tracked, g in zip(params, ct_p, strict=True):
+        tracked.accumulate(ctx, g)
+    return [np.asarray(c) for c in ct_xs]
+
+
+# ---------------------------------------------------------------- root
+def backward(ctx: C.DistAutogradContext, loss_fn: Any, args: tuple, kwargs: dict,
+             has_aux: bool) -> Any:
+    """Differentiate ``loss_fn(*args, **kwargs)`` across workers (see ``dist_autograd``)."""
+    leaves, tdef = flatten_args((tuple(args), dict(kwargs)))
+    params: list[tuple[int, Tracked]] = find_params(leaves, ctx.agent.info.id)
+    pvals = [t.values() for _, t in params]
+
+    def g(token, pvals_):
+        a, kw = rebuild_args(leaves, tdef, [], params, [], pvals_)
+        out = call_traced(token, loss_fn, a, kw)
+        loss, aux = _check_loss(out, has_aux)
+        return loss, aux
+
+    loss, vjp_fn, aux = jax.vjp(g, jnp.zeros((), jnp.float32), pvals, has_aux=True)
+    _, ct_p = vjp_fn(jnp.ones_like(loss))
+    for (_, tracked), grads in zip(params, ct_p, strict=True):
+        tracked.accumulate(ctx, grads)
+    return (loss, aux) if has_aux else loss
+
+
+def _check_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    aux = None
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"with has_aux=True the loss function must return (loss, aux), "
+                            f"got {type(out).__name__}")
+        out, aux = out
+    shape = getattr(out, "shape", None)
+    dtype = getattr(out, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"dist_autograd.backward needs a loss function returning a float scalar "
+            f"(torch's scalar root), got {type(out).__name__} with shape {shape} and dtype "
+            f"{dtype}; reduce it (e.g. jnp.sum) or pass has_aux=True for (loss, aux)")
+    return out, aux

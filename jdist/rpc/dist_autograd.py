@@ -1,0 +1,178 @@
+"""Distributed autograd: torch.distributed.autograd for JAX loss functions.
+
+torch records a tape during the forward pass and ``backward(context_id, [loss])``
+replays it. JAX keeps no tape on eager arrays, so here the forward pass is a function
+that :func:`backward` runs under ``jax.vjp``::
+
+    # torch
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("ps", f, (x, w))
+        dist_autograd.backward(cid, [out.sum()])
+        grads = dist_autograd.get_gradients(cid)
+
+    # jdist: the forward pass is a function of the parameters (here one held in an RRef)
+    with dist_autograd.context() as cid:
+        def loss_fn(w_rref):
+            w = w_rref.local_value()                  # traced copy of an nnx.Param
+            return jnp.sum(rpc.rpc_sync("ps", f, (x, w[...])))
+        loss = dist_autograd.backward(cid, loss_fn, w_rref)
+        grads = dist_autograd.get_gradients(cid)      # {w_variable: gradient}
+
+Inside the loss function (and inside every function a worker runs for such a call),
+``rpc_sync`` / ``rpc_async`` / RRef proxies / ``RemoteModule.forward`` are
+differentiable: the callee keeps the VJP of what it ran, and the backward pass sends
+cotangents back along the calls, worker to worker (torch's FAST mode). Parameters are
+NNX modules and ``nnx.Variable`` s (e.g. ``nnx.Param``) passed as arguments, directly or
+through RRefs owned by the worker running the function; their gradients accumulate in
+the context on their own worker (never in the parameters), readable there with
+:func:`get_gradients` and applied by :class:`jdist.rpc.DistributedOptimizer`.
+
+Differences from torch:
+
+- the forward pass runs inside :func:`backward`, so each call of it runs the forward
+  again (and a second ``backward`` in one context simply accumulates more gradient:
+  there is no freed graph to complain about);
+- a call whose result is never used in the loss keeps its recorded VJP until the
+  context exits (torch's FAST mode can hang or error on it);
+- ``rpc_async`` inside the loss function completes before it returns;
+- ``remote()`` results are not differentiable: use ``rpc_sync``/``rpc_async``, RRef
+  proxies or :class:`jdist.rpc.RemoteModule`;
+- changes a loss function makes to a module's non-parameter state (batch statistics)
+  are not kept: it sees a copy whose parameters are traced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from jdist.errors import DistAutogradError
+from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._context import DistAutogradContext as DistAutogradContext
+from jdist.rpc.autograd._gradients import GradientMap as GradientMap
+
+__all__ = ["DistAutogradContext", "GradientMap", "backward", "context", "get_gradients"]
+
+log = logging.getLogger("jdist.rpc")
+
+
+def _agent(agent: Any) -> Any:
+    if agent is not None:
+        return agent
+    ctx = C.current()
+    if ctx is not None:
+        return ctx.agent
+    from jdist.rpc._api import current_agent
+
+    return current_agent()
+
+
+@C._internal
+def _release_here() -> bool:
+    """Callee side of a context release (the call carries the context id)."""
+    ctx = C.current()
+    return ctx is not None and C.registry(ctx.agent).release(ctx.context_id)
+
+
+@contextmanager
+def context(agent: Any = None) -> Iterator[int]:
+    """``with context() as context_id:`` a distributed autograd pass.
+
+    The id is globally unique (this worker's id in the high bits) and travels with every
+    RPC made in this thread inside the block. On exit the context is released on every
+    worker (asynchronously on the others, as torch); using the id afterwards raises
+    ``Could not find autograd context with id: N``.
+
+    Args:
+      agent: the RPC agent (default: this process's, from ``init_rpc``; tests running
+        several agents in one process pass one).
+
+    Raises:
+      DistAutogradError: this thread is already in a context
+        (``Already have an autograd context id for this thread.``).
+    """
+    agent = _agent(agent)
+    if C.current() is not None:
+        raise DistAutogradError("Already have an autograd context id for this thread.")
+    reg = C.registry(agent)
+    ctx = reg.new()
+    C._set_current(ctx)
+    try:
+        yield ctx.context_id
+    finally:
+        try:
+            for w in agent.all_workers():
+                if w.id != agent.info.id and w.id not in agent.dead_workers():
+                    try:
+                        fut = agent.rpc_async(w, _release_here, (), None, -1)
+                        fut.add_done_callback(_log_release_failure)
+                    except Exception as e:  # noqa: BLE001 - best effort, like torch
+                        log.debug("jdist.rpc: releasing context on %s failed: %s", w, e)
+        finally:
+            C._set_current(None)
+            reg.release(ctx.context_id)
+
+
+def _log_release_failure(fut: Any) -> None:
+    if fut.exception() is not None:
+        log.debug("jdist.rpc: releasing a context failed: %s", fut.exception())
+
+
+def _lookup(context_id: int, agent: Any) -> C.DistAutogradContext:
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"context_id must be the int from dist_autograd.context(), "
+                        f"got {context_id!r}")
+    return C.registry(_agent(agent)).get(context_id)
+
+
+def backward(context_id: int, loss_fn: Any, *args: Any, has_aux: bool = False,
+             agent: Any = None, **kwargs: Any) -> Any:
+    """Run ``loss_fn(*args, **kwargs)`` and its backward pass across workers.
+
+    This is torch's ``backward(context_id, [loss])`` with the forward pass inside:
+    ``loss_fn`` returns a float scalar (or ``(loss, aux)`` with ``has_aux``); the
+    differentiable RPCs it makes are followed backwards to every worker they reached.
+    Blocks until the whole pass is done. Gradients of parameters (NNX modules and
+    Variables among ``args``, directly or in RRefs owned here; likewise on every worker
+    reached) accumulate in the context on their owner: read them with
+    :func:`get_gradients`.
+
+    Returns:
+      the loss (``(loss, aux)`` with ``has_aux``).
+
+    Raises:
+      DistAutogradError: ``context_id`` is unknown or released.
+      TypeError: the loss is not a float scalar.
+      the error of any remote call, with its remote traceback; a worker that died on
+      the way: :class:`jdist.errors.WorkerUnavailableError` naming it.
+    """
+    from jdist.rpc.autograd import _engine
+
+    ctx = _lookup(context_id, agent)
+    if not callable(loss_fn):
+        raise TypeError(f"backward(context_id, loss_fn, *args): loss_fn must be callable, got "
+                        f"{loss_fn!r}; torch's list of loss tensors has no JAX equivalent: "
+                        "pass the function that computes the loss")
+    prev = C.current()
+    C._set_current(ctx)
+    try:
+        return _engine.backward(ctx, loss_fn, args, kwargs, has_aux)
+    finally:
+        C._set_current(prev)
+
+
+def get_gradients(context_id: int, agent: Any = None) -> GradientMap:
+    """The gradients accumulated on this worker for its own parameters in the context.
+
+    Returns:
+      a :class:`GradientMap` keyed by ``nnx.Variable`` (also accepts a module or an RRef
+      owned here).
+
+    Raises:
+      DistAutogradError: unknown or released ``context_id``.
+    """
+    ctx = _lookup(context_id, agent)
+    with ctx.lock:
+        return GradientMap(dict(ctx.grads))
