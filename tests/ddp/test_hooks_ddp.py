@@ -58,7 +58,8 @@ def train(hook=None, state=None, steps=200, sizes=SIZES, lr=0.05):
 def test_powersgd_rank1_trains_within_10_percent_of_uncompressed():
     plain, _ = train()
     psgd, ddp = train(H.powerSGD_hook, H.PowerSGDState(start_powerSGD_iter=10))
-    assert plain < 0.5 * train(steps=1)[0]  # it learned something
+    untrained = float(mse(Net(SIZES, rngs=nnx.Rngs(0)), HELD_OUT))
+    assert plain < 0.5 * untrained  # it learned something
     assert abs(psgd - plain) <= 0.10 * plain, (psgd, plain)
     st = ddp.comm_hook_state
     assert int(st.iter) == 200
@@ -113,11 +114,11 @@ def ddp_report(ddp, batch):
 
 
 def test_comm_report_of_ddp_step_fp16_halves_and_powersgd_1024_saves_100x():
+    # (bf16 asks for the same halving: test_hooks_report.py and the benchmark show it)
     b = {"x": np.ones((8, 1024), np.float32), "y": np.zeros((8, 1024), np.float32)}
     reports = {}
     for name, hook, state in (
             ("none", None, None), ("fp16", H.fp16_compress_hook, None),
-            ("bf16", H.bf16_compress_hook, None),
             ("psgd", H.powerSGD_hook, H.PowerSGDState(start_powerSGD_iter=2))):
         ddp = DDP(Net((1024, 1024), rngs=nnx.Rngs(0)))
         if hook is not None:
@@ -130,7 +131,6 @@ def test_comm_report_of_ddp_step_fp16_halves_and_powersgd_1024_saves_100x():
     assert {(c.op, c.dtype) for c in reports["fp16"].collectives} == {
         ("all-reduce", "f16"), ("all-reduce", "f32")}
     assert (reports["fp16"].bytes - loss_bytes) * 2 == grads
-    assert (reports["bf16"].bytes - loss_bytes) * 2 == grads
     psgd = reports["psgd"]
     assert psgd.bytes_max - loss_bytes == grads  # warm-up branch: plain all-reduce
     compressed = psgd.bytes_min - loss_bytes

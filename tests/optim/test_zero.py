@@ -74,7 +74,7 @@ def test_sharded_adam_equals_unsharded_and_state_is_one_nth(n):
     # per replica: mu and nu of one flat shard + the replicated int32 count
     assert local_bytes(state) == 2 * 4 * shard + 4
     assert abs(local_bytes(state) - full / n) <= 2 * 4 * (n - 1) / n * 1 + 4
-    seq = grads_seq(n, 3)
+    seq = grads_seq(n, 2)
     f, args = zero_steps(zero, params0(), state, seq)
     p_zero, state = f(*args)
     p_ref, s_ref = plain_steps(tx, params0(), seq)
