@@ -21,7 +21,7 @@ with concrete arrays, which is what lets them make RPCs.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +35,19 @@ from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
 __all__ = ["differentiable_call", "backward", "rebuild_args", "call_traced"]
 
 
-class _Slot(NamedTuple):
-    """Stands for the ``index``-th differentiable array in a sent structure."""
+class _Slot:
+    """Stands for the ``index``-th differentiable array in a sent structure (a leaf)."""
 
-    index: int
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __reduce__(self):
+        return _Slot, (self.index,)
+
+    def __repr__(self) -> str:
+        return f"_Slot({self.index})"
 
 
 def _is_slot(x: Any) -> bool:

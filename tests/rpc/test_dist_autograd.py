@@ -1,0 +1,140 @@
+"""Distributed autograd on three in-process agents: gradients equal plain jax.grad."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdist.errors import DistAutogradError
+from jdist.rpc import dist_autograd
+from jdist.rpc.autograd import _context as C
+from tests.rpc.conftest import make_agents, stop_all
+
+X = np.linspace(-1.0, 1.0, 5).astype(np.float32)
+W0 = np.linspace(0.5, 1.5, 5).astype(np.float32)
+W1 = np.linspace(-0.7, 0.9, 5).astype(np.float32)
+W2 = np.float32(1.3)
+
+
+def me():
+    """The agent running this remote function (from the context it runs in)."""
+    return C.current().agent
+
+
+def call(to, fn, *args):
+    return me().rpc_async(to, fn, args).wait()
+
+
+# ---- remote functions (module level: they pickle by reference) ----
+def make_param(value):
+    return nnx.Param(jnp.asarray(value))
+
+
+def f0(c, w0_rref):  # runs on w0 (the root's worker, another thread)
+    return c * w0_rref.local_value()[...]
+
+
+def f2(a, w2_rref, w0_rref):  # runs on w2, calls back to w0
+    c = jnp.cos(a) * w2_rref.local_value()[...]
+    d = call("w0", f0, c, w0_rref)
+    return {"d2": d ** 2, "tag": "f2"}
+
+
+def f1(x0, w1_rref, w2_rref, w0_rref):  # runs on w1, calls w2
+    w1 = w1_rref.local_value()[...]
+    a = jnp.sin(x0 * w1)
+    out = call("w2", f2, a, w2_rref, w0_rref)
+    assert out["tag"] == "f2"
+    return out["d2"] * w1 + a, 7
+
+
+def square_plus(y, k):  # called twice in one context
+    return y * y + k
+
+
+def grad_of(rref):
+    return np.asarray(dist_autograd.get_gradients(C.current().context_id)[rref])
+
+
+def n_contexts():
+    return len(C.registry(me()).contexts)
+
+
+def reference(w0, w1, w2):
+    x0 = jnp.tanh(X * w0)
+    a = jnp.sin(x0 * w1)
+    d = (jnp.cos(a) * w2) * w0
+    y = d ** 2 * w1 + a
+    z = (y * y + 1.0) + (y * y + 2.0)
+    return jnp.sum(y) + jnp.sum(z * x0)
+
+
+def distributed_loss(w0_ref, w1_ref, w2_ref):
+    agent = w0_ref._agent
+    w0 = w0_ref.local_value()[...]
+    x0 = jnp.tanh(X * w0)
+    y, seven = agent.rpc_async("w1", f1, (x0, w1_ref, w2_ref, w0_ref)).wait()
+    assert seven == 7
+    z = (agent.rpc_async("w2", square_plus, (y, 1.0)).wait()
+         + agent.rpc_async("w1", square_plus, (y, 2.0)).wait())
+    return jnp.sum(y) + jnp.sum(z * x0)
+
+
+@pytest.fixture(scope="module")
+def agents():
+    agents = make_agents(3)
+    yield agents
+    stop_all(agents, graceful=False)
+
+
+def test_chain_across_workers_matches_jax_grad(agents):
+    a0 = agents[0]
+    refs = {"w0": a0.remote("w0", make_param, (W0,)), "w1": a0.remote("w1", make_param, (W1,)),
+            "w2": a0.remote("w2", make_param, (W2,))}
+    want_loss, want = jax.value_and_grad(reference, argnums=(0, 1, 2))(W0, W1, W2)
+    with dist_autograd.context(a0) as cid:
+        assert cid >> 48 == 0
+        loss = dist_autograd.backward(cid, distributed_loss, refs["w0"], refs["w1"],
+                                      refs["w2"])
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        got = [dist_autograd.get_gradients(cid)[refs["w0"]]]
+        got += [a0.rpc_async(w, grad_of, (refs[w],)).wait() for w in ("w1", "w2")]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        # a second backward in the same context accumulates (the forward runs again)
+        dist_autograd.backward(cid, distributed_loss, refs["w0"], refs["w1"], refs["w2"])
+        g1 = a0.rpc_async("w1", grad_of, (refs["w1"],)).wait()
+        np.testing.assert_allclose(g1, 2 * np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+    # parameters themselves never change
+    np.testing.assert_array_equal(refs["w1"].to_here()[...], W1)
+    # released everywhere (asynchronously on the others)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            C.registry(a).contexts for a in agents):
+        time.sleep(0.01)
+    assert not any(C.registry(a).contexts for a in agents)
+    assert not any(C.registry(a).contexts.get(cid) for a in agents)
+    with pytest.raises(DistAutogradError, match=f"Could not find autograd context with id: {cid}"):
+        dist_autograd.get_gradients(cid, agent=a0)
+
+
+def test_context_errors(agents):
+    a0 = agents[0]
+    with dist_autograd.context(a0) as cid:
+        with pytest.raises(DistAutogradError,
+                           match="Already have an autograd context id for this thread."):
+            with dist_autograd.context(a0):
+                pass
+        with pytest.raises(TypeError, match="float scalar"):
+            dist_autograd.backward(cid, lambda: jnp.ones(3))
+        with pytest.raises(TypeError, match="must be callable"):
+            dist_autograd.backward(cid, [jnp.ones(())])
+    with pytest.raises(DistAutogradError, match=f"Could not find autograd context with id: {cid}"):
+        dist_autograd.backward(cid, lambda: jnp.ones(()), agent=a0)
+    with dist_autograd.context(a0) as cid2:
+        assert cid2 != cid
