@@ -237,8 +237,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise
     interval = float(os.environ.get("JDIST_HEARTBEAT_INTERVAL", "1.0"))
     hosted = 0 if own_store and spec.kind in ("env", "tcp") else None
-    watchdog = Watchdog(store, spec.rank, res.infos, group_state.generation, interval,
-                        store_host_rank=hosted)
+    # the runtime's own connection: others (RPC) may block in get() on the shared one
+    clone = getattr(store, "clone", None)
+    watchdog = Watchdog(clone() if callable(clone) else store, spec.rank, res.infos,
+                        group_state.generation, interval, store_host_rank=hosted)
     watchdog.start()
     group_state.runtime = {"store": store, "watchdog": watchdog, "jax": True,
                            "owns_store": own_store, "spec": spec}
@@ -317,6 +319,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     dead = dict(watchdog.dead) if watchdog is not None else {}
     if watchdog is not None:
         watchdog.stop()
+        if watchdog.store is not rt.get("store"):
+            _close_store(watchdog.store)
     for g in [world, *group_state.groups]:
         g.extra.clear()
     store, spec = rt.get("store"), rt.get("spec")

@@ -46,8 +46,8 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout=None,
     g = eng.member_group(group, "monitored_barrier")
     seconds = g.timeout if timeout is None else (
         timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))
-    store = group_state.runtime.get("store")
     wd = group_state.runtime.get("watchdog")
+    store = wd.store if wd is not None else None
     if g.size() == 1 or store is None:
         return
     seq = eng.next_seq(g)

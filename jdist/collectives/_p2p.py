@@ -92,7 +92,7 @@ def _transfer(world: ProcessGroup, src: int, dst: int, x, shape, dtype, tag: int
 
 def _announce(world: ProcessGroup, dst: int, tag: int) -> None:
     wd = group_state.runtime.get("watchdog")
-    store = group_state.runtime.get("store")
+    store = wd.store if wd is not None else None
     if store is None:
         return
     counts = world.extra.setdefault("sent", {})
@@ -106,8 +106,8 @@ def _announce(world: ProcessGroup, dst: int, tag: int) -> None:
 
 def _any_source(world: ProcessGroup, tag: int, timeout: float) -> int:
     """The source of the oldest message to this rank not yet received."""
-    store = group_state.runtime.get("store")
     wd = group_state.runtime.get("watchdog")
+    store = wd.store if wd is not None else None
     if store is None:
         raise RuntimeError("jdist.recv(src=None) needs a store (multi-process job)")
     state = world.extra.setdefault("any", {"next": 1})
