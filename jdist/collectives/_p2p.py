@@ -110,12 +110,17 @@ def _any_source(world: ProcessGroup, tag: int, timeout: float) -> int:
     store = wd.store if wd is not None else None
     if store is None:
         raise RuntimeError("jdist.recv(src=None) needs a store (multi-process job)")
-    state = world.extra.setdefault("any", {"next": 1})
+    state = world.extra.setdefault("any", {"next": 1, "pending": []})
     received = world.extra.setdefault("received", {})
     prefix = f"jdist/p2p/{group_state.generation}/{world.rank}/"
     deadline = time.monotonic() + timeout
     sleep = 0.0005
     while True:
+        # announcements seen earlier with another tag, oldest first
+        state["pending"] = [a for a in state["pending"] if a[1] >= received.get(a[0], 0)]
+        for src, _index, msg_tag in state["pending"]:
+            if msg_tag == tag:
+                return src
         key = prefix + str(state["next"])
         with wd.lock:
             found = store.check([key])
@@ -123,8 +128,10 @@ def _any_source(world: ProcessGroup, tag: int, timeout: float) -> int:
         if value is not None:
             state["next"] += 1
             src, index, msg_tag = (int(v) for v in value.split(","))
-            if index >= received.get(src, 0) and msg_tag == tag:
-                return src
+            if index >= received.get(src, 0):
+                if msg_tag == tag:
+                    return src
+                state["pending"].append((src, index, msg_tag))
             continue
         if time.monotonic() > deadline:
             raise CollectiveTimeoutError(
