@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.tree_util import DictKey
+from jax.tree_util import DictKey, GetAttrKey
 
 from jdist.collectives._group import ProcessGroup, resolve_group
 
@@ -216,12 +216,19 @@ class ZeroRedundancyOptimizer:
         return ZeroState(jax.eval_shape(self.tx.init, flat))
 
     def _is_shard_leaf(self, path, leaf) -> bool:
+        while path and isinstance(path[-1], GetAttrKey) and path[-1].name == "value":
+            path = path[:-1]  # nnx.Optimizer wraps each state leaf in a Variable
         if not path or not isinstance(path[-1], DictKey) or np.ndim(leaf) != 1:
             return False
         return any(path[-1].key == k for k, *_ in self.layout.groups)
 
     def state_partition_specs(self, state) -> Any:
-        """PartitionSpecs for ``state`` outside ``shard_map``: shards on the axis, scalars P()."""
+        """PartitionSpecs for ``state`` outside ``shard_map``: shards on the axis, scalars P().
+
+        Also works on the state of an ``nnx.Optimizer`` built around this optimizer
+        (``nnx.split(optimizer)[1]``): a training step that shards its optimizer state
+        with these specs keeps 1/N of it per replica.
+        """
         if self.layout is None:
             raise ValueError("call init(params) first: the partition is not known yet")
         return jax.tree_util.tree_map_with_path(

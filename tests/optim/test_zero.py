@@ -165,3 +165,9 @@ def test_zero_step_after_ddp_gradients_equals_plain_optax():
     tree_allclose(jax.device_get(nnx.state(ddp.module, nnx.Param)), ref_params,
                   rtol=1e-6, atol=1e-6)
     assert local_bytes(state) < sum(np.asarray(x).nbytes for x in jax.tree.leaves(ref_state))
+    # the specs also cover an nnx.Optimizer's state (leaves wrapped in Variables)
+    opt = nnx.Optimizer(MLP((16, 32, 4), rngs=nnx.Rngs(0)), ZeroRedundancyOptimizer(tx),
+                        wrt=nnx.Param)
+    specs = jax.tree.leaves(opt.tx.state_partition_specs(nnx.split(opt)[1]),
+                            is_leaf=lambda x: isinstance(x, P))
+    assert sorted(specs, key=str) == [P("dp"), P("dp"), P(), P()]  # mu, nu; count, step
