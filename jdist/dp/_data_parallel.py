@@ -171,7 +171,7 @@ def _dispatch(runtime, key, fn, params, a_dyn, akey, devices, m, sizes, dim):
         jobs.append((devices[m], SingleDeviceSharding(devices[m]), None, tail))
     for idx, (dev, placement, prog_mesh, part) in enumerate(jobs):
         try:
-            p = runtime.replicas.put(params, placement)
+            p = runtime.replicas.put(params, placement, home=devices[0])
             sharding = NamedSharding(mesh, dim_spec(dim)) if prog_mesh is not None else placement
             args, kwargs = rebuild(jax.device_put(part, sharding), akey)
             results.append(runtime.program(key, fn, prog_mesh, dim)(p, args, kwargs, idx * m))

@@ -18,11 +18,11 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist.dp._scatter_gather import mesh_for, resolve_devices
 
-__all__ = ["ReplicaCache", "default_cache", "replicate"]
+__all__ = ["ReplicaCache", "default_cache", "put_from", "replicate_params", "replicate"]
 
 
 def _concrete(leaves: Sequence) -> bool:
@@ -54,12 +54,35 @@ class ReplicaCache:
         self._entries[key] = (tuple(leaves), treedef, value)
         return value
 
-    def put(self, params: Any, sharding: jax.sharding.Sharding) -> Any:
-        """``jax.device_put(params, sharding)``, cached."""
-        return self.get(params, ("put", sharding), lambda p: jax.device_put(p, sharding))
+    def put(self, params: Any, sharding: jax.sharding.Sharding, home: Any = None) -> Any:
+        """``jax.device_put(params, sharding)``, cached; see :func:`put_from` for ``home``."""
+        return self.get(params, ("put", sharding), lambda p: put_from(p, sharding, home))
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _source(x: Any, home: Any) -> Any:
+    value = x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        return value.sharding
+    return home
+
+
+def put_from(tree: Any, target: Any, home: Any = None) -> Any:
+    """``jax.device_put(tree, target)`` whose cotangents go back to each leaf's placement.
+
+    JAX sends a ``device_put`` cotangent back to the source array's sharding, but a leaf
+    with no placement (a Python or numpy scalar under ``jax.grad``) would leave its
+    cotangents on the target devices, where adding the replicas' cotangents fails; such
+    leaves get ``home`` (a device) as their source.
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    if home is None or not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return jax.device_put(tree, target)
+    home = SingleDeviceSharding(home)
+    return jax.device_put(tree, target, src=jax.tree_util.tree_map(lambda x: _source(x, home),
+                                                                     tree))
 
 
 default_cache = ReplicaCache()
@@ -78,7 +101,7 @@ def replicate_params(params: Any, devices: tuple, cache: ReplicaCache) -> list:
     """One copy of the pytree ``params`` on each of ``devices`` (cached, differentiable)."""
     leaves = jax.tree_util.tree_leaves(params)
     if not _concrete(leaves):
-        return [jax.device_put(params, d) for d in devices]
+        return [put_from(params, d, devices[0]) for d in devices]
 
     def make(p):
         glob = jax.device_put(p, NamedSharding(mesh_for(devices), PartitionSpec()))

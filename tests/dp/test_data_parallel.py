@@ -272,3 +272,13 @@ def test_dropout_masks_are_independent_across_replicas():
     assert int(model.drop.rngs.count.get_value()) == 1  # replica 0's update
     np.testing.assert_array_equal(
         jax.random.key_data(model.drop.rngs.key.get_value()), key_before)
+
+
+def test_grad_wrt_python_scalar_params_and_numpy_inputs():
+    x = np.arange(26, dtype=np.float32).reshape(13, 2)  # numpy batch, uneven over 8
+    labels = np.arange(13)
+    out = data_parallel((lambda p, x, y: (x.sum(1) * p, y), 2.0), (x, labels), range(8))
+    np.testing.assert_allclose(out[0], 2 * x.sum(1), rtol=1e-6)
+    np.testing.assert_array_equal(out[1], labels)
+    g = jax.grad(lambda p: data_parallel((lambda p, x: x.sum(1) * p, p), x, range(8)).sum())
+    np.testing.assert_allclose(g(2.0), x.sum(), rtol=1e-6)  # cotangents meet on device 0
