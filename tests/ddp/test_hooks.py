@@ -266,3 +266,20 @@ def test_error_feedback_accumulates_to_true_sum():
     without = run(False, 60)
     assert with_ef[-1] < 0.15 and with_ef[-1] < with_ef[10] / 2
     assert without[-1] > 0.5  # rank-1 without error feedback never recovers the rest
+
+
+@pytest.mark.parametrize("hook,compressed", [(H.powerSGD_hook, 3), (H.batched_powerSGD_hook, 2)])
+def test_powersgd_collectives_per_bucket_as_torch(hook, compressed):
+    """One bucket of matrices and vectors: rest + P + Q (batched: P + Q); warm-up: 1."""
+    grads = random_grads(jax.random.key(7), [(32, 16), (16,), (16, 8), (8,)])
+    step, state, _ = run_hook(hook, _psgd(), grads)  # one bucket (cap 1e9)
+    rep = H.comm_report(step, grads, state)
+    by_branch = {}
+    for c in rep.collectives:
+        assert c.op == "all-reduce" and len(c.branch) == 1
+        by_branch.setdefault(c.branch[0][1], []).append(c)
+    # lax.cond(iter < start, warm, compress): branch 1 = warm-up, branch 0 = compressed
+    assert len(by_branch[1]) == 1 and by_branch[1][0].elements == 32 * 16 + 16 + 16 * 8 + 8
+    assert len(by_branch[0]) == compressed
+    if hook is H.powerSGD_hook:
+        assert sorted(c.elements for c in by_branch[0]) == sorted([16 + 8, 32 + 16, 16 + 8])
