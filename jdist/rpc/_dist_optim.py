@@ -1,0 +1,226 @@
+"""``jdist.rpc.DistributedOptimizer``: one optax optimizer per parameter owner.
+
+torch's ``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)`` groups
+the parameter RRefs by owner and creates one optimizer on each owner;
+``step(context_id)`` runs every owner's step concurrently with the gradients that
+distributed autograd accumulated there in that context, and waits for all of them.
+Here each owner keeps one optax state over its parameters (``nnx.Variable`` s, or
+every ``nnx.Param`` of a module, behind the RRefs) and updates them in place.
+
+``tx`` is either an optax factory (``optax.sgd``, ``optax.adam``: torch's optimizer
+class) called on each owner with ``*args, **kwargs``, or a ready
+``optax.GradientTransformation`` (sent to remote owners by pickle, so it has to be
+picklable: most optax transformations are closures and are not; pass the factory).
+
+Steps on one owner are serialized by a lock (as torch); steps of different clients are
+not ordered. A parameter with no gradient in the context gets a zero gradient (optax
+needs a full tree; torch skips it, which differs for stateful optimizers such as Adam);
+an owner with no gradient at all in the context skips its step, as torch.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jdist.errors import DistAutogradError, RRefError
+from jdist.rpc._futures import Future
+from jdist.rpc._rref import RRef
+from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._params import param_variables
+
+__all__ = ["DistributedOptimizer", "LocalOptimizer"]
+
+
+def _build_tx(tx: Any, args: tuple, kwargs: dict) -> optax.GradientTransformation:
+    if isinstance(tx, optax.GradientTransformation):
+        if args or kwargs:
+            raise TypeError(f"tx is already an optax transformation; extra arguments "
+                            f"{args!r} {kwargs!r} make sense only with a factory such as "
+                            "optax.sgd")
+        return tx
+    out = tx(*args, **kwargs)
+    if not isinstance(out, optax.GradientTransformation):
+        raise TypeError(f"tx(*args, **kwargs) must return an optax.GradientTransformation, "
+                        f"got {type(out).__name__} from {tx!r}")
+    return out
+
+
+class LocalOptimizer:
+    """The optimizer living on one owner (torch's ``_LocalOptimizer``)."""
+
+    def __init__(self, tx: Any, args: tuple, kwargs: dict, rrefs: Sequence[RRef]):
+        if not rrefs:
+            raise ValueError("LocalOptimizer needs at least one parameter RRef")
+        self.agent = rrefs[0]._agent
+        self.tx = _build_tx(tx, args, kwargs)
+        self.variables: list = []
+        for r in rrefs:
+            if not r.is_owner():
+                raise RRefError(f"{r!r} is not owned by {self.agent.info}; the "
+                                "DistributedOptimizer sends each RRef to its owner")
+            self.variables.extend(param_variables(r.local_value()))
+        self.lock = threading.Lock()
+        self.opt_state = self.tx.init(self._values())
+        self._update = jax.jit(self._pure_update)
+
+    def _values(self) -> list:
+        return [v.get_value() for v in self.variables]
+
+    def _pure_update(self, grads, opt_state, params):
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def step(self, context_id: int) -> int:
+        """Apply this owner's gradients of context ``context_id``; how many it had."""
+        ctx = C.registry(self.agent).get(context_id)
+        with self.lock:
+            params = self._values()
+            with ctx.lock:
+                found = [ctx.grads.get(id(v)) for v in self.variables]
+            if all(g is None for g in found):
+                return 0
+            grads = [jnp.zeros_like(p) if g is None else jnp.asarray(g[1], p.dtype)
+                     for p, g in zip(params, found, strict=True)]
+            new, self.opt_state = self._update(grads, self.opt_state, params)
+            for var, value in zip(self.variables, new, strict=True):
+                var.set_value(value)
+        return sum(g is not None for g in found)
+
+
+@C._internal
+def _local_step(opt_rref: RRef, context_id: int) -> int:
+    return opt_rref.local_value().step(context_id)
+
+
+class DistributedOptimizer:
+    """torch's ``DistributedOptimizer`` over parameters held in RRefs.
+
+    Args:
+      tx: an optax factory (``optax.sgd``; called on each owner with ``*args,
+        **kwargs``) or a picklable ``optax.GradientTransformation``.
+      params_rref: RRefs to the parameters: ``nnx.Variable`` s (``nnx.Param``) or NNX
+        modules (all their ``nnx.Param`` s), local (``RRef(module)``) or remote
+        (``RemoteModule.remote_parameters()``).
+      *args, **kwargs: the factory's arguments (``learning_rate=0.05``).
+
+    Example::
+
+        opt = DistributedOptimizer(optax.sgd, remote_params + [RRef(local_layer)],
+                                   learning_rate=0.05)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, loss_fn, ...)
+            opt.step(cid)
+    """
+
+    def __init__(self, tx: Any, params_rref: Sequence[RRef], *args: Any, **kwargs: Any):
+        params_rref = list(params_rref)
+        if not params_rref:
+            raise ValueError("DistributedOptimizer needs at least one parameter RRef, got an "
+                             "empty list")
+        bad = [r for r in params_rref if not isinstance(r, RRef)]
+        if bad:
+            raise TypeError(f"params_rref must hold jdist.rpc.RRef objects, got "
+                            f"{type(bad[0]).__name__}; wrap local parameters in RRef(...)")
+        if not (callable(tx) or isinstance(tx, optax.GradientTransformation)):
+            raise TypeError(f"tx must be an optax factory (optax.sgd) or an "
+                            f"optax.GradientTransformation, got {tx!r}")
+        self._agent = params_rref[0]._agent
+        by_owner: dict[int, list[RRef]] = {}
+        for r in params_rref:
+            by_owner.setdefault(r.owner().id, []).append(r)
+        remote_owners = [w for w in by_owner if w != self._agent.info.id]
+        if remote_owners:
+            _check_picklable(tx, args, kwargs)
+        me = self._agent.info.id
+        futs = {w: self._agent.rpc_async(w, _owner_create, (tx, args, kwargs, rrefs))
+                for w, rrefs in by_owner.items() if w != me}
+        self._optimizers: dict[int, RRef] = {}
+        errors = []
+        if me in by_owner:  # built here: tx need not pickle
+            self._optimizers[me] = owned_rref(
+                self._agent, LocalOptimizer(tx, args, kwargs, by_owner[me]))
+        for w, f in futs.items():
+            try:
+                self._optimizers[w] = f.wait()
+            except Exception as e:  # noqa: BLE001 - all owners reported below
+                errors.append((w, e))
+        _raise_first(errors, self._agent, "creating the optimizer")
+
+    @property
+    def owners(self) -> list[Any]:
+        """The WorkerInfo of every owner holding an optimizer."""
+        return [self._agent.worker_info(w) for w in sorted(self._optimizers)]
+
+    def step(self, context_id: int, timeout: float = -1) -> None:
+        """Update every owner's parameters with its gradients of ``context_id``.
+
+        The owners' steps run concurrently; this waits for all of them.
+
+        Raises:
+          the first owner's error (with a note naming every failed owner), after all
+          owners are done: e.g. :class:`~jdist.errors.DistAutogradError` for a released
+          context, :class:`~jdist.errors.WorkerUnavailableError` for a dead owner.
+        """
+        if not isinstance(context_id, int) or isinstance(context_id, bool):
+            raise TypeError(f"context_id must be the int from dist_autograd.context(), got "
+                            f"{context_id!r}")
+        futs: dict[int, Future] = {}
+        errors = []
+        for w, opt in self._optimizers.items():
+            try:
+                futs[w] = self._agent.rpc_async(w, _local_step, (opt, context_id), None,
+                                                timeout)
+            except Exception as e:  # noqa: BLE001
+                errors.append((w, e))
+        for w, f in futs.items():
+            try:
+                f.wait()
+            except Exception as e:  # noqa: BLE001
+                errors.append((w, e))
+        _raise_first(errors, self._agent, f"step({context_id})")
+
+
+@C._internal
+def _owner_create(tx: Any, args: tuple, kwargs: dict, rrefs: list[RRef]) -> RRef:
+    opt = LocalOptimizer(tx, args, kwargs, rrefs)
+    return owned_rref(rrefs[0]._agent, opt)
+
+
+def owned_rref(agent: Any, value: Any) -> RRef:
+    """``RRef(value)`` owned by ``agent`` (works with several agents in one process)."""
+    rref_id = agent.rrefs.new_id()
+    fut: Future = Future(_desc=f"value of RRef {rref_id}")
+    fut.set_result(value)
+    agent.rrefs.create_owned(rref_id, fut)
+    return RRef._make(agent, agent.info, rref_id, None, True)
+
+
+def _check_picklable(tx: Any, args: tuple, kwargs: dict) -> None:
+    try:
+        pickle.dumps((tx, args, kwargs), protocol=5)
+    except Exception as e:
+        hint = ""
+        if isinstance(tx, optax.GradientTransformation):
+            hint = (" optax transformations are closures; pass the factory and its "
+                    "arguments instead, e.g. DistributedOptimizer(optax.sgd, params, "
+                    "learning_rate=0.05)")
+        raise TypeError(f"DistributedOptimizer must send tx {tx!r} to remote owners, but it "
+                        f"cannot be pickled: {e}.{hint}") from e
+
+
+def _raise_first(errors: list, agent: Any, what: str) -> None:
+    if not errors:
+        return
+    names = ", ".join(str(agent.worker_info(w)) for w, _ in errors)
+    first = errors[0][1]
+    if isinstance(first, BaseException) and hasattr(first, "add_note"):
+        first.add_note(f"DistributedOptimizer {what} failed on: {names}")
+        raise first
+    raise DistAutogradError(f"DistributedOptimizer {what} failed on: {names}: {first!r}")

@@ -1,0 +1,119 @@
+"""``jdist.rpc.RemoteModule``: an NNX module living on another worker.
+
+torch's ``RemoteModule(remote_device, module_cls, args=None, kwargs=None)``: the module
+is built on ``remote_device`` (``"worker"``, ``"worker/cpu"``, ``"rank:1/cpu"``, a rank
+or a WorkerInfo; the device part is accepted for torch compatibility, the module
+uses that worker's default JAX device) and called by RPC. Inside a distributed
+autograd pass ``forward`` is differentiable: the module's parameters get their
+gradients in the context on their owner (see :mod:`jdist.rpc.dist_autograd`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from jdist.rpc._dist_optim import owned_rref
+from jdist.rpc._futures import Future
+from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._rref import RRef
+from jdist.rpc.autograd._params import param_variables
+
+__all__ = ["RemoteModule"]
+
+
+def _parse_device(remote_device: Any) -> Any:
+    if isinstance(remote_device, (WorkerInfo, int)) and not isinstance(remote_device, bool):
+        return remote_device
+    if not isinstance(remote_device, str) or not remote_device:
+        raise TypeError(f"remote_device must be 'worker', 'worker/device', 'rank:R/device', a "
+                        f"rank or a WorkerInfo, got {remote_device!r}")
+    worker = remote_device.split("/", 1)[0]
+    if worker.startswith("rank:"):
+        try:
+            return int(worker[len("rank:"):])
+        except ValueError:
+            raise ValueError(f"bad rank in remote_device {remote_device!r}; expected "
+                             "'rank:1/cpu'") from None
+    return worker
+
+
+def _construct(module_cls: Any, args: tuple, kwargs: dict) -> Any:
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"RemoteModule needs a flax.nnx.Module class, but {module_cls!r} "
+                        f"built a {type(module).__name__}")
+    return module
+
+
+def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
+    return module_rref.local_value()(*args, **kwargs)
+
+
+def _param_rrefs(module_rref: RRef) -> list[RRef]:
+    return [owned_rref(module_rref._agent, v)
+            for v in param_variables(module_rref.local_value())]
+
+
+class RemoteModule:
+    """An NNX module built and kept on another worker, called by RPC.
+
+    Args:
+      remote_device: where the module lives (``"ps"``, ``"ps/cpu"``, ``"rank:0/cpu"``,
+        a rank or a WorkerInfo).
+      module_cls: an ``nnx.Module`` class (module level, so it pickles by reference).
+      args, kwargs: its constructor's arguments (sent by pickle; pass seeds rather than
+        ``nnx.Rngs`` objects if those do not pickle).
+      agent: the RPC agent (default: this process's).
+
+    ``forward`` / ``__call__`` run ``module(*args, **kwargs)`` on the owner;
+    ``forward_async`` returns a Future; ``remote_parameters()`` gives one RRef per
+    ``nnx.Param`` (for :class:`~jdist.rpc.DistributedOptimizer`);
+    ``get_module_rref()`` the RRef to the module itself.
+    """
+
+    def __init__(self, remote_device: Any, module_cls: Any, args: tuple | None = None,
+                 kwargs: dict | None = None, *, agent: Any = None):
+        if agent is None:
+            from jdist.rpc._api import current_agent
+
+            agent = current_agent()
+        if not callable(module_cls):
+            raise TypeError(f"module_cls must be an nnx.Module class, got {module_cls!r}")
+        self._agent = agent
+        self._owner = agent.worker_info(_parse_device(remote_device))
+        self._module_rref = agent.remote(self._owner, _construct,
+                                         (module_cls, tuple(args or ()), dict(kwargs or {})))
+        created = self._module_rref._created
+        if created is not None:  # raise a constructor error here, not at the first call
+            created.wait()
+
+    def __repr__(self) -> str:
+        return f"RemoteModule(on {self._owner}, {self._module_rref!r})"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)`` on the owner (differentiable in a loss function)."""
+        return self.forward_async(*args, **kwargs).wait()
+
+    __call__ = forward
+
+    def forward_async(self, *args: Any, **kwargs: Any) -> Future:
+        """Like :meth:`forward`; a Future of the result."""
+        return self._agent.rpc_async(self._owner, _forward,
+                                     (self._module_rref, args, kwargs))
+
+    def remote_parameters(self, recurse: bool = True) -> list[RRef]:
+        """One RRef per ``nnx.Param`` of the module (owned by the module's worker)."""
+        del recurse
+        return self._agent.rpc_async(self._owner, _param_rrefs, (self._module_rref,)).wait()
+
+    def get_module_rref(self) -> RRef:
+        """The RRef to the module on its owner."""
+        return self._module_rref
+
+    @property
+    def owner(self) -> WorkerInfo:
+        """The worker holding the module."""
+        return self._owner
+
