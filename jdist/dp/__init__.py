@@ -3,7 +3,18 @@
 ``scatter``/``scatter_kwargs`` split a batch with ``torch.chunk`` sizes, ``replicate``
 copies parameters (cached while unchanged), ``parallel_apply`` runs replicas
 concurrently, ``gather`` concatenates their outputs; ``DataParallel`` and
-``data_parallel`` compose them, running equal chunks as one SPMD program.
+``data_parallel`` compose them, running the replicas with equal chunks as ONE
+``jit(shard_map)`` program over their sub-mesh (plus one program for an uneven last
+chunk), with compiled programs and parameter copies cached across calls.
+
+Differences from torch, on purpose:
+  * inputs whose batch sizes differ raise ``ValueError`` (torch drops samples silently);
+  * ``gather`` of strings/objects returns a list (torch: a ``map`` object), and dicts
+    with other keys raise torch's error even when their counts agree;
+  * replica ``i`` folds ``i`` into the module's PRNG keys (independent dropout masks);
+  * gradients land where the parameters live (``device_ids[0]`` by default, as torch);
+  * inside a user's ``jax.jit``/``vmap`` the replica semantics hold but are computed as a
+    ``vmap`` over replicas, placed by the outer ``jit`` (eager calls place on devices).
 """
 
 from jdist.dp._data_parallel import DataParallel as DataParallel
