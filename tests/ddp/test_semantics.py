@@ -211,3 +211,35 @@ def test_functional_entry_point_trains_plain_pytrees():
     assert max_diff(ddp.params, ref_params) < 1e-5
     np.testing.assert_allclose(np.asarray(ddp.apply(apply)(b["x"])),
                                np.asarray(ref(jnp.asarray(b["x"]))), rtol=1e-5, atol=1e-5)
+
+
+def test_functional_entry_point_with_linen_and_batch_stats():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=None)(x)
+            return nn.Dense(2)(x)
+
+    net = Net()
+    b = _bn_data(0)
+    variables = net.init(jax.random.key(0), b["x"])
+
+    def loss(params, buffers, batch):
+        out, upd = net.apply({"params": params, **buffers}, batch["x"], mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), upd
+
+    ddp = FunctionalDDP(variables["params"], buffers={"batch_stats": variables["batch_stats"]})
+    step = ddp.train_step(loss, optax.sgd(0.1))
+    step(b)
+    # reference: replica 0's statistics come from its 2 rows; gradients from all rows
+    # (BatchNorm without axis_name normalizes each replica's shard separately)
+    rows = [{k: v[2 * r:2 * r + 2] for k, v in b.items()} for r in range(8)]
+    grads = [jax.grad(lambda p, rb=rb: loss(p, {"batch_stats": variables["batch_stats"]},
+                                            rb)[0])(variables["params"]) for rb in rows]
+    mean_grad = jax.tree.map(lambda *g: sum(g) / 8, *grads)
+    expect = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], mean_grad)
+    assert max_diff(ddp.params, expect) < 1e-5
+    _, upd0 = loss(variables["params"], {"batch_stats": variables["batch_stats"]}, rows[0])
+    assert max_diff(ddp.buffers, upd0) < 1e-6
