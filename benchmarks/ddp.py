@@ -12,7 +12,9 @@ a) **overhead**: jdist ``ddp.train_step`` vs a hand-written ``jit(shard_map)`` s
    with XLA's defaults (``compiler_options={}``). Goal: <= 1.05x.
 b) **vs torch DDP**: 2 processes x 1 device, gloo, one thread each, global batch 128,
    for the MLP and a small CNN (conv 1->16->32, 3x3, on 28x28 inputs); ms per step.
-   Goal: MLP at or below torch's step time.
+   Goal: MLP at or below torch's step time. For attribution, each model's step is also
+   timed on one process and one device with no communication (torch vs plain JAX), so
+   the rest of the gap is communication and DDP overhead.
 c) **compile time**: jdist's first step (tracing, recording the gradient-ready order,
    compiling) vs the hand-written step's first call.
 
@@ -216,16 +218,71 @@ def jdist_worker(kind, steps):
     return ms, compile_s
 
 
+def compute_only(kind, steps):
+    """One process, one device, no communication: jit(grad) step vs torch fwd+bwd+SGD."""
+    import jax
+    import optax
+    import torch
+    from flax import nnx
+    from torch import nn
+
+    torch.set_num_threads(1)
+    b = batch(kind, BATCH // 2)
+    model = nnx_model(kind)
+    opt = nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param)
+
+    @nnx.jit
+    def jstep(m, o, bb):
+        loss, g = nnx.value_and_grad(loss_fn)(m, bb)
+        o.update(m, g)
+        return loss
+
+    jb = jax.device_put(b)
+    j_ms = _median_ms(lambda: float(jstep(model, opt, jb)), steps)
+    torch.manual_seed(0)
+    if kind == "mlp":
+        tm = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                           nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        x = torch.from_numpy(b["x"])
+    else:
+        tm = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(),
+                           nn.AvgPool2d(2), nn.Flatten(), nn.Linear(12 * 12 * 32, 10))
+        x = torch.from_numpy(b["x"].transpose(0, 3, 1, 2).copy())
+    y = torch.from_numpy(b["y"]).long()
+    topt = torch.optim.SGD(tm.parameters(), lr=0.01)
+
+    def tstep():
+        topt.zero_grad()
+        loss = nn.functional.cross_entropy(tm(x), y)
+        loss.backward()
+        topt.step()
+        return float(loss)
+
+    return _median_ms(tstep, steps), j_ms
+
+
+def _one_thread_env():
+    return {"OMP_NUM_THREADS": "1",
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
+            " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+
+
 def vs_torch(kind, steps):
     from benchmarks import ddp as me
     from jdist.launch import spawn
 
-    env = {"OMP_NUM_THREADS": "1",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
-           " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    env = _one_thread_env()
     torch_ms = spawn(me.torch_worker, args=(kind, steps), nprocs=2, timeout=600, env=env)
     jdist_res = spawn(me.jdist_worker, args=(kind, steps), nprocs=2, timeout=600, env=env)
     return max(torch_ms), max(r[0] for r in jdist_res), max(r[1] for r in jdist_res)
+
+
+def compute_only_one_thread(kind, steps):
+    from benchmarks import ddp as me
+    from jdist.launch import spawn
+
+    return spawn(me.compute_only, args=(kind, steps), nprocs=1, timeout=600,
+                 env=_one_thread_env())[0]
 
 
 def main(argv=None):
@@ -254,6 +311,9 @@ def main(argv=None):
         t_ms, j_ms, j_compile = vs_torch(kind, args.steps)
         print(f"  {kind}: torch DDP {t_ms:8.2f} ms   jdist DDP {j_ms:8.2f} ms   "
               f"ratio {j_ms / t_ms:.2f}x   (jdist first step {j_compile:.2f} s)")
+        tc, jc = compute_only_one_thread(kind, args.steps)
+        print(f"       compute only (1 process, 1 device, batch {BATCH // 2}, no "
+              f"communication): torch {tc:8.2f} ms   JAX {jc:8.2f} ms   ratio {jc / tc:.2f}x")
 
 
 if __name__ == "__main__":
