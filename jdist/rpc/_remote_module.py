@@ -89,6 +89,24 @@ class RemoteModule:
         if created is not None:  # raise a constructor error here, not at the first call
             created.wait()
 
+    @classmethod
+    def init_from_module_rref(cls, remote_device: Any, module_rref: RRef,
+                              _module_interface_cls: Any = None) -> RemoteModule:
+        """A RemoteModule for an existing module RRef (torch's alternate constructor)."""
+        del _module_interface_cls
+        self = cls.__new__(cls)
+        self._agent = module_rref._agent
+        self._owner = self._agent.worker_info(_parse_device(remote_device))
+        if module_rref.owner() != self._owner:
+            raise ValueError(f"module_rref is owned by {module_rref.owner()}, not by "
+                             f"{self._owner} given as remote_device")
+        self._module_rref = module_rref
+        return self
+
+    def __reduce__(self):
+        # sent by RPC: the module RRef travels through the fork protocol
+        return _rebuild, (self._owner.id, self._module_rref)
+
     def __repr__(self) -> str:
         return f"RemoteModule(on {self._owner}, {self._module_rref!r})"
 
@@ -117,3 +135,7 @@ class RemoteModule:
         """The worker holding the module."""
         return self._owner
 
+
+
+def _rebuild(owner: int, module_rref: RRef) -> RemoteModule:
+    return RemoteModule.init_from_module_rref(owner, module_rref)

@@ -51,9 +51,11 @@ from typing import Any
 from jdist.errors import DistAutogradError
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._context import DistAutogradContext as DistAutogradContext
+from jdist.rpc.autograd._ddp_stage import ddp_stage as ddp_stage
 from jdist.rpc.autograd._gradients import GradientMap as GradientMap
 
-__all__ = ["DistAutogradContext", "GradientMap", "backward", "context", "get_gradients"]
+__all__ = ["DistAutogradContext", "GradientMap", "backward", "context", "ddp_stage",
+           "get_gradients"]
 
 log = logging.getLogger("jdist.rpc")
 
