@@ -39,7 +39,7 @@ def torch_train(tmp_path, hook_state_kw=None, steps=200):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         rng = np.random.RandomState(0)
         for _ in range(steps):
-            batch = {k: torch.from_numpy(v) for k, v in teacher(rng, 64).items()}
+            batch = {k: torch.from_numpy(v) for k, v in teacher(rng, 256).items()}
             opt.zero_grad()
             loss = torch.mean((ddp(batch["x"]) - batch["y"]) ** 2)
             loss.backward()
