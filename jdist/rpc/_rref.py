@@ -6,11 +6,14 @@ value is deleted when both are empty.
 
 - Owner sends its RRef to a user: the owner records a new fork for that user *before*
   sending (the user's copy is confirmed at once).
-- A user sends its RRef to the owner: the owner gets a local handle; no fork.
+- The owner sends its RRef to itself: it pins the value until the message is decoded.
+- A user X sends its RRef to the owner: X keeps its own RRef alive (``holds``) until
+  the owner has decoded it into a local handle and said so (``CHILD_ACCEPT``); a reply
+  travels on another connection than X's later ``USER_DELETE``, so order alone is not
+  enough.
 - User X sends to user Y: X makes a child fork id and keeps its own RRef alive
-  (``holds``) until the owner has registered the child; Y asks the owner
-  (``FORK_REQUEST``), the owner registers it, confirms to Y and tells X
-  (``CHILD_ACCEPT``), and X lets go.
+  until the owner has registered the child; Y asks the owner (``FORK_REQUEST``), the
+  owner registers it, confirms to Y and tells X (``CHILD_ACCEPT``), and X lets go.
 - A user RRef that is garbage-collected sends ``USER_DELETE`` to the owner.
 
 Incoming messages are decoded in order on each agent's I/O thread, so a value carried
@@ -35,6 +38,7 @@ __all__ = ["RRef", "RRefContext", "rref_fetch", "rref_method_call"]
 
 Id = tuple[int, int]
 _NONE: Id = (-1, -1)
+_PINNED = -2  # RRefPid.parent: the owner sent its own RRef to itself and pinned it
 
 
 class _Owned:
@@ -63,7 +67,8 @@ class RRefContext:
         # re-entrant: dropping a value may drop RRefs inside it, whose __del__ re-enters
         self.lock = threading.RLock()
         self.owned: dict[Id, _Owned] = {}
-        self.holds: dict[Id, RRef] = {}  # child fork -> parent RRef kept alive (G2)
+        # child fork -> (our RRef kept alive until the owner knows the child, receiver)
+        self.holds: dict[Id, tuple[RRef, int]] = {}
         self._ids = itertools.count()
 
     def new_id(self) -> Id:
@@ -100,12 +105,17 @@ class RRefContext:
                 self._maybe_delete(rref_id, entry)
 
     def drop_holder(self, worker: int) -> None:
-        """A worker is gone: forget every fork it held (its RRefs died with it)."""
+        """A worker is gone: forget every fork it held (its RRefs died with it), and
+        the holds waiting for it (as receiver or as owner)."""
         with self.lock:
             for rref_id, entry in list(self.owned.items()):
                 for fork in [f for f, h in entry.forks.items() if h == worker]:
                     del entry.forks[fork]
                 self._maybe_delete(rref_id, entry)
+            gone = [c for c, (r, dest) in self.holds.items()
+                    if dest == worker or r._owner.id == worker]
+            dropped = [self.holds.pop(c) for c in gone]
+        del dropped
 
     def handle_control(self, op: int, rref_id: Id, fork: Id, parent: int, peer: int) -> None:
         """Apply a control message from ``peer`` (called on the I/O thread).
@@ -136,29 +146,39 @@ class RRefContext:
 
     # ---- pickling ----
     def persistent_id(self, obj: RRef, dest: int) -> RRefPid:
+        """What to send instead of ``obj`` to worker ``dest`` (records forks/holds)."""
         if obj._agent is not self.agent:
             raise RRefError("an RRef can only be sent by the agent that made it")
         me = self.agent.info.id
         if obj._owner.id == me:
-            if dest == me:
-                return RRefPid(me, obj._rref_id, _NONE, -1)
-            fork = self.new_id()
             with self.lock:
-                self.owned[obj._rref_id].forks[fork] = dest
+                entry = self.owned[obj._rref_id]
+                if dest == me:  # to ourselves: pin until the message is decoded
+                    entry.handles += 1
+                    return RRefPid(me, obj._rref_id, _NONE, _PINNED)
+                fork = self.new_id()
+                entry.forks[fork] = dest
             return RRefPid(me, obj._rref_id, fork, -1)
-        if dest == obj._owner.id:
-            return RRefPid(obj._owner.id, obj._rref_id, _NONE, -1)
+        # a user's RRef (to the owner or to another user): keep ours alive until the
+        # owner has the new reference (CHILD_ACCEPT), whatever connection carries it
         child = self.new_id()
         with self.lock:
-            self.holds[child] = obj
+            self.holds[child] = (obj, dest)
         return RRefPid(obj._owner.id, obj._rref_id, child, me)
 
     def persistent_load(self, pid: Any) -> RRef:
+        """The RRef for a received :class:`RRefPid` (sends the protocol's messages)."""
         owner, rref_id, fork, parent = RRefPid(*pid)
         rref_id, fork = tuple(rref_id), tuple(fork)
         info = self.agent.worker_info(owner)
-        if owner == self.agent.info.id:
-            return RRef._make(self.agent, info, rref_id, None, True)
+        me = self.agent.info.id
+        if owner == me:
+            rref = RRef._make(self.agent, info, rref_id, None, True)
+            if parent == _PINNED:
+                self.handle_released(rref_id)
+            elif parent >= 0:
+                self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
+            return rref
         rref = RRef._make(self.agent, info, rref_id, fork, parent < 0)
         if parent >= 0:
             ack = self.agent.send_control(owner, ControlOp.FORK_REQUEST, rref_id, fork, parent)

@@ -96,6 +96,13 @@ def agents(agents3):
     return agents3
 
 
+def holds_empty(agent, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while agent.rrefs.holds and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not agent.rrefs.holds
+
+
 def owned_empty(agent, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -243,8 +250,8 @@ def test_forks_to_third_worker_are_counted_and_freed(agents):
     assert len(a1.rrefs.owned) == 50
     del rrefs
     assert owned_empty(a1), f"owner still holds {len(a1.rrefs.owned)} values"
-    assert not a0.rrefs.holds and not a2.rrefs.holds
     assert all(owned_empty(a) for a in agents)
+    assert all(holds_empty(a) for a in agents)
 
 
 def test_owner_forks_to_users(agents):
@@ -253,6 +260,33 @@ def test_owner_forks_to_users(agents):
     assert a1.rpc_async("w2", fetch_counter_n, (r,)).wait() == 0  # owner -> user fork
     del r
     assert owned_empty(a1)
+
+
+_STASH: dict = {}
+
+
+def give_back(key):
+    """Return a stashed user RRef to its owner and drop ours at once (reply race)."""
+    return _STASH.pop(key)
+
+
+def own_rref_to_self(agent_name):
+    """On the owner: make an RRef and return it to ourselves (pinned while in flight)."""
+    return _AGENTS[agent_name].remote(agent_name, Counter, (7,))
+
+
+def test_rref_returned_to_its_owner_survives_the_sender_dropping_it(agents):
+    a0, a1, _ = agents
+    for i in range(30):
+        _STASH[i] = a0.remote("w1", Counter, (i,))
+    got = [a1.rpc_async("w0", give_back, (i,)).wait() for i in range(30)]
+    gc.collect()
+    assert [r.local_value().n for r in got] == list(range(30))
+    mine = [a1.rpc_async("w1", own_rref_to_self, ("w1",)).wait() for _ in range(30)]
+    gc.collect()
+    assert all(r.is_owner() and r.local_value().n == 7 for r in mine)
+    del got, mine
+    assert owned_empty(a1) and all(holds_empty(a) for a in agents)
 
 
 def fetch_counter_n(rref):
