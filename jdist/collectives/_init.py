@@ -104,7 +104,16 @@ def _set_collective_timeout(timeout: float) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
 
 
-def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> None:
+def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> bool:
+    """Start JAX's multi-process runtime; False if the user had already started it."""
+    if jax.distributed.is_initialized():
+        if (jax.process_count(), jax.process_index()) != (spec.world_size, spec.rank):
+            raise RendezvousError(
+                f"jax.distributed was already initialized as process "
+                f"{jax.process_index()} of {jax.process_count()}, but init_process_group "
+                f"got rank {spec.rank} of world_size {spec.world_size}; make them agree"
+            )
+        return False
     if _backends_initialized():
         if group_state.generation > 1:
             _clear_backends()  # left over from this process's previous job
@@ -136,6 +145,7 @@ def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> None:
             f"rank {spec.rank}: jax.distributed.initialize(coordinator={coordinator!r}, "
             f"num_processes={spec.world_size}) failed: {exc}"
         ) from exc
+    return True
 
 
 def _devices_by_rank(world_size: int) -> tuple[tuple[Any, ...], ...]:
@@ -207,7 +217,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                                "owns_store": False}
         group_state.default_group = world
         return
-    own_store = store is None
+    own_store, owns_jax = store is None, False
     if own_store:
         store = rdzv.make_store(spec, seconds)
     try:
@@ -226,11 +236,11 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                 _close_store(store)
                 time.sleep(0.05)
                 store = rdzv.make_store(spec, max(deadline - time.monotonic(), 0.1))
-        _start_jax(spec, res.coordinator, seconds)
+        owns_jax = _start_jax(spec, res.coordinator, seconds)
         world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
                             _platform_backend(requested), seconds)
     except BaseException:
-        if jax.distributed.is_initialized():  # e.g. a backend that does not fit
+        if owns_jax and jax.distributed.is_initialized():
             _shutdown_jax({"jax": True})
         if own_store:
             _close_store(store)
@@ -242,7 +252,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     watchdog = Watchdog(clone() if callable(clone) else store, spec.rank, res.infos,
                         group_state.generation, interval, store_host_rank=hosted)
     watchdog.start()
-    group_state.runtime = {"store": store, "watchdog": watchdog, "jax": True,
+    group_state.runtime = {"store": store, "watchdog": watchdog, "jax": owns_jax,
                            "owns_store": own_store, "spec": spec}
     group_state.default_group = world
 
