@@ -12,7 +12,7 @@ class) called on each owner with ``*args, **kwargs``, or a ready
 ``optax.GradientTransformation`` (sent to remote owners by pickle, so it has to be
 picklable: most optax transformations are closures and are not; pass the factory).
 
-Steps on one owner are serialized by a lock (as torch); steps of different clients are
+Steps on one worker are serialized by one lock (as torch); steps of different clients are
 not ordered. A parameter with no gradient in the context gets a zero gradient (optax
 needs a full tree; torch skips it, which differs for stateful optimizers such as Adam);
 an owner with no gradient at all in the context skips its step, as torch.
@@ -52,8 +52,16 @@ def _build_tx(tx: Any, args: tuple, kwargs: dict) -> optax.GradientTransformatio
     return out
 
 
+_STEP_LOCK = threading.Lock()  # torch's _LocalOptimizer.global_lock
+
+
 class LocalOptimizer:
-    """The optimizer living on one owner (torch's ``_LocalOptimizer``)."""
+    """The optimizer living on one owner (torch's ``_LocalOptimizer``).
+
+    Steps of all local optimizers of a worker are serialized by one lock (as torch):
+    two clients' optimizers updating the same parameter would otherwise lose one
+    read-modify-write.
+    """
 
     def __init__(self, tx: Any, args: tuple, kwargs: dict, rrefs: Sequence[RRef]):
         if not rrefs:
@@ -66,7 +74,6 @@ class LocalOptimizer:
                 raise RRefError(f"{r!r} is not owned by {self.agent.info}; the "
                                 "DistributedOptimizer sends each RRef to its owner")
             self.variables.extend(param_variables(r.local_value()))
-        self.lock = threading.Lock()
         self.opt_state = self.tx.init(self._values())
         self._update = jax.jit(self._pure_update)
 
@@ -80,7 +87,7 @@ class LocalOptimizer:
     def step(self, context_id: int) -> int:
         """Apply this owner's gradients of context ``context_id``; how many it had."""
         ctx = C.registry(self.agent).get(context_id)
-        with self.lock:
+        with _STEP_LOCK:  # every optimizer of this worker: they may share parameters
             params = self._values()
             with ctx.lock:
                 found = [ctx.grads.get(id(v)) for v in self.variables]
