@@ -264,8 +264,13 @@ def test_dropout_masks_are_independent_across_replicas():
             return self.drop(x)
 
     model = Drop()
+    twin = nnx.clone(model)
     key_before = jax.random.key_data(model.drop.rngs.key.get_value())
     out = DataParallel(model, device_ids=[0, 1, 2, 3])(jnp.ones((4, 64)))  # one row each
+    # inside nnx.jit (vmap over replicas) replica i draws the very same mask
+    out_jit = nnx.jit(lambda m, x: m(x))(DataParallel(twin, device_ids=[0, 1, 2, 3]),
+                                         jnp.ones((4, 64)))
+    np.testing.assert_array_equal(out_jit, out)
     masks = np.asarray(out) != 0
     assert all(not np.array_equal(masks[0], masks[i]) for i in range(1, 4))
     assert 0.25 < masks.mean() < 0.75
