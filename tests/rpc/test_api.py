@@ -102,3 +102,30 @@ def test_future_wait_timeout_is_rpc_timeout_error():
     f = rpc.Future()
     with pytest.raises(RpcTimeoutError, match="0.01 s"):
         f.wait(0.01)
+
+
+def test_no_secret_anywhere_shares_one_through_the_store(monkeypatch):
+    import threading
+
+    from jdist.rpc._api import start_agent, stop_agent
+
+    monkeypatch.delenv("JDIST_AUTH_TOKEN", raising=False)
+    store = MemoryStore()
+    opts = rpc.RpcBackendOptions(transport="inproc", rpc_timeout=10)
+    agents = [None, None]
+
+    def go(r):
+        agents[r] = start_agent(f"n{r}", r, 2, opts, store)
+
+    with pytest.warns(RuntimeWarning, match="JDIST_AUTH_TOKEN"):
+        threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+    try:
+        assert agents[0]._key == agents[1]._key and len(agents[0]._key) == 64
+        assert agents[0].rpc_async("n1", operator.add, (2, 2)).wait(10) == 4
+    finally:
+        for a in agents:
+            stop_agent(a, graceful=False)
