@@ -138,3 +138,58 @@ def test_context_errors(agents):
         dist_autograd.backward(cid, lambda: jnp.ones(()), agent=a0)
     with dist_autograd.context(a0) as cid2:
         assert cid2 != cid
+
+
+# ---- a worker dying in the middle of the backward pass ----
+@jax.custom_vjp
+def _dies_in_backward(x):
+    return x * 3.0
+
+
+def _dies_fwd(x):
+    return x * 3.0, None
+
+
+def _dies_bwd(_, ct):
+    import threading
+
+    agent = me()
+    threading.Thread(target=agent.close).start()  # the worker goes away mid-backward
+    time.sleep(2.0)
+    return (ct * 3.0,)
+
+
+_dies_in_backward.defvjp(_dies_fwd, _dies_bwd)
+
+
+def leaf_dies(a):  # on w2
+    return _dies_in_backward(a)
+
+
+def middle(x):  # on w1: forwards to w2
+    return call("w2", leaf_dies, jnp.sin(x))
+
+
+def test_worker_dying_mid_backward_fails_with_named_error():
+    from jdist.errors import WorkerUnavailableError
+
+    agents = make_agents(3)
+    try:
+        a0 = agents[0]
+        w = owned_param(a0)
+        with dist_autograd.context(a0) as cid:
+            t0 = time.monotonic()
+            with pytest.raises(WorkerUnavailableError, match=r"WorkerInfo\(id=2, name=w2\)") as ei:
+                dist_autograd.backward(
+                    cid, lambda r: jnp.sum(a0.rpc_async("w1", middle, (r.local_value()[...],))
+                                           .wait()), w)
+            assert time.monotonic() - t0 < 15
+            assert "_callee_backward was pending" in str(ei.value)
+    finally:
+        stop_all(agents, graceful=False)
+
+
+def owned_param(agent):
+    from jdist.rpc._dist_optim import owned_rref
+
+    return owned_rref(agent, nnx.Param(jnp.asarray(X)))
