@@ -22,6 +22,7 @@ from jdist.testing._convert import torch_to_nnx as torch_to_nnx
 from jdist.testing._parity import LOSSES as LOSSES
 from jdist.testing._parity import OPTIMIZERS as OPTIMIZERS
 from jdist.testing._parity import ArrayDiff as ArrayDiff
+from jdist.testing._parity import Case as Case
 from jdist.testing._parity import LossPair as LossPair
 from jdist.testing._parity import OptimizerSpec as OptimizerSpec
 from jdist.testing._parity import ParityReport as ParityReport
@@ -34,6 +35,7 @@ from jdist.testing._parity import make_optax as make_optax
 from jdist.testing._parity import make_torch_optimizer as make_torch_optimizer
 from jdist.testing._parity import optimizer_spec as optimizer_spec
 from jdist.testing._parity import run_parity as run_parity
+from jdist.testing._parity import run_parity_cases as run_parity_cases
 from jdist.testing._parity_models import TorchBatchNorm as TorchBatchNorm
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "LOSSES",
     "OPTIMIZERS",
     "ArrayDiff",
+    "Case",
     "LossPair",
     "OptimizerSpec",
     "ParityReport",
@@ -61,4 +64,5 @@ __all__ = [
     "make_torch_optimizer",
     "optimizer_spec",
     "run_parity",
+    "run_parity_cases",
 ]

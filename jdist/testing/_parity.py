@@ -43,7 +43,6 @@ torch is imported inside the functions that use it, never at import time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -55,14 +54,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdist.errors import WeightConversionError
 from jdist.testing import _convert
+from jdist.testing._parity_report import ArrayDiff as ArrayDiff
+from jdist.testing._parity_report import ParityReport as ParityReport
+from jdist.testing._parity_report import StepResult as StepResult
+from jdist.testing._parity_report import compare_models as compare_models
 
 __all__ = [
     "LOSSES",
     "OPTIMIZERS",
     "ArrayDiff",
     "LossPair",
+    "Case",
     "OptimizerSpec",
     "ParityReport",
     "StepResult",
@@ -74,14 +77,13 @@ __all__ = [
     "make_torch_optimizer",
     "optimizer_spec",
     "run_parity",
+    "run_parity_cases",
 ]
 
 #: Named losses (mean over the batch in both frameworks).
 LOSSES = ("cross_entropy", "mse")
 #: Named optimizers (see the module docstring for the mapping).
 OPTIMIZERS = ("sgd", "adam", "adamw")
-
-_BUFFERS = ("running_mean", "running_var")
 
 
 # ----------------------------------------------------------------------- losses
@@ -239,181 +241,6 @@ def make_torch_optimizer(spec, params):
     return cls(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
 
 
-# ------------------------------------------------------------------------ report
-
-
-class StepResult(NamedTuple):
-    """One step's loss in each framework (under DDP: the mean over processes)."""
-
-    step: int
-    torch_loss: float
-    jax_loss: float
-
-    @property
-    def diff(self) -> float:
-        return abs(self.torch_loss - self.jax_loss)
-
-
-class ArrayDiff(NamedTuple):
-    """The largest ``|torch - nnx|`` of one array of one layer pair (torch layout)."""
-
-    torch_path: str
-    nnx_path: str
-    kind: str
-    name: str  # torch name: weight, bias, running_mean, running_var
-    shape: tuple[int, ...]
-    max_abs_diff: float
-
-    @property
-    def is_buffer(self) -> bool:
-        return self.name in _BUFFERS
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.3e}" if v == v else "nan"
-
-
-@dataclasses.dataclass(frozen=True)
-class ParityReport:
-    """What :func:`run_parity` measured. ``str(report)`` is :meth:`table`.
-
-    Attributes:
-      steps: one :class:`StepResult` per step.
-      arrays: one :class:`ArrayDiff` per array of every layer pair after the last step.
-      per_step_arrays: with ``params_every_step=True``, the :class:`ArrayDiff` s after
-        each step (``per_step_arrays[k]`` after step ``k``); otherwise ``None``.
-      config: what was run (models, loss, optimizer, batch size, processes, sampler).
-    """
-
-    steps: tuple[StepResult, ...]
-    arrays: tuple[ArrayDiff, ...]
-    per_step_arrays: tuple[tuple[ArrayDiff, ...], ...] | None = None
-    config: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def max_loss_diff(self) -> float:
-        """The largest per-step ``|torch loss - jax loss|``."""
-        return _max(s.diff for s in self.steps)
-
-    @property
-    def max_param_diff(self) -> float:
-        """The largest ``|torch - nnx|`` over all parameters (not running stats)."""
-        return _max(a.max_abs_diff for a in self.arrays if not a.is_buffer)
-
-    @property
-    def max_buffer_diff(self) -> float:
-        """The largest difference of BatchNorm running statistics (0.0 without any)."""
-        return _max(a.max_abs_diff for a in self.arrays if a.is_buffer)
-
-    def layer_diffs(self, *, buffers: bool = True) -> dict[str, float]:
-        """``{torch layer path: largest difference of its arrays}``, in layer order."""
-        out: dict[str, float] = {}
-        for a in self.arrays:
-            if buffers or not a.is_buffer:
-                out[a.torch_path] = _max((out.get(a.torch_path, 0.0), a.max_abs_diff))
-        return out
-
-    def first_divergent_step(self, tol: float) -> int | None:
-        """The first step whose loss (or, if recorded, parameters) differ above ``tol``."""
-        for k, s in enumerate(self.steps):
-            arrays = self.per_step_arrays[k] if self.per_step_arrays else ()
-            if not s.diff <= tol or any(not a.max_abs_diff <= tol for a in arrays):
-                return s.step
-        return None
-
-    def ok(self, tol: float = 1e-5, *, buffers: bool = True) -> bool:
-        """All loss and parameter (and, with ``buffers``, running-stat) diffs ``<= tol``.
-
-        NaN anywhere is a failure.
-        """
-        if not isinstance(tol, numbers.Real) or isinstance(tol, bool) or not tol >= 0:
-            raise ValueError(f"tol must be a non-negative number, got {tol!r}")
-        worst = [self.max_loss_diff, self.max_param_diff]
-        if buffers:
-            worst.append(self.max_buffer_diff)
-        return all(w <= tol for w in worst)
-
-    def table(self, tol: float | None = None) -> str:
-        """A plain-text table: per-step losses, then per-array differences."""
-        rows = [("step", "torch loss", "jax loss", "|diff|")]
-        rows += [(str(s.step), f"{s.torch_loss:.8g}", f"{s.jax_loss:.8g}", _fmt(s.diff))
-                 for s in self.steps]
-        lines = [_config_line(self.config), *_aligned(rows), ""]
-        rows = [("torch layer", "nnx layer", "kind", "array", "shape", "max |diff|")]
-        rows += [(a.torch_path or "<root>", a.nnx_path or "<root>", a.kind, a.name,
-                  "x".join(map(str, a.shape)) or "()", _fmt(a.max_abs_diff))
-                 for a in self.arrays]
-        lines += _aligned(rows)
-        lines.append("")
-        lines.append(f"max loss diff {_fmt(self.max_loss_diff)}, max param diff "
-                     f"{_fmt(self.max_param_diff)}, max running-stat diff "
-                     f"{_fmt(self.max_buffer_diff)}")
-        if tol is not None:
-            verdict = "PASS" if self.ok(tol) else "FAIL"
-            step = self.first_divergent_step(tol)
-            extra = "" if step is None else f" (first divergent step: {step})"
-            lines.append(f"{verdict} at tolerance {tol:g}{extra}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _max(values) -> float:
-    out = 0.0
-    for v in values:
-        if v != v:  # NaN wins
-            return float("nan")
-        out = max(out, float(v))
-    return out
-
-
-def _aligned(rows) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-           for r in rows]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return out
-
-
-def _config_line(config: dict) -> str:
-    keys = ("loss", "optimizer", "steps", "batch_size", "nprocs", "sampler")
-    return "parity: " + ", ".join(f"{k}={config[k]}" for k in keys if k in config)
-
-
-# ------------------------------------------------------------------- comparison
-
-
-def compare_models(torch_model, nnx_model, *, strict: bool = True) -> tuple[ArrayDiff, ...]:
-    """The largest ``|torch - nnx|`` of every array of every layer pair.
-
-    Layers are paired as :func:`~jdist.testing.paired_layers` pairs them; NNX arrays are
-    brought to torch's layout first (kernels transposed). Includes BatchNorm running
-    statistics (``running_mean``, ``running_var``).
-
-    Raises:
-      WeightConversionError: the models do not pair, or a pair's shapes differ.
-    """
-    pairs = _convert._pair(_convert.torch_layers(torch_model),
-                           _convert.nnx_layers(nnx_model), "torch", "nnx", strict)
-    out = []
-    for t, n in pairs:
-        for name, nv in _convert._arrays_from_nnx(n).items():
-            tv = getattr(t.module, name, None)
-            if nv is None or tv is None:
-                continue
-            tv = _convert._to_numpy(tv).astype(np.float64)
-            nv = np.asarray(nv, dtype=np.float64)
-            if tv.shape != nv.shape:
-                raise WeightConversionError(
-                    f"shape mismatch: torch {t.describe()} {name!r} has shape {tv.shape} but "
-                    f"nnx {n.describe()} gives {nv.shape} (in torch's layout); build both "
-                    f"layers with the same sizes")
-            diff = float(np.max(np.abs(tv - nv))) if tv.size else 0.0
-            out.append(ArrayDiff(t.path, n.path, t.kind, name, tuple(tv.shape), diff))
-    return tuple(out)
-
-
 # ----------------------------------------------------------------------- batches
 
 
@@ -534,7 +361,8 @@ class _JaxRunner:
 
 
 def _set_train(torch_model, nnx_model, train: bool) -> None:
-    torch_model.train(train)
+    if torch_model is not None:
+        torch_model.train(train)
     for _, node in nnx.iter_graph(nnx_model):
         if isinstance(node, nnx.BatchNorm):
             node.use_running_average = not train
@@ -551,6 +379,48 @@ def _check_models(torch_model, nnx_model) -> None:
                         f"function returning one), got {type(nnx_model).__name__}")
 
 
+class Case(NamedTuple):
+    """One validated parity run (what :func:`run_parity` was given, normalised)."""
+
+    torch_model: Any
+    nnx_model: Any
+    loss: LossPair
+    data: tuple[np.ndarray, np.ndarray]
+    spec: OptimizerSpec
+    steps: int
+    batch_size: int | None
+    schedule: dict
+    jax_input: Any
+    train: bool
+    copy_weights: bool
+    every_step: bool
+    strict: bool
+    check_config: bool
+    config: dict
+
+
+def make_case(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
+              batch_size: int | None = None, shuffle: bool = False, seed: int = 0,
+              drop_last: bool = False, jax_input: Any = None, train: bool = True,
+              copy_weights: bool = True, params_every_step: bool = False,
+              strict: bool = True, check_config: bool = True) -> Case:
+    """Validate :func:`run_parity`'s arguments (same names) into a :class:`Case`."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    lp, spec = loss_pair(loss), optimizer_spec(optimizer)
+    x, y = _check_data(data)
+    _input_transform(jax_input)
+    config = {"loss": lp.name, "optimizer": _spec_str(spec), "steps": steps,
+              "batch_size": batch_size if batch_size is not None else "all",
+              "nprocs": 1, "sampler": f"shuffle={shuffle}, seed={seed}"}
+    sched = dict(shuffle=shuffle, seed=seed, drop_last=drop_last)
+    return Case(torch_model, nnx_model, lp, (x, y), spec, steps, batch_size, sched,
+                jax_input, bool(train), bool(copy_weights), bool(params_every_step),
+                strict, check_config, config)
+
+
 def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
                batch_size: int | None = None, shuffle: bool = False, seed: int = 0,
                drop_last: bool = False, jax_input: Any = None, train: bool = True,
@@ -559,13 +429,20 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
                check_config: bool = True) -> ParityReport:
     """Train ``torch_model`` and ``nnx_model`` the same way and report how they diverge.
 
+    Example::
+
+      report = run_parity(torch_net, nnx_net, "cross_entropy", (x, y), ("adam", 1e-3),
+                          steps=5, batch_size=16, jax_input="channels_last")
+      print(report)                 # per-step losses, per-layer max |diff|
+      assert report.ok(1e-5)
+
     Args:
       torch_model: a ``torch.nn.Module`` (with ``nprocs > 1``: a picklable zero-argument
         function that builds it in each process).
       nnx_model: its Flax NNX port with the same layers in the same order (with
         ``nprocs > 1``: a picklable function building it). It is changed in place.
       loss: a name in :data:`LOSSES` or a ``(torch_fn, jax_fn)`` pair of
-        ``fn(model_output, targets) -> scalar``.
+        ``fn(model_output, targets) -> scalar`` (module-level functions with ``nprocs > 1``).
       data: ``(inputs, targets)`` numpy arrays with the samples on the first axis,
         in torch's layout. Floating arrays are used as float32, integer ones as int64
         (torch) and int32 (JAX).
@@ -578,11 +455,12 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
         (axis 1 moved last: NCHW -> NHWC) or a function on numpy batches.
       train: training mode (BatchNorm uses and updates batch statistics) or eval mode.
       copy_weights: copy the torch weights into the NNX model first
-        (:func:`~jdist.testing.torch_to_nnx`); ``False`` compares the models as given.
+        (:func:`copy_torch_weights`); ``False`` compares the models as given.
       params_every_step: also compare every array after every step.
       nprocs: processes per framework; above 1 both run data-parallel (torch DDP over
         gloo, :class:`jdist.ddp.DistributedDataParallel`) in ``nprocs`` processes each,
-        every process taking its :class:`~jdist.sampler.DistributedSampler` share.
+        every process taking its :class:`~jdist.sampler.DistributedSampler` share
+        (see :mod:`jdist.testing._parity_ddp`).
       timeout: seconds for each framework's processes (``nprocs > 1``).
       strict, check_config: passed to :func:`~jdist.testing.torch_to_nnx`.
 
@@ -593,47 +471,83 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
       WeightConversionError: the models do not pair (layer count, kind, shape or
         hyperparameters differ).
       ValueError, TypeError: bad data, loss or optimizer spec (the message names the fix).
+      jdist.launch.SpawnError: a process failed or timed out (``nprocs > 1``).
     """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    case = make_case(torch_model, nnx_model, loss, data, optimizer, steps=steps,
+                     batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                     jax_input=jax_input, train=train, copy_weights=copy_weights,
+                     params_every_step=params_every_step, strict=strict,
+                     check_config=check_config)
+    return _run_cases([case], nprocs, timeout)[0]
+
+
+def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0
+                     ) -> list[ParityReport]:
+    """Several :func:`run_parity` runs; with ``nprocs > 1`` all in one launch per framework.
+
+    Args:
+      cases: dicts of :func:`run_parity` arguments (``torch_model``, ``nnx_model``,
+        ``loss``, ``data``, ``optimizer`` and any keyword but ``nprocs``/``timeout``).
+      nprocs: processes per framework, as in :func:`run_parity`.
+      timeout: seconds for each framework's launch (all cases together).
+
+    Returns:
+      One :class:`ParityReport` per case, in order.
+    """
+    if isinstance(cases, dict) or not hasattr(cases, "__iter__"):
+        raise TypeError(f"cases must be a list of dicts of run_parity arguments, got "
+                        f"{type(cases).__name__}")
+    prepared = []
+    for i, c in enumerate(cases):
+        if not isinstance(c, dict):
+            raise TypeError(f"case #{i} must be a dict of run_parity arguments, got "
+                            f"{type(c).__name__}")
+        bad = {"nprocs", "timeout"} & set(c)
+        if bad:
+            raise ValueError(f"case #{i} sets {sorted(bad)}; pass them to "
+                             f"run_parity_cases itself")
+        try:
+            prepared.append(make_case(**c))
+        except TypeError as e:
+            if "argument" in str(e) and "make_case" in str(e):
+                raise TypeError(f"case #{i}: {e} (keys are run_parity's arguments)") from e
+            raise
+    return _run_cases(prepared, nprocs, timeout)
+
+
+def _run_cases(cases: list[Case], nprocs, timeout) -> list[ParityReport]:
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
-    lp, spec = loss_pair(loss), optimizer_spec(optimizer)
-    x, y = _check_data(data)
-    transform = _input_transform(jax_input)
-    config = {"loss": lp.name, "optimizer": _spec_str(spec), "steps": steps,
-              "batch_size": batch_size if batch_size is not None else "all",
-              "nprocs": nprocs, "sampler": f"shuffle={shuffle}, seed={seed}"}
-    sched = dict(shuffle=shuffle, seed=seed, drop_last=drop_last)
     if nprocs > 1:
         from jdist.testing._parity_ddp import run_ddp_parity
 
-        return run_ddp_parity(torch_model, nnx_model, lp, (x, y), spec, steps=steps,
-                              batch_size=batch_size, schedule=sched, jax_input=transform,
-                              train=train, copy_weights=copy_weights,
-                              params_every_step=params_every_step, nprocs=nprocs,
-                              timeout=timeout, strict=strict, check_config=check_config,
-                              config=config)
-    _check_models(torch_model, nnx_model)
-    if copy_weights:
-        copy_torch_weights(torch_model, nnx_model, strict=strict, check_config=check_config)
+        return run_ddp_parity(cases, nprocs=nprocs, timeout=timeout)
+    return [_run_single(c) for c in cases]
+
+
+def _run_single(c: Case) -> ParityReport:
+    _check_models(c.torch_model, c.nnx_model)
+    if c.copy_weights:
+        copy_torch_weights(c.torch_model, c.nnx_model, strict=c.strict,
+                           check_config=c.check_config)
     else:
-        compare_models(torch_model, nnx_model, strict=strict)  # pairing errors up front
-    torch_idx = batch_schedule(len(x), steps, batch_size, source="torch", **sched)
-    jax_idx = _jax_schedule(len(x), steps, batch_size, torch_idx, sched, config)
-    _set_train(torch_model, nnx_model, train)
-    tr, jr = _TorchRunner(torch_model, lp, spec), _JaxRunner(nnx_model, lp, spec, transform)
+        compare_models(c.torch_model, c.nnx_model, strict=c.strict)  # pairing errors now
+    x, y = c.data
+    config = dict(c.config)
+    torch_idx = batch_schedule(len(x), c.steps, c.batch_size, source="torch", **c.schedule)
+    jax_idx = _jax_schedule(len(x), c.steps, c.batch_size, torch_idx, c.schedule, config)
+    _set_train(c.torch_model, c.nnx_model, c.train)
+    tr = _TorchRunner(c.torch_model, c.loss, c.spec)
+    jr = _JaxRunner(c.nnx_model, c.loss, c.spec, _input_transform(c.jax_input))
     results, per_step = [], []
-    for k in range(steps):
+    for k in range(c.steps):
         tl = tr.step(x[torch_idx[k]], y[torch_idx[k]])
         jl = jr.step(x[jax_idx[k]], y[jax_idx[k]])
         results.append(StepResult(k, tl, jl))
-        if params_every_step:
-            per_step.append(compare_models(torch_model, nnx_model, strict=strict))
-    arrays = per_step[-1] if per_step else compare_models(torch_model, nnx_model,
-                                                           strict=strict)
+        if c.every_step:
+            per_step.append(compare_models(c.torch_model, c.nnx_model, strict=c.strict))
+    arrays = per_step[-1] if per_step else compare_models(c.torch_model, c.nnx_model,
+                                                           strict=c.strict)
     return ParityReport(tuple(results), arrays, tuple(per_step) if per_step else None, config)
 
 
