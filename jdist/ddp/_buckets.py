@@ -21,6 +21,7 @@ Everything here is pure: no JAX tracing, only shapes, dtypes and paths.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -81,8 +82,12 @@ class Bucket(NamedTuple):
                 f"params={len(self.leaves)}, paths={list(self.paths)})")
 
 
-class BucketLayout(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class BucketLayout:
     """A complete assignment of parameters to buckets, in reduction order.
+
+    ``layout[i]`` is bucket ``i`` (its ``paths`` and ``nbytes``); ``len(layout)`` is the
+    number of buckets, and iterating yields them in reduction order.
 
     Attributes:
       buckets: the buckets, bucket 0 reduced first.
@@ -93,6 +98,15 @@ class BucketLayout(NamedTuple):
     buckets: tuple[Bucket, ...]
     leaves: tuple[LeafInfo, ...]
     rebuilt: bool
+
+    def __getitem__(self, index: int) -> Bucket:
+        return self.buckets[index]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)
 
     def sizes(self) -> list[int]:
         """Byte size of each bucket, bucket 0 first (torch's ``bucket_sizes``)."""

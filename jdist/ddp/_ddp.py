@@ -76,6 +76,10 @@ class DistributedDataParallel:
         lowers per gradient (faster on CPU, where the copy costs more than it saves;
         pair it with ``compiler_options={}`` so XLA's combiner merges them).
 
+    After a step the module holds the new parameters as global arrays replicated over
+    the group's devices; with several processes they span other processes' devices too
+    (``np.asarray`` works, eager math on them does not: use ``ddp(x)`` for inference).
+
     Example::
 
       ddp = DistributedDataParallel(model)

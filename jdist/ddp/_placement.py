@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -95,11 +96,11 @@ def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
                 f"its {n} devices ({b} % {n} = {b % n}); use a per-process batch size that is "
                 f"a multiple of {n} (e.g. {max(n, b - b % n)}), or drop_last in the sampler"
             )
-        k = b // n
-        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-        parts = [jax.device_put(x[i * k:(i + 1) * k], d) for i, d in enumerate(devs)]
-        gshape = (k * group.num_replicas,) + tuple(x.shape[1:])
-        out.append(jax.make_array_from_single_device_arrays(gshape, sharding, parts))
+        gshape = (b * group.size(),) + tuple(jnp.shape(x)[1:])
+        if group.size() == 1 or len(group.devices_per_rank) == 1:
+            out.append(jax.device_put(x, sharding))
+        else:
+            out.append(jax.make_array_from_process_local_data(sharding, np.asarray(x), gshape))
     return jax.tree.unflatten(tdef, out)
 
 

@@ -73,7 +73,9 @@ def test_rebuilt_layout_reproduces_torch_8x_linear(cap, sizes, counts):
     assert ddp.buckets.sizes() == sizes
     assert ddp.buckets.counts() == counts
     # bucket 0 holds the last layers, bias first (gradient-ready order)
-    assert ddp.buckets.buckets[0].paths[:2] == ("layers/7/bias", "layers/7/kernel")
+    assert ddp.buckets[0].paths[:2] == ("layers/7/bias", "layers/7/kernel")
+    assert len(ddp.buckets) == len(sizes) and [b.index for b in ddp.buckets] == [0, 1, 2][
+        :len(sizes)]
 
 
 def test_find_unused_layout_is_torch_iter0_layout_and_never_rebuilt():
