@@ -60,7 +60,10 @@ _STATE: dict = {}
 
 # ---------------------------------------------------------------- model
 class EmbeddingBag(nnx.Module):
-    """torch's ``nn.EmbeddingBag(num, dim, mode="sum")`` (weights from a numpy seed)."""
+    """torch's ``nn.EmbeddingBag(num, dim, mode="sum", include_last_offset=True)``.
+
+    Weights come from a numpy seed (so torch can start from the same table).
+    """
 
     def __init__(self, num_embeddings: int, dim: int, seed: int = 0):
         w = np.random.RandomState(seed).randn(num_embeddings, dim).astype(np.float32)
@@ -71,11 +74,16 @@ class EmbeddingBag(nnx.Module):
 
 
 def embedding_bag(weight, indices, offsets):
-    """Sum of ``weight[indices]`` per bag; bag ``b`` starts at ``offsets[b]``."""
+    """Sum of ``weight[indices]`` per bag: bag ``b`` is ``offsets[b]:offsets[b + 1]``.
+
+    ``offsets`` has one entry per bag plus the end (torch's ``include_last_offset``);
+    ``indices`` may be padded past ``offsets[-1]`` (padding is ignored), which keeps
+    the shapes fixed from batch to batch (no recompilation).
+    """
     indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
-    starts = jnp.zeros(indices.shape[0], jnp.int32).at[offsets[1:]].add(1)
-    return jax.ops.segment_sum(weight[indices], jnp.cumsum(starts),
-                               num_segments=offsets.shape[0])
+    pos = jnp.arange(indices.shape[0])
+    seg = jnp.searchsorted(offsets[1:], pos, side="right")  # padding -> out of range
+    return jax.ops.segment_sum(weight[indices], seg, num_segments=offsets.shape[0] - 1)
 
 
 def fc_init(dim: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -108,12 +116,20 @@ def fc_loss(module, x, target):
     return loss_of(module(x), target)
 
 
+MAX_BAG = 4
+
+
 def make_batch(rank: int, step: int, batch: int, num_embeddings: int):
-    """Trainer ``rank``'s batch of step ``step``: (indices, offsets, target)."""
+    """Trainer ``rank``'s batch of step ``step``: (indices, offsets, target).
+
+    Bags hold 1..MAX_BAG indices; ``indices`` is padded to ``batch * MAX_BAG``;
+    ``offsets`` has ``batch + 1`` entries (the last one ends the real indices).
+    """
     rs = np.random.RandomState(1000 * rank + step)
-    lengths = rs.randint(1, 5, size=batch)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
-    indices = rs.randint(0, num_embeddings, size=int(lengths.sum())).astype(np.int32)
+    lengths = rs.randint(1, MAX_BAG + 1, size=batch)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    indices = np.zeros(batch * MAX_BAG, np.int32)
+    indices[:offsets[-1]] = rs.randint(0, num_embeddings, size=int(offsets[-1]))
     target = rs.randint(0, NUM_CLASSES, size=batch).astype(np.int32)
     return indices, offsets, target
 
