@@ -243,3 +243,22 @@ def test_functional_entry_point_with_linen_and_batch_stats():
     assert max_diff(ddp.params, expect) < 1e-5
     _, upd0 = loss(variables["params"], {"batch_stats": variables["batch_stats"]}, rows[0])
     assert max_diff(ddp.buffers, upd0) < 1e-6
+
+
+def test_no_sync_with_find_unused_keeps_grads_of_params_used_only_earlier():
+    # torch issue #69031: a parameter used only in a no_sync micro-batch lost its gradient
+    model = WithSpare(nnx.Rngs(0))
+    ref = WithSpare(nnx.Rngs(0))
+    b1, b2 = data(seed=1), data(seed=2)
+
+    def with_spare(m, b):
+        return jnp.mean((m.spare(m.body(b["x"])) - b["y"]) ** 2)
+
+    ddp = DDP(model, find_unused_parameters=True)
+    with ddp.no_sync():
+        ddp.value_and_grad(with_spare)(b1)
+    _, grads = ddp.value_and_grad(mse)(b2)  # spare unused in this micro-batch
+    g1, g2 = nnx.grad(with_spare)(ref, b1), nnx.grad(mse)(ref, b2)
+    expect = jax.tree.map(lambda a, b: a + b, g1, g2)
+    assert max_diff(grads, expect) < 1e-5
+    assert float(jnp.abs(grads["spare"]["kernel"][...]).max()) > 0
