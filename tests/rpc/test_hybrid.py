@@ -1,30 +1,32 @@
-"""examples/hybrid_ddp_rpc.py (3 real processes) equals the same maths in one process."""
+"""examples/hybrid_ddp_rpc.py (3 real processes) equals the same maths in one process,
+and torch's HybridModel (torch RPC + DDP + dist_autograd + DistributedOptimizer) run
+from the same weights and batches in the same processes."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from benchmarks.hybrid import both
+from jdist.launch._spawn import free_port
 from tests.helpers import run_procs
 
 
-def _rank_main(argv):
-    from examples.hybrid_ddp_rpc import main
-
-    return main(argv)
-
-
-def test_hybrid_matches_single_process_reference():
+def test_hybrid_matches_single_process_reference_and_torch():
     from examples.hybrid_ddp_rpc import config, reference
 
-    results = run_procs(_rank_main, 3, args=(["--smoke"],), timeout=240)
-    out = results[0]
+    argv = ["--smoke"]
+    results = run_procs(both, 3, args=(argv, free_port(), free_port()), timeout=300)
     assert results[1] is None and results[2] is None
-    want = reference(config(["--smoke"]))
-    np.testing.assert_allclose(out["table"], want["table"], rtol=1e-5, atol=1e-5)
-    for r, res in zip((1, 2), out["trainers"], strict=True):
-        np.testing.assert_allclose(res["kernel"], want["kernel"], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(res["bias"], want["bias"], rtol=1e-5, atol=1e-5)
+    mine, torch_out = results[0]["jdist"], results[0]["torch"]
+    want = reference(config(argv))
+    start = reference(dict(config(argv), steps=0))["table"]
+    assert np.abs(mine["table"] - start).max() > 1e-3  # the embedding gradients arrived
+    for other in (want, torch_out):
+        np.testing.assert_allclose(mine["table"], other["table"], rtol=1e-5, atol=1e-5)
+    for r, res in zip((1, 2), mine["trainers"], strict=True):
+        theirs = torch_out["trainers"][r - 1]
+        for other in (want, theirs):
+            np.testing.assert_allclose(res["kernel"], other["kernel"], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(res["bias"], other["bias"], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(res["losses"], want["losses"][r], rtol=1e-5, atol=1e-6)
-    # the table moved (the embedding gradients reached the parameter server)
-    start = reference(dict(config(["--smoke"]), steps=0))["table"]
-    assert np.abs(out["table"] - start).max() > 1e-3
+        np.testing.assert_allclose(res["losses"], theirs["losses"], rtol=1e-5, atol=1e-6)
