@@ -88,6 +88,7 @@ class RpcAgent:
         self.store: Any = None  # the rendezvous store (set by start_agent)
         self.state = "new"
         self._ready = threading.Event()  # set once the worker table is installed
+        self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)
         self.released: queue.SimpleQueue = queue.SimpleQueue()
@@ -165,7 +166,7 @@ class RpcAgent:
         return [self._workers[r] for r in sorted(self._workers)]
 
     def _mark_dead(self, rank: int, reason: str) -> None:
-        if rank == self.info.id or self.state != "running":
+        if rank == self.info.id or self.state not in ("running", "stopping"):
             return
         with self._lock:
             if rank in self._dead:
@@ -174,8 +175,9 @@ class RpcAgent:
             failed = [(rid, p) for rid, p in self._pending.items() if p.worker.id == rank]
             for rid, _ in failed:
                 del self._pending[rid]
-        log.warning("jdist.rpc: %s lost worker %s: %s", self.info, self._workers.get(rank),
-                    reason)
+        if not self.quiet_leaves:
+            log.warning("jdist.rpc: %s lost worker %s: %s", self.info,
+                        self._workers.get(rank), reason)
         for _, p in failed:
             p.future.set_exception(WorkerUnavailableError(
                 f"worker {p.worker} is unavailable ({reason}) while {p.fn} was pending on it"))
@@ -584,6 +586,8 @@ class RpcAgent:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
         self._release_thread.join(5.0)
         self.state = "closed"
         with self.rrefs.lock:

@@ -223,9 +223,7 @@ def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = N
     t = agent.options.shutdown_timeout if timeout is None else float(timeout)
     if graceful and store is not None and agent.state == "running":
         deadline = time.monotonic() + t
-        dead = agent.dead_workers()
-        missing = _graceful(agent, store, deadline)
-        dead.update(agent.dead_workers())
+        missing, dead = _graceful(agent, store, deadline)
     agent.close()
     if dead:
         names = ", ".join(f"{agent.worker_info(r)} ({why})" for r, why in sorted(dead.items()))
@@ -238,7 +236,8 @@ def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = N
                               "shutdown(). The agent is closed anyway.")
 
 
-def _graceful(agent: RpcAgent, store: Any, deadline: float) -> list[int]:
+def _graceful(agent: RpcAgent, store: Any, deadline: float) -> tuple[list[int], dict]:
+    """Drain and meet the live workers; (missing live ranks, workers that died first)."""
     rank, ws = agent.info.id, agent.world_size
 
     def gone(r: int) -> bool:
@@ -251,13 +250,15 @@ def _graceful(agent: RpcAgent, store: Any, deadline: float) -> list[int]:
     try:
         agent.drain(deadline)
         missing = store_barrier(store, "sd1", rank, ws, deadline, gone, probe)
+        dead = agent.dead_workers()
         if missing:
-            return missing
+            return missing, dead
+        agent.quiet_leaves = True  # everyone is done: peers closing now is no failure
         agent.drain(deadline)
         missing = store_barrier(store, "sd2", rank, ws, deadline, gone, probe)
         if missing:
-            return missing
-        agent.state = "stopping"  # peers may now hang up: that is not a failure
+            return missing, dead
+        agent.state = "stopping"
         if rank == 0:  # the store host leaves last, once the others are done reading it
             store_barrier(store, "sd3", rank, ws, min(deadline, time.monotonic() + 5), gone)
         else:
@@ -265,7 +266,8 @@ def _graceful(agent: RpcAgent, store: Any, deadline: float) -> list[int]:
     except Exception as e:  # the store itself is gone (its host died): close locally
         warnings.warn(f"jdist.rpc: {agent.info} could not coordinate shutdown through the "
                       f"store ({e!r}); closing locally", RuntimeWarning, stacklevel=3)
-    return []
+        return [], agent.dead_workers()
+    return [], dead
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:

@@ -329,6 +329,31 @@ def test_dead_worker_fails_pending_and_new_calls_survivors_shut_down():
         stop_all(agents, graceful=False)
 
 
+def test_graceful_shutdown_drains_rref_deletions():
+    agents = make_agents(3)
+    seen = {}
+    owner = agents[1]
+    real_close = owner.close
+
+    def close_and_record():
+        seen["owned_at_close"] = len(owner.rrefs.owned)
+        real_close()
+
+    owner.close = close_and_record
+    try:
+        rrefs = [agents[0].remote("w1", Counter, (i,)) for i in range(40)]
+        agents[0].rpc_async("w2", hold, (rrefs[:20],)).wait(10)
+        deadline = time.monotonic() + 10
+        while len(owner.rrefs.owned) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)  # remote() returns before the owner has the value
+        assert len(owner.rrefs.owned) == 40
+        del rrefs
+        assert stop_all(agents, graceful=True, timeout=20) == {}
+        assert seen["owned_at_close"] == 0
+    finally:
+        stop_all(agents, graceful=False)
+
+
 def test_graceful_shutdown_names_live_missing_worker():
     agents = make_agents(2)
     try:

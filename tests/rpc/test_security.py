@@ -52,8 +52,10 @@ class Client:
 
     def close(self):
         self.comm.close()
+        self.run(asyncio.sleep(0.01))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_listens_on_loopback_by_default(tcp_agents):
 
 def test_evil_payload_is_live(tmp_path):
     path = tmp_path / "pwned-locally"
-    pickle.loads(pickle.dumps(Evil(str(path))))
+    pickle.loads(pickle.dumps(Evil(str(path)))).close()
     assert path.exists()  # so its absence below proves nothing was unpickled
 
 

@@ -27,6 +27,7 @@ class LoopThread:
     def stop(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture(params=sorted(ADDRS))
@@ -45,6 +46,9 @@ def pair(request):
                                            max_message_bytes=1 << 20))
     yield transport, server, client, listener, accepted, got
     server.run(listener.stop())
+    for comm in accepted:
+        comm.close()
+    server.run(asyncio.sleep(0.01))
     server.stop()
     client.stop()
 

@@ -193,12 +193,15 @@ class TCPComm(Comm):
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if self._error is None:
-            try:
-                self.loop.call_soon_threadsafe(self._fail, CommClosedError(
-                    f"connection to {self.peer} is closed"))
-            except RuntimeError:
-                pass
+        try:
+            self.loop.call_soon_threadsafe(self._close_on_loop)
+        except RuntimeError:  # the loop is gone already
+            pass
+
+    def _close_on_loop(self) -> None:
+        self._fail(CommClosedError(f"connection to {self.peer} is closed"))
+        if self.transport is not None:
+            self.transport.close()
 
 
 class TCPListener(Listener):
