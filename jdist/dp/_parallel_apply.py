@@ -11,7 +11,10 @@ that repeated calls do not recompile).
 :func:`parallel_apply` is torch's ``parallel_apply`` over a list of replicas: every
 replica's program is dispatched (JAX runs them asynchronously) before any result is
 awaited, and an exception in replica ``i`` is re-raised as
-``Caught <Type> in replica i on device d`` followed by the original traceback.
+``Caught <Type> in replica i on device d`` followed by the original traceback. Given the
+unmodified list ``replicate`` returned and inputs placed on the replicas' devices (as
+``scatter`` places them), the leading replicas with equal input shapes run as one SPMD
+program assembled from their buffers without copies.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist.collectives._group import DEFAULT_AXIS
+from jdist.dp._replicate import Replicas
 from jdist.dp._scatter_gather import (
     dim_spec,
     is_array,
+    mesh_for,
     resolve_devices,
     split_container,
 )
@@ -326,7 +331,10 @@ def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
     """Apply ``fn(replica_i, *inputs_i, **kwargs_i)`` on every replica; outputs in order.
 
     Every replica's compiled program is dispatched before any result is awaited, so the
-    devices work concurrently; then all results are awaited.
+    devices work concurrently; then all results are awaited. When ``replicas`` is the
+    unmodified list from :func:`replicate` and the inputs sit on the replicas' devices
+    (as from :func:`scatter`), the leading replicas with equal input shapes run as ONE
+    SPMD program (an error there is reported for the first of them).
 
     Args:
       fn: ``fn(replica, *args, **kwargs)``; None when ``replicas`` are NNX modules, which
@@ -358,35 +366,102 @@ def parallel_apply(fn: Callable | None, replicas: Sequence, inputs: Sequence,
     if timeout is not None and timeout < 0:
         raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout}")
     deadline = None if timeout is None else time.monotonic() + timeout
-    pending, errors = [], {}
-    for i, (rep, inp, kw) in enumerate(zip(replicas, inputs, kwargs, strict=True)):
-        args = tuple(inp) if isinstance(inp, (tuple, list)) else (inp,)
+    arg_list = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+    pending, errors = [], {}  # pending: (first replica, count, device, result, graphdef)
+    m = _fusable(fn, replicas, arg_list, kwargs, devs)
+    if m:
+        where = replicas.devices[0]
+        try:
+            pending.append((0, m, where, _apply_fused(fn, replicas, arg_list[:m], kwargs[:m]),
+                            None))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after all are dispatched
+            errors[0] = replica_error(e, 0, where)
+            pending.append((0, m, where, None, None))
+    for i in range(m, n):
+        rep, args, kw = replicas[i], arg_list[i], kwargs[i]
         where = devs[i] if devs is not None else (_device_of(rep) or _device_of(args))
         try:
             params, prog, graphdef = _prepare(fn, rep)
             if devs is not None:
                 params, args, kw = jax.device_put((params, args, dict(kw)), devs[i])
-            pending.append((where, prog(params, args, kw), graphdef))
+            pending.append((i, 1, where, prog(params, args, kw), graphdef))
         except Exception as e:  # noqa: BLE001 - re-raised below, after all are dispatched
             errors[i] = replica_error(e, i, where)
-            pending.append((where, None, None))
+            pending.append((i, 1, where, None, None))
     outs = []
-    for i, (where, result, graphdef) in enumerate(pending):
+    for i, count, where, result, graphdef in pending:
         if result is None:
-            outs.append(None)
+            outs.extend([None] * count)
             continue
         arrays, aux, meta = result
-        if timeout is not None:
-            remaining = max(0.0, deadline - time.monotonic())
+        remaining = None if timeout is None else max(0.0, deadline - time.monotonic())
         try:
-            _await(arrays, None if timeout is None else remaining, i, where)
+            _await(arrays, remaining, i, where)
         except TimeoutError:
             raise
         except Exception as e:  # noqa: BLE001
             errors.setdefault(i, replica_error(e, i, where))
+        if count > 1:
+            outs.extend(_split_fused(arrays, meta, replicas.devices[:count]))
+            continue
         if graphdef is not None and aux is not None:
             nnx.update(replicas[i], aux)
         outs.append(join_output(arrays, meta))
     if errors:
         raise errors[min(errors)]
     return outs
+
+
+def _placed_signature(args: tuple, kwargs: dict, device: Any):
+    """Hashable shapes of a replica's inputs if all its arrays sit on ``device``, else None."""
+    try:
+        dyn, key = partition((args, dict(kwargs)))
+    except TypeError:
+        return None
+    for x in dyn:
+        if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.ndim == 0
+                or x.devices() != {device}):
+            return None
+    return key, tuple((x.shape, x.dtype) for x in dyn)
+
+
+def _fusable(fn, replicas, arg_list: list, kwargs: list, devs) -> int:
+    """How many leading replicas can run as one program (0: none, or fewer than two)."""
+    if fn is None or not isinstance(replicas, Replicas) or not replicas.unchanged():
+        return 0
+    if devs is not None and tuple(devs) != replicas.devices:
+        return 0
+    first = None
+    for i, (args, kw) in enumerate(zip(arg_list, kwargs, strict=True)):
+        sig = _placed_signature(args, kw, replicas.devices[i])
+        if sig is None or (first is not None and sig != first):
+            return i if i >= 2 else 0
+        first = sig
+    return len(arg_list) if len(arg_list) >= 2 else 0
+
+
+def _apply_fused(fn, replicas, arg_list: list, kwargs: list):
+    """One SPMD program over the replicas' devices, built from their buffers (no copies)."""
+    m = len(arg_list)
+    mesh = mesh_for(replicas.devices[:m])
+    leaves = [jax.tree_util.tree_leaves(r) for r in replicas[:m]]
+    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(replicas[0]), [
+        jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(mesh, PartitionSpec()), [lv[j] for lv in leaves])
+        for j, x in enumerate(leaves[0])])
+    parts = [partition((args, dict(kw))) for args, kw in zip(arg_list, kwargs, strict=True)]
+    glob = [jax.make_array_from_single_device_arrays(
+        (m * x.shape[0],) + x.shape[1:], NamedSharding(mesh, dim_spec(0)),
+        [p[0][j] for p in parts]) for j, x in enumerate(parts[0][0])]
+    args, kw = rebuild(glob, parts[0][1])
+    prog = _programs.get(("fused", fn, mesh), lambda: ReplicaProgram(
+        lambda p, a, k: (fn(p, *a, **k), None), mesh=mesh))
+    return prog(params, args, kw)
+
+
+def _split_fused(arrays: list, meta: OutputMeta, devices: tuple) -> list:
+    """Per-replica outputs (zero-copy shards) of a fused program's global outputs."""
+    by_dev = [{s.device: s.data for s in a.addressable_shards} for a in arrays]
+    return [join_output([jnp.reshape(bd[d], ()) if scalar else bd[d]
+                         for bd, scalar in zip(by_dev, meta.scalar, strict=True)], meta)
+            for d in devices]

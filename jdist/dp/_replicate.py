@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist.dp._scatter_gather import mesh_for, resolve_devices
 
-__all__ = ["ReplicaCache", "default_cache", "put_from", "replicate_params", "replicate"]
+__all__ = ["ReplicaCache", "Replicas", "default_cache", "put_from", "replicate_params",
+           "replicate"]
 
 
 def _concrete(leaves: Sequence) -> bool:
@@ -89,6 +90,24 @@ default_cache = ReplicaCache()
 """The cache behind the functional ``replicate``/``data_parallel`` (DataParallel has its own)."""
 
 
+class Replicas(list):
+    """The list ``replicate`` returns for a pytree: copies of ONE pytree, one per device.
+
+    ``parallel_apply`` runs the replicas whose inputs have equal shapes as one SPMD
+    program when it gets such a list unmodified (it checks every item's identity).
+    """
+
+    def __init__(self, items: Sequence, devices: tuple) -> None:
+        super().__init__(items)
+        self.devices = tuple(devices)
+        self._items = tuple(items)
+
+    def unchanged(self) -> bool:
+        """Whether the items are still the copies ``replicate`` made."""
+        return len(self) == len(self._items) and all(
+            a is b for a, b in zip(self, self._items, strict=True))
+
+
 def _shards_by_device(tree: Any, devices: tuple) -> list:
     """Per-device views of a pytree of replicated global arrays."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -105,9 +124,9 @@ def replicate_params(params: Any, devices: tuple, cache: ReplicaCache) -> list:
 
     def make(p):
         glob = jax.device_put(p, NamedSharding(mesh_for(devices), PartitionSpec()))
-        return _shards_by_device(glob, devices)
+        return tuple(_shards_by_device(glob, devices))
 
-    return list(cache.get(params, ("replicas", devices), make))
+    return Replicas(cache.get(params, ("replicas", devices), make), devices)
 
 
 def replicate(module_or_params: Any, devices: Sequence | None,
@@ -122,7 +141,8 @@ def replicate(module_or_params: Any, devices: Sequence | None,
 
     Returns:
       A list with one replica per device: modules (``nnx.merge`` of the copied state,
-      independent of each other and of the original) or pytrees.
+      independent of each other and of the original) or pytrees (a :class:`Replicas`
+      list, which ``parallel_apply`` can run as one program).
 
     Examples:
       >>> import jax.numpy as jnp

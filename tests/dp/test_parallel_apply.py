@@ -7,6 +7,8 @@ import pytest
 from flax import nnx
 
 from jdist.dp import parallel_apply, replicate, scatter
+from jdist.dp._parallel_apply import _programs
+from jdist.dp._scatter_gather import mesh_for
 
 DEVS = jax.devices()
 
@@ -28,6 +30,22 @@ def test_outputs_match_each_replica_computed_alone():
     for i, (o, xi) in enumerate(zip(outs, ins, strict=True)):
         assert o.devices() == {DEVS[i]}
         np.testing.assert_allclose(o, _affine(p, np.asarray(xi), 2.0), rtol=1e-6)
+    # replicas 0-2 (equal chunks of 3) ran as one SPMD program over their devices
+    assert ("fused", _affine, mesh_for(tuple(DEVS[:3]))) in _programs._lru
+
+
+def test_fused_replicas_keep_per_replica_scalars_and_objects():
+    def stats(p, x):
+        return {"sum": jnp.sum(x) * p, "rows": x.shape[0], "tag": "t"}
+
+    ins = scatter(jnp.arange(8.0), DEVS[:4])
+    outs = parallel_apply(stats, replicate(2.0, DEVS[:4]), ins)
+    assert [float(o["sum"]) for o in outs] == [2.0, 10.0, 18.0, 26.0]
+    assert all(o["sum"].shape == () and o["rows"] == 2 and o["tag"] == "t" for o in outs)
+    assert outs[3]["sum"].devices() == {DEVS[3]}
+    with pytest.raises(ZeroDivisionError, match=f"Caught ZeroDivisionError in replica 0 on "
+                                                f"device {DEVS[0]}"):
+        parallel_apply(lambda p, x: 1 / 0, replicate(2.0, DEVS[:4]), ins)
 
 
 def test_all_replicas_dispatched_before_any_is_awaited(monkeypatch):
