@@ -1,61 +1,115 @@
 """jdist: PyTorch's distributed training semantics on JAX, Flax and Optax.
 
 Process groups and collectives are re-exported here (as ``torch.distributed`` does);
-subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``, ``jdist.optim``,
-``jdist.rpc``, ``jdist.launch``, ``jdist.testing``) load on first use.
+they and the subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``,
+``jdist.optim``, ``jdist.rpc``, ``jdist.launch``, ``jdist.testing``) load on first use,
+so ``import jdist`` stays cheap and the launcher never imports JAX.
 """
 
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from jdist import errors as errors
-from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
-from jdist.collectives import FileStore as FileStore
-from jdist.collectives import HashStore as HashStore
-from jdist.collectives import P2POp as P2POp
-from jdist.collectives import PrefixStore as PrefixStore
-from jdist.collectives import ProcessGroup as ProcessGroup
-from jdist.collectives import ReduceOp as ReduceOp
-from jdist.collectives import Store as Store
-from jdist.collectives import TCPStore as TCPStore
-from jdist.collectives import Work as Work
-from jdist.collectives import all_gather as all_gather
-from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
-from jdist.collectives import all_gather_object as all_gather_object
-from jdist.collectives import all_gather_single as all_gather_single
-from jdist.collectives import all_reduce as all_reduce
-from jdist.collectives import all_to_all as all_to_all
-from jdist.collectives import all_to_all_single as all_to_all_single
-from jdist.collectives import barrier as barrier
-from jdist.collectives import batch_isend_irecv as batch_isend_irecv
-from jdist.collectives import broadcast as broadcast
-from jdist.collectives import broadcast_object_list as broadcast_object_list
-from jdist.collectives import destroy_process_group as destroy_process_group
-from jdist.collectives import gather as gather
-from jdist.collectives import gather_object as gather_object
-from jdist.collectives import get_backend as get_backend
-from jdist.collectives import get_default_group as get_default_group
-from jdist.collectives import get_global_rank as get_global_rank
-from jdist.collectives import get_group_rank as get_group_rank
-from jdist.collectives import get_process_group_ranks as get_process_group_ranks
-from jdist.collectives import get_rank as get_rank
-from jdist.collectives import get_world_size as get_world_size
-from jdist.collectives import init_process_group as init_process_group
-from jdist.collectives import irecv as irecv
-from jdist.collectives import is_initialized as is_initialized
-from jdist.collectives import isend as isend
-from jdist.collectives import monitored_barrier as monitored_barrier
-from jdist.collectives import new_group as new_group
-from jdist.collectives import recv as recv
-from jdist.collectives import reduce as reduce
-from jdist.collectives import reduce_scatter as reduce_scatter
-from jdist.collectives import reduce_scatter_single as reduce_scatter_single
-from jdist.collectives import reduce_scatter_tensor as reduce_scatter_tensor
-from jdist.collectives import scatter as scatter
-from jdist.collectives import scatter_object_list as scatter_object_list
-from jdist.collectives import send as send
+
+if TYPE_CHECKING:  # explicit re-exports for type checkers; loaded lazily at run time
+    from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
+    from jdist.collectives import FileStore as FileStore
+    from jdist.collectives import HashStore as HashStore
+    from jdist.collectives import P2POp as P2POp
+    from jdist.collectives import PrefixStore as PrefixStore
+    from jdist.collectives import ProcessGroup as ProcessGroup
+    from jdist.collectives import ReduceOp as ReduceOp
+    from jdist.collectives import Store as Store
+    from jdist.collectives import TCPStore as TCPStore
+    from jdist.collectives import Work as Work
+    from jdist.collectives import all_gather as all_gather
+    from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
+    from jdist.collectives import all_gather_object as all_gather_object
+    from jdist.collectives import all_gather_single as all_gather_single
+    from jdist.collectives import all_reduce as all_reduce
+    from jdist.collectives import all_to_all as all_to_all
+    from jdist.collectives import all_to_all_single as all_to_all_single
+    from jdist.collectives import barrier as barrier
+    from jdist.collectives import batch_isend_irecv as batch_isend_irecv
+    from jdist.collectives import broadcast as broadcast
+    from jdist.collectives import broadcast_object_list as broadcast_object_list
+    from jdist.collectives import destroy_process_group as destroy_process_group
+    from jdist.collectives import gather as gather
+    from jdist.collectives import gather_object as gather_object
+    from jdist.collectives import get_backend as get_backend
+    from jdist.collectives import get_default_group as get_default_group
+    from jdist.collectives import get_global_rank as get_global_rank
+    from jdist.collectives import get_group_rank as get_group_rank
+    from jdist.collectives import get_process_group_ranks as get_process_group_ranks
+    from jdist.collectives import get_rank as get_rank
+    from jdist.collectives import get_world_size as get_world_size
+    from jdist.collectives import init_process_group as init_process_group
+    from jdist.collectives import irecv as irecv
+    from jdist.collectives import is_initialized as is_initialized
+    from jdist.collectives import isend as isend
+    from jdist.collectives import monitored_barrier as monitored_barrier
+    from jdist.collectives import new_group as new_group
+    from jdist.collectives import recv as recv
+    from jdist.collectives import reduce as reduce
+    from jdist.collectives import reduce_scatter as reduce_scatter
+    from jdist.collectives import reduce_scatter_single as reduce_scatter_single
+    from jdist.collectives import reduce_scatter_tensor as reduce_scatter_tensor
+    from jdist.collectives import scatter as scatter
+    from jdist.collectives import scatter_object_list as scatter_object_list
+    from jdist.collectives import send as send
+
+# Loaded on first use, so that `import jdist` (and the jdist-run launcher) does not
+# import JAX until a collective name is touched.
+_COLLECTIVE_NAMES = frozenset({
+    "NON_GROUP_MEMBER",
+    "FileStore",
+    "HashStore",
+    "P2POp",
+    "PrefixStore",
+    "ProcessGroup",
+    "ReduceOp",
+    "Store",
+    "TCPStore",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "get_backend",
+    "get_default_group",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+})
 
 try:
     __version__ = version("jdist")
@@ -66,6 +120,10 @@ _SUBPACKAGES = ("collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler",
 
 
 def __getattr__(name: str):
+    if name in _COLLECTIVE_NAMES:
+        value = getattr(importlib.import_module("jdist.collectives"), name)
+        globals()[name] = value
+        return value
     if name in _SUBPACKAGES:
         return importlib.import_module(f"jdist.{name}")
     raise AttributeError(f"module 'jdist' has no attribute {name!r}")
