@@ -219,7 +219,7 @@ class Engine:
         active = None if js is None else _placement.per_replica(
             jax.numpy.float32(1.0 if js.active else 0.0), g)
         out = prog(params, buffers, self.hook_state, self.acc, opt_state, batch, extra, active)
-        jax.block_until_ready(out)
+        self._wait(out, "DDP step")
         value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
         self.hook_state = hstate
         self.acc = acc
@@ -247,9 +247,17 @@ class Engine:
                                             sync_buffers=self.sync_buffers)
             self._programs[pkey] = prog
         out, new_buffers = prog(params, buffers, inputs)
-        jax.block_until_ready(out)
+        self._wait((out, new_buffers), "DDP forward")
         self.last_synced = self.require_backward_grad_sync
         return _placement.local_rows(out), self.buffers_out(new_buffers)
+
+    def _wait(self, out: Any, what: str) -> None:
+        """Block on a program's outputs; name dead peers, time out (``_wait.py``)."""
+        from jdist.collectives._group import group_state
+        from jdist.ddp._wait import wait_ready
+
+        watchdog = (group_state.runtime or {}).get("watchdog")
+        wait_ready(out, self.group, f"{what} #{self.steps + 1}", watchdog=watchdog)
 
     def remember(self, step: Callable, batch: Any, args: tuple) -> None:
         """Under ``join()``: the last step call, replayed by processes out of inputs."""
