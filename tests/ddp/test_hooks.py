@@ -171,6 +171,9 @@ def test_hook_conformance(name, hook, make_state, tol):
         if hasattr(state, "iter") or (isinstance(state, H.PowerSGDState)):
             np.testing.assert_array_equal(np.asarray(state.iter), np.full(N, it + 1))
     assert step._cache_size() == 1
+    if name == "fp16_wrap_powerSGD":  # memories in the compressed dtype
+        assert hook.__name__ == "fp16_compress_wrapper(powerSGD_hook)"
+        assert {x.dtype for x in jax.tree.leaves(state.error_dict)} == {jnp.dtype(jnp.float16)}
 
 
 def test_lossy_powersgd_differs_from_mean_but_keeps_scale():
@@ -198,16 +201,6 @@ def test_lazy_state_equals_initialized_state():
     assert jax.tree.structure(s_e) == jax.tree.structure(s_l)
     assert _max_err(o_e, o_l) == 0.0 and _max_err(s_e, s_l) == 0.0
     assert lazy._cache_size() == 2  # traced again once the memories exist
-
-
-def test_fp16_wrapper_keeps_memories_in_half_and_grads_in_own_dtype():
-    grads = random_grads(jax.random.key(4), SHAPES)
-    hook = H.fp16_compress_wrapper(H.powerSGD_hook)
-    step, state, _ = run_hook(hook, _psgd(), grads, cap=300)
-    assert {x.dtype for x in jax.tree.leaves(state.error_dict)} == {jnp.dtype(jnp.float16)}
-    out, state = step(grads, state)
-    assert {x.dtype for x in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
-    assert hook.__name__ == "fp16_compress_wrapper(powerSGD_hook)"
 
 
 def test_powersgd_state_validation_matches_torch():
@@ -264,8 +257,11 @@ def test_error_feedback_accumulates_to_true_sum():
 
     with_ef = run(True, 60)
     without = run(False, 60)
-    assert with_ef[-1] < 0.15 and with_ef[-1] < with_ef[10] / 2
-    assert without[-1] > 0.5  # rank-1 without error feedback never recovers the rest
+    # the gap between the sums, k * err_k, stays bounded with error feedback (so the
+    # average converges like 1/k) and grows linearly without it
+    assert 60 * with_ef[59] <= 1.2 * 30 * with_ef[29]
+    assert with_ef[59] < 0.2 and with_ef[59] < with_ef[10] / 3
+    assert 60 * without[59] >= 1.9 * 30 * without[29] and without[59] > 0.5
 
 
 @pytest.mark.parametrize("hook,compressed", [(H.powerSGD_hook, 3), (H.batched_powerSGD_hook, 2)])
