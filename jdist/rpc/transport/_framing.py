@@ -60,6 +60,11 @@ class FrameDecoder:
         self._direct: bytearray | None = None  # large frame being received in place
         self._direct_off = 0
 
+    @property
+    def receiving_large_frame(self) -> bool:
+        """Whether a large frame is being received in place (read on while data is there)."""
+        return self._direct is not None
+
     def get_buffer(self) -> memoryview:
         """Where the next received bytes should be written (never empty)."""
         if self._direct is not None:

@@ -70,8 +70,19 @@ class _Reader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         comm = self.comm
+        decoder = comm._decoder
         try:
-            msgs = comm._decoder.buffer_updated(nbytes)
+            msgs = decoder.buffer_updated(nbytes)
+            # inside a large frame, keep reading while the socket has data: one loop
+            # iteration per readiness event is far too slow for megabytes
+            while decoder.receiving_large_frame:
+                try:
+                    n = comm.sock.recv_into(decoder.get_buffer())
+                except OSError:  # EAGAIN (or an error the transport will see next)
+                    break
+                if n == 0:
+                    break  # end of stream: the transport notices on its next read
+                msgs += decoder.buffer_updated(n)
         except FrameError as e:
             comm._fail(CommClosedError(f"bad data from {comm.peer}, connection closed: {e}"))
             comm.transport.abort()
