@@ -220,7 +220,7 @@ class RpcAgent:
             comm.close()
             raise
         comm.set_max_message_bytes(self.options.max_frame_bytes)
-        self._loop.create_task(self._read_loop(comm, rank))
+        self._start_reading(comm, rank)
         return comm
 
     async def _serve(self, comm: Comm) -> None:
@@ -237,24 +237,24 @@ class RpcAgent:
             return
         comm.set_max_message_bytes(self.options.max_frame_bytes)
         self._incoming.add(comm)
-        await self._read_loop(comm, peer)
+        self._start_reading(comm, peer)
 
-    async def _read_loop(self, comm: Comm, peer: int) -> None:
-        reason = "connection closed"
-        try:
-            while True:
-                frames = await comm.recv()
-                try:
-                    self._dispatch(comm, peer, frames)
-                except Exception:
-                    log.exception("jdist.rpc: %s failed to handle a message", self.info)
-        except CommClosedError as e:
-            reason = str(e)
-        finally:
+    def _start_reading(self, comm: Comm, peer: int) -> None:
+        """Dispatch each message from ``peer`` on the I/O thread; a drop marks it dead."""
+
+        def on_message(frames: list) -> None:
+            try:
+                self._dispatch(comm, peer, frames)
+            except Exception:
+                log.exception("jdist.rpc: %s failed to handle a message", self.info)
+
+        def on_close(reason: str) -> None:
             comm.close()
             self._incoming.discard(comm)
             if peer != self.info.id:
                 self._mark_dead(peer, reason)
+
+        comm.start_receiving(on_message, on_close)
 
     # ------------------------------------------------------------------ sending
     def _dumps(self, obj: Any, dest: int) -> tuple[bytes, list]:

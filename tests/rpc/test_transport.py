@@ -161,3 +161,23 @@ def test_parse_address_rejects_missing_scheme():
 def test_unknown_scheme_lists_known():
     with pytest.raises(ValueError, match="inproc.*tcp"):
         get_transport("carrier-pigeon")
+
+
+def test_start_receiving_delivers_in_order_then_closes(pair):
+    comm_c, comm_s = _connect(pair)
+    server = pair[1]
+    got, closed = [], threading.Event()
+    reasons = []
+
+    async def start():
+        comm_s.start_receiving(got.append, lambda why: (reasons.append(why), closed.set()))
+
+    comm_c.send([b"early"])  # may arrive before the callbacks are installed
+    server.run(start())
+    for i in range(50):
+        comm_c.send([str(i).encode(), b"x" * (i * 1000)])
+    comm_c.close()
+    assert closed.wait(10)
+    assert [bytes(m[0]) for m in got] == [b"early"] + [str(i).encode() for i in range(50)]
+    assert [len(m[1]) for m in got[1:]] == [i * 1000 for i in range(50)]
+    assert len(reasons) == 1

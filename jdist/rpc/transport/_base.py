@@ -16,6 +16,7 @@ Threading contract (the agent relies on it):
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 from jdist.errors import RpcError
@@ -82,6 +83,27 @@ class Comm(abc.ABC):
     def set_max_message_bytes(self, n: int) -> None:
         """Change the receive cap (the agent raises it once the peer is authenticated)."""
         self.max_message_bytes = int(n)
+
+    def start_receiving(self, on_message: Callable[[list], None],
+                        on_close: Callable[[str], None]) -> None:
+        """From now on call ``on_message(frames)`` for each message, then ``on_close(reason)``.
+
+        Call it on the comm's event loop, instead of (not while) awaiting ``recv``. Both
+        callbacks run on the loop thread. This default pumps ``recv`` in a task;
+        transports may deliver straight from their read path.
+        """
+
+        async def pump() -> None:
+            reason = "connection closed"
+            try:
+                while True:
+                    on_message(await self.recv())
+            except CommClosedError as e:
+                reason = str(e)
+            finally:
+                on_close(reason)
+
+        asyncio.get_running_loop().create_task(pump())
 
 
 class Listener(abc.ABC):

@@ -16,7 +16,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jdist.rpc.transport._base import (
     Buffer,
@@ -87,7 +87,12 @@ class _Reader(asyncio.BufferedProtocol):
             comm._fail(CommClosedError(f"bad data from {comm.peer}, connection closed: {e}"))
             comm.transport.abort()
             return
-        if msgs:
+        if not msgs:
+            return
+        if comm._on_message is not None:
+            for m in msgs:
+                comm._on_message(m)
+        else:
             comm._ready.extend(msgs)
             comm._wake()
 
@@ -114,6 +119,8 @@ class TCPComm(Comm):
         self._wlock = threading.Lock()
         self._closed = False
         self.transport: asyncio.Transport | None = None
+        self._on_message: Callable[[list], None] | None = None
+        self._on_close: Callable[[str], None] | None = None
         try:
             self.peer = "{}:{}".format(*sock.getpeername()[:2])
         except OSError:
@@ -145,6 +152,18 @@ class TCPComm(Comm):
         if self._error is None:
             self._error = err
         self._wake()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(str(self._error))
+
+    def start_receiving(self, on_message: Callable[[list], None],
+                        on_close: Callable[[str], None]) -> None:
+        # straight from the protocol's read path: no future or task step per message
+        self._on_message, self._on_close = on_message, on_close
+        while self._ready:
+            on_message(self._ready.popleft())
+        if self._error is not None:
+            self._fail(self._error)
 
     def send(self, frames: Sequence[Buffer], timeout: float | None = None) -> None:
         views = [memoryview(encode_prefix(frames))]
