@@ -43,6 +43,7 @@ torch is imported inside the functions that use it, never at import time.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -213,8 +214,16 @@ def optimizer_spec(spec: str | tuple | dict | OptimizerSpec) -> OptimizerSpec:
 
 
 def make_optax(spec) -> optax.GradientTransformation:
-    """The optax transformation with the update rule of :func:`make_torch_optimizer`."""
-    s = optimizer_spec(spec)
+    """The optax transformation with the update rule of :func:`make_torch_optimizer`.
+
+    Equal specs give the same (stateless) transformation object, so an
+    ``nnx.Optimizer`` built from it keeps a jitted step's cache warm.
+    """
+    return _make_optax(optimizer_spec(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _make_optax(s: OptimizerSpec) -> optax.GradientTransformation:
     if s.name == "sgd":
         if s.nesterov and s.momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0 (torch's rule)")
@@ -335,7 +344,11 @@ class _TorchRunner:
         return float(value.detach())
 
 
+@functools.lru_cache(maxsize=64)
 def _jax_step_fn(jax_loss: Callable):
+    """One compiled step per loss function (and, inside ``nnx.jit``, per model/optimizer
+    structure), so repeated runs of the same pair reuse the compilation."""
+
     @nnx.jit
     def step(model, opt, x, y):
         def loss_fn(m):

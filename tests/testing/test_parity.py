@@ -254,10 +254,10 @@ def test_divergence_is_reported_with_the_first_step():
 
 
 def test_cli_exit_codes(capsys):
-    assert main(["--model", "mlp", "--steps", "3", "--tol", "1e-5"]) == 0
+    assert main(["--model", "mlp", "--steps", "3", "--momentum", "0.9", "--tol", "1e-5"]) == 0
     out = capsys.readouterr().out
     assert "PASS at tolerance 1e-05" in out and "fc3" in out
-    assert main(["--model", "mlp", "--steps", "3", "--tol", "1e-12"]) == 1
+    assert main(["--model", "mlp", "--steps", "3", "--momentum", "0.9", "--tol", "1e-12"]) == 1
     assert "FAIL at tolerance 1e-12" in capsys.readouterr().out
     assert main(["--model", "embedding", "--steps", "2", "--perturb", "1e-3"]) == 1
     assert "FAIL" in capsys.readouterr().out
