@@ -34,6 +34,7 @@ import optax
 from jdist.collectives._group import ProcessGroup, resolve_group
 from jdist.collectives._types import ReduceOp
 from jdist.optim._compression import Compression, Compressor
+from jdist.optim._zero import require_axis
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerState", "fused_allreduce",
            "group_axis"]
@@ -67,6 +68,8 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
+    require_axis(axis, "DistributedOptimizer.update",
+                 "wrap the train step in jax.shard_map (or use DDP, which averages itself)")
     packed = [compression.compress(x) for x in leaves]
     groups: dict = {}
     for i, (y, _) in enumerate(packed):

@@ -42,7 +42,7 @@ from jax.tree_util import DictKey, GetAttrKey
 
 from jdist.collectives._group import ProcessGroup, resolve_group
 
-__all__ = ["ZeroRedundancyOptimizer", "ZeroState", "flat_partition"]
+__all__ = ["ZeroRedundancyOptimizer", "ZeroState", "flat_partition", "require_axis"]
 
 
 class ZeroState(NamedTuple):
@@ -195,6 +195,8 @@ class ZeroRedundancyOptimizer:
         if not isinstance(state, ZeroState):
             raise TypeError(f"expected the ZeroState from ZeroRedundancyOptimizer.init, got "
                             f"{type(state).__name__}")
+        require_axis(self.axis, "ZeroRedundancyOptimizer.update",
+                      "outside it, use zero.step(params, grads, state)")
         layout = self.layout or self._set_layout(params)
         n = self.num_replicas
         g = _flatten(grads, layout, n)
@@ -283,6 +285,15 @@ class ZeroRedundancyOptimizer:
         specs = self.state_partition_specs(flat)
         return jax.tree.map(
             lambda x, s: _global(np.asarray(x), NamedSharding(self.group.mesh, s)), flat, specs)
+
+
+def require_axis(axis, what: str, hint: str) -> None:
+    """Raise a clear error when ``axis`` is not bound (called outside ``shard_map``)."""
+    try:
+        jax.lax.axis_size(axis)
+    except NameError:
+        raise ValueError(f"{what} must run inside jax.shard_map over the group's mesh axis "
+                         f"{axis!r} (the axis is not bound here); {hint}") from None
 
 
 def _on_mesh(tree, mesh):

@@ -237,6 +237,10 @@ def test_bad_states_raise_clear_errors():
         H.init_hook_state(H.powerSGD_hook, state, [bigger])
     with pytest.raises(ValueError, match=r"new buffer has shape \(3,\), expected \(16,\)"):
         H.bucket_with_buffer(bucket, jnp.zeros(3))
+    for hook, st in ((H.allreduce_hook, None), (H.powerSGD_hook, _psgd())):
+        with pytest.raises(ValueError, match="it was called outside .register it with "
+                                             r"ddp.register_comm_hook\(state, hook\)"):
+            hook(st, bucket)
 
 
 def test_error_feedback_accumulates_to_true_sum():

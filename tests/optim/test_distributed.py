@@ -128,6 +128,11 @@ def test_bad_arguments_raise_with_the_value():
         DistributedOptimizer(sgd, compression="fp16")
     with pytest.raises(ValueError, match="op must be ReduceOp.AVG or ReduceOp.SUM"):
         DistributedOptimizer(sgd, op=ReduceOp.MAX)
+    dtx = DistributedOptimizer(sgd)
+    p = _params()
+    with pytest.raises(ValueError, match="must run inside jax.shard_map over the group's mesh "
+                                         "axis 'dp'"):
+        dtx.update(p, dtx.init(p), p)
 
 
 def test_equals_ddp_averaged_grads_then_tx():

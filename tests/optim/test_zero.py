@@ -133,6 +133,8 @@ def test_ddp_mode_collectives_and_partition():
     f2, args2 = zero_steps(ddp_zero, params0(), ddp_zero.init(params0()), mean)
     assert [c.op for c in comm_report(f2, *args2).collectives] == ["all-gather"]
     tree_allclose(f2(*args2)[0], f(*args)[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"outside it, use zero.step\(params, grads, state\)"):
+        zero.update(params0(), zero.init(params0()), params0())
     with pytest.raises(ValueError, match="empty parameter list"):
         ZeroRedundancyOptimizer(tx).init({})
     with pytest.raises(TypeError, match="expects an optax GradientTransformation"):

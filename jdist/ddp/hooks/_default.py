@@ -44,20 +44,25 @@ def reduce_axis(state: Any, bucket: GradBucket, hook_name: str):
       TypeError: ``state`` is neither ``None`` nor a ProcessGroup.
       ValueError: the group reduces over another mesh axis than the DDP buckets.
     """
-    if state is None:
-        return bucket.axis_name
-    if isinstance(state, ProcessGroup):
-        if state.axis_name != bucket.axis_name:
-            raise ValueError(
-                f"{hook_name}: the state's process group reduces over mesh axis "
-                f"{state.axis_name!r}, but DDP reduces this bucket over {bucket.axis_name!r}; "
-                f"register the hook with state=None or with the DDP's own process group"
-            )
-        return bucket.axis_name
-    raise TypeError(
-        f"{hook_name} expects state=None or a jdist ProcessGroup, got "
-        f"{type(state).__name__}: {state!r}"
-    )
+    if state is not None and not isinstance(state, ProcessGroup):
+        raise TypeError(
+            f"{hook_name} expects state=None or a jdist ProcessGroup, got "
+            f"{type(state).__name__}: {state!r}"
+        )
+    if state is not None and state.axis_name != bucket.axis_name:
+        raise ValueError(
+            f"{hook_name}: the state's process group reduces over mesh axis "
+            f"{state.axis_name!r}, but DDP reduces this bucket over {bucket.axis_name!r}; "
+            f"register the hook with state=None or with the DDP's own process group"
+        )
+    try:
+        jax.lax.axis_size(bucket.axis_name)
+    except NameError:
+        raise ValueError(
+            f"{hook_name} runs inside DDP's shard_map, where mesh axis "
+            f"{bucket.axis_name!r} is bound; it was called outside (register it with "
+            f"ddp.register_comm_hook(state, hook) instead of calling it directly)") from None
+    return bucket.axis_name
 
 
 def bucket_with_buffer(bucket: GradBucket, buffer: jax.Array) -> GradBucket:
