@@ -9,7 +9,10 @@ alternate (``--rounds``) and each side keeps its best median, which evens out lo
 from other programs on the machine.
 
     PYTHONPATH=. python benchmarks/collectives.py            # full table
+    PYTHONPATH=. python benchmarks/collectives.py --quick    # 5 sizes to 16 MiB, 1 round
     PYTHONPATH=. python benchmarks/collectives.py --smoke    # 2 sizes, few calls
+
+The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from pathlib import Path
 import numpy as np
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
-def _iters(nbytes: int, smoke: bool) -> int:
-    if smoke:
-        return 3
-    return int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
+def _iters(nbytes: int, cap: int | None) -> int:
+    """Timed calls per size: fewer for larger arrays, at most ``cap`` when given."""
+    n = int(min(200, max(5, (256 << 20) // max(nbytes, 1) // 8)))
+    return min(n, cap) if cap else n
 
 
 def _time(fn, iters: int) -> float:
@@ -42,7 +46,7 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def _jdist_child(sizes, smoke) -> dict:
+def _jdist_child(sizes, cap) -> dict:
     import jdist
 
     jdist.init_process_group(timeout=300)
@@ -55,7 +59,7 @@ def _jdist_child(sizes, smoke) -> dict:
             for _ in range(3):
                 jdist.all_reduce(x)
             jdist.barrier()
-            res[mode] = _time(lambda x=x: jdist.all_reduce(x), _iters(nbytes, smoke))
+            res[mode] = _time(lambda x=x: jdist.all_reduce(x), _iters(nbytes, cap))
         assert float(x[0]) > 1.0  # really reduced, in place
         out[nbytes] = res
     os.environ.pop("JDIST_DEBUG", None)
@@ -63,7 +67,7 @@ def _jdist_child(sizes, smoke) -> dict:
     return out
 
 
-def _torch_child(sizes, smoke) -> dict:
+def _torch_child(sizes, cap) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -74,7 +78,7 @@ def _torch_child(sizes, smoke) -> dict:
         for _ in range(3):
             dist.all_reduce(t)
         dist.barrier()
-        out[nbytes] = _time(lambda t=t: dist.all_reduce(t), _iters(nbytes, smoke))
+        out[nbytes] = _time(lambda t=t: dist.all_reduce(t), _iters(nbytes, cap))
     dist.destroy_process_group()
     return out
 
@@ -86,6 +90,8 @@ def _fmt(nbytes: int) -> str:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description="jdist vs torch eager all_reduce")
     parser.add_argument("--smoke", action="store_true", help="2 sizes, 3 calls each")
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes up to 16 MiB, at most 20 calls each, one round")
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternating jdist/torch launches; each keeps its best median")
     args = parser.parse_args(argv)
@@ -94,15 +100,15 @@ def main(argv=None) -> list[dict]:
     # the children unpickle the functions by module name, so use this file as a module
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     mod = importlib.import_module("benchmarks.collectives")
-    sizes = [4 << 10, 1 << 20] if args.smoke else SIZES
+    sizes = [4 << 10, 1 << 20] if args.smoke else QUICK_SIZES if args.quick else SIZES
+    cap = 3 if args.smoke else 20 if args.quick else None
+    rounds = 1 if args.smoke or args.quick else args.rounds
     env = {"OMP_NUM_THREADS": "1"}
     jd: dict = {}
     th: dict = {}
-    for _ in range(1 if args.smoke else args.rounds):  # alternate; keep each one's best
-        j = spawn(mod._jdist_child, args=(sizes, args.smoke), nprocs=2, timeout=1200,
-                  env=env)[0]
-        t = spawn(mod._torch_child, args=(sizes, args.smoke), nprocs=2, timeout=1200,
-                  env=env)[0]
+    for _ in range(rounds):  # alternate; keep each one's best
+        j = spawn(mod._jdist_child, args=(sizes, cap), nprocs=2, timeout=1200, env=env)[0]
+        t = spawn(mod._torch_child, args=(sizes, cap), nprocs=2, timeout=1200, env=env)[0]
         for n in sizes:
             jd[n] = {m: min(v, jd.get(n, {}).get(m, v)) for m, v in j[n].items()}
             th[n] = min(t[n], th.get(n, t[n]))
@@ -117,6 +123,19 @@ def main(argv=None) -> list[dict]:
               f"{j0 / t:6.2f} | {j - j0:13.3f}")
     print("ratio = jdist time / torch time (lower is better); check cost = the "
           "fingerprint exchange that JDIST_DEBUG=OFF skips")
+    from benchmarks._parse import bench_json, row, table
+
+    print(bench_json("collectives", [
+        table("all_reduce, 2 processes, median ms per call", "torch (gloo)",
+              "jdist / torch (lower is better)",
+              [row(_fmt(r["bytes"]), "ms", r["jdist_ms"], r["torch_ms"],
+                   r["jdist_ms"] / r["torch_ms"]) for r in rows]),
+        table("all_reduce with JDIST_DEBUG=OFF (no mismatch check)", "torch (gloo)",
+              "jdist / torch (lower is better)",
+              [row(_fmt(r["bytes"]), "ms", r["jdist_nocheck_ms"], r["torch_ms"],
+                   r["jdist_nocheck_ms"] / r["torch_ms"],
+                   f"check cost {r['jdist_ms'] - r['jdist_nocheck_ms']:.3f} ms")
+               for r in rows])], {"allreduce": rows}))
     return rows
 
 

@@ -2,7 +2,8 @@
 
 Both run in the same process on N virtual CPU devices (default 8), inside one jitted
 ``shard_map`` each, on float32 arrays of several sizes per replica. Prints the median
-time of each and the ratio ring / psum, and checks that the results agree.
+time of each and the ratio ring / psum, and checks that the results agree. The last
+line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 
     PYTHONPATH=. python benchmarks/ring_allreduce.py [--devices 8] [--reps 20] [--quick]
 """
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from benchmarks._parse import bench_json, row, table
     from jdist.collectives import functional as F
     from jdist.collectives._group import make_mesh
 
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
           f"{jax.devices()[0].platform}, median of {args.reps}")
     print(f"{'elements':>10} {'bytes/replica':>14} {'psum ms':>10} {'ring ms':>10} "
           f"{'ring/psum':>10}")
+    rows = []
     for size in args.sizes:
         x = np.random.RandomState(0).randn(n, size).astype(np.float32)
         x = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp")))
@@ -83,6 +86,11 @@ def main(argv=None) -> int:
         t_ring = _time(ring, x, args.reps)
         print(f"{size:>10} {4 * size:>14} {1e3 * t_psum:>10.3f} {1e3 * t_ring:>10.3f} "
               f"{t_ring / t_psum:>10.2f}x")
+        rows.append(row(f"{size} float32 per replica", "ms", 1e3 * t_ring, 1e3 * t_psum,
+                        t_ring / t_psum))
+    print(bench_json("ring_allreduce", [table(
+        f"ring_all_reduce vs lax.psum, {n} virtual CPU devices, median of {args.reps}",
+        "lax.psum", "ring / psum (lower is better)", rows)]))
     return 0
 
 

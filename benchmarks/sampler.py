@@ -13,6 +13,9 @@ and prints jdist/torch ratios (lower is better; the goal is <= 3x). It also chec
 that both produce identical indices. Timings are the best of ``--repeats`` runs, with
 torch and jdist runs interleaved, so that load from other processes hits both alike.
 
+``--quick`` uses sizes 10^5 and 10^6 and 2 repeats. The last line, ``BENCH_JSON {...}``,
+holds the same numbers for benchmarks/run_all.py.
+
 ``--large`` also compares ``randperm`` with torch at n = 214748363 and 214748364, the two
 sides of torch's switch to its inside-out algorithm (needs about 4 GB and a minute).
 """
@@ -93,15 +96,26 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10**6, 10**7])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes 100000 and 1000000, 2 repeats")
     parser.add_argument("--large", action="store_true",
                         help="also check randperm at torch's algorithm switch (~4 GB)")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeats = [10**5, 10**6], 2
     if args.large:
         check_large()
     rows = run(args.sizes, args.repeats)
     print(f"{'n':>10}  {'what':<42} {'torch s':>9} {'jdist s':>9} {'jdist/torch':>11}")
     for n, what, t_torch, t_ours in rows:
         print(f"{n:>10}  {what:<42} {t_torch:>9.3f} {t_ours:>9.3f} {t_ours / t_torch:>10.2f}x")
+    from benchmarks._parse import bench_json, row, table
+
+    print(bench_json("sampler", [table(
+        f"all indices of rank 0, best of {args.repeats}", "torch",
+        "jdist / torch (lower is better; goal <= 3)",
+        [row(f"n={n:,}: {what}", "s", t_ours, t_torch, t_ours / t_torch)
+         for n, what, t_torch, t_ours in rows])]))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ the median over all samples. The goal is ``jdist / torch <= 1.5``.
 
     PYTHONPATH=. python benchmarks/store.py            # 20 blocks x 500 samples
     PYTHONPATH=. python benchmarks/store.py --smoke    # 3 blocks x 100 samples
+
+The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def _server_process(kind: str):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="few samples (a quick check)")
+    p.add_argument("--smoke", "--quick", action="store_true", help="few samples (a quick check)")
     p.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve:
@@ -127,6 +129,13 @@ def main(argv: list[str] | None = None) -> None:
         ratio = r["jdist"] / r["torch"]
         print(f"{name:<16}{r['jdist']:>10.1f}{r['torch']:>10.1f}{ratio:>8.2f}  "
               f"{'ok' if ratio <= 1.5 else 'over'}")
+    from benchmarks._parse import bench_json, row, table
+
+    print(bench_json("store", [table(
+        f"TCPStore set+get round trip, median of {blocks * per_block} samples", "torch",
+        "jdist / torch (lower is better)",
+        [row(name, "us", r["jdist"], r["torch"], r["jdist"] / r["torch"], "goal <= 1.5")
+         for name, r in rows])]))
 
 
 if __name__ == "__main__":
