@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
 
 from jdist.rpc._dist_optim import owned_rref
@@ -47,8 +49,27 @@ def _construct(module_cls: Any, args: tuple, kwargs: dict) -> Any:
     return module
 
 
+def _call(module: Any, args: tuple, kwargs: dict) -> Any:
+    return module(*args, **kwargs)
+
+
+_jit_call = nnx.jit(_call)
+
+
+def _jittable(tree: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return all(isinstance(x, (np.ndarray, jax.Array, int, float, bool, np.generic))
+               for x in leaves)
+
+
 def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
-    return module_rref.local_value()(*args, **kwargs)
+    """Owner side of ``forward``: one ``nnx.jit`` program when the inputs are arrays
+    (compiled once per shape; also under distributed autograd's ``jax.vjp``),
+    otherwise a plain call."""
+    module = module_rref.local_value()
+    if _jittable((args, kwargs)):
+        return _jit_call(module, args, kwargs)
+    return module(*args, **kwargs)
 
 
 def _param_rrefs(module_rref: RRef) -> list[RRef]:
