@@ -31,6 +31,7 @@ from jdist.rpc._options import RpcBackendOptions, resolve_timeout
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc._rref import RRef, RRefContext
+from jdist.rpc._serve import CallServer, quiet
 from jdist.rpc.transport import Comm, CommClosedError, get_transport, parse_address
 
 __all__ = ["RpcAgent"]
@@ -46,7 +47,7 @@ class _Pending(NamedTuple):
     timeout: float | None
 
 
-class RpcAgent:
+class RpcAgent(CallServer):
     """The RPC runtime of one worker (use :func:`jdist.rpc.init_rpc` normally).
 
     Args:
@@ -425,84 +426,9 @@ class RpcAgent:
 
     def _ctl_submit(self, fn, *args) -> None:
         try:
-            self._ctl.submit(_quiet, fn, *args)
+            self._ctl.submit(quiet, fn, *args)
         except RuntimeError:
             pass
-
-    def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
-        entry = None
-        if isinstance(msg, P.Remote):
-            value: Future = Future(_executor=self._executor, _desc=f"value of RRef {msg.rref}")
-            entry = self.rrefs.create_owned(msg.rref, value, msg.fork, peer)
-        try:
-            func, args, kwargs = self._loads(frames)
-        except Exception as e:
-            err = RpcError(f"{self.info} could not decode the call of {msg.fn}: {e!r}")
-            if entry is not None:
-                entry.future.set_exception(err)
-            self._reply_failure(comm, msg.rid, err, peer, msg.fn)
-            return
-        if entry is not None:
-            entry.future.add_done_callback(
-                lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn, value=False))
-            self._executor.submit(self._run_into, entry.future, func, args, kwargs, msg.fn,
-                                  msg.ctx)
-        else:
-            self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
-
-    def _invoke(self, func, args, kwargs, ctx: int):
-        if not self._ready.is_set():  # a peer was faster than our own rendezvous
-            self._ready.wait(self.options.connect_timeout)
-        if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
-            with self.enter_context_hook(ctx):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _run_into(self, fut: Future, func, args, kwargs, fn: str, ctx: int) -> None:
-        try:
-            out = self._invoke(func, args, kwargs, ctx)
-        except BaseException as e:  # noqa: BLE001 - sent to the caller
-            fut.set_exception(rebuild_exception(failure_payload(e, self.info)))
-            return
-        if getattr(func, "_jdist_async_execution", False):
-            _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
-        else:
-            fut.set_result(out)
-
-    def _run_call(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> None:
-        try:
-            out = self._invoke(func, args, kwargs, msg.ctx)
-            if getattr(func, "_jdist_async_execution", False):
-                _check_async_result(out, msg.fn).add_done_callback(
-                    lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn))
-                return
-        except BaseException as e:  # noqa: BLE001 - sent to the caller
-            self._reply_failure(comm, msg.rid, e, peer, msg.fn)
-            return
-        self._reply(comm, msg.rid, out, peer, msg.fn)
-
-    def _reply_future(self, comm, rid: int, f: Future, peer: int, fn: str,
-                      value: bool = True) -> None:
-        exc = f.exception()
-        if exc is not None:
-            self._reply_failure(comm, rid, exc, peer, fn)
-        else:
-            self._reply(comm, rid, f.value() if value else None, peer, fn)
-
-    def _reply(self, comm: Comm, rid: int, value: Any, peer: int, fn: str) -> None:
-        try:
-            frames = P.encode(P.Result(rid), *self._dumps(value, peer))
-        except Exception as e:
-            self._reply_failure(comm, rid, TypeError(
-                f"the result of {fn} on {self.info} cannot be pickled: {e}"), peer, fn)
-            return
-        _quiet(comm.send, frames, self._send_timeout())
-
-    def _reply_failure(self, comm: Comm, rid: int, exc: BaseException, peer: int,
-                       fn: str) -> None:
-        del peer, fn
-        frames = P.encode(P.Failure(rid), *S.dumps(failure_payload(exc, self.info)))
-        _quiet(comm.send, frames, self._send_timeout())
 
     def _on_reply(self, msg: Any, frames: list) -> None:
         with self._lock:
@@ -603,25 +529,3 @@ class RpcAgent:
         for comm in list(self._conns.values()) + list(self._incoming):
             comm.close()
         await asyncio.sleep(0.01)
-
-
-def _quiet(fn, *args) -> None:
-    try:
-        fn(*args)
-    except CommClosedError as e:
-        log.debug("jdist.rpc: dropped a reply: %s", e)
-
-
-def _check_async_result(out: Any, fn: str) -> Future:
-    if not isinstance(out, Future):
-        raise TypeError(f"{fn} is decorated with @async_execution but returned "
-                        f"{type(out).__name__}, not a jdist.rpc.Future")
-    return out
-
-
-def _copy_into(src: Future, dst: Future) -> None:
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.value())
