@@ -193,3 +193,30 @@ def owned_param(agent):
     from jdist.rpc._dist_optim import owned_rref
 
     return owned_rref(agent, nnx.Param(jnp.asarray(X)))
+
+
+def test_rpc_inside_jit_is_refused_and_gradient_map(agents):
+    a0 = agents[0]
+    w = owned_param(a0)
+
+    def jitted_rpc(r):
+        return jax.jit(lambda v: jnp.sum(a0.rpc_async("w1", square_plus, (v, 1.0)).wait()))(
+            r.local_value()[...])
+
+    def local_only(r, module):
+        return jnp.sum(r.local_value()[...] ** 2) + jnp.sum(module(jnp.ones((1, 2))))
+
+    module = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with dist_autograd.context(a0) as cid:
+        with pytest.raises(DistAutogradError, match="inside jax.jit"):
+            dist_autograd.backward(cid, jitted_rpc, w)
+        loss, aux = dist_autograd.backward(cid, lambda r, m: (local_only(r, m), 5), w, module,
+                                           has_aux=True)
+        assert aux == 5
+        grads = dist_autograd.get_gradients(cid)
+        assert len(grads) == 3 and module.kernel in grads and w.local_value() in grads
+        np.testing.assert_allclose(grads[w], 2 * X, rtol=1e-6)
+        np.testing.assert_allclose(grads[module]["kernel"][...], np.ones((2, 1)))
+        np.testing.assert_allclose(grads[module.bias], np.ones(1))
+        with pytest.raises(KeyError, match="keyed by nnx.Variable"):
+            grads["kernel"]
