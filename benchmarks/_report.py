@@ -30,7 +30,7 @@ class Result(NamedTuple):
         name: short name (``store``, ``ddp``, ...).
         title: what it measures, for the heading.
         command: the command line as run (shown in the report).
-        status: ``ok``, ``failed``, ``timed out`` or ``missing``.
+        status: ``ok``, ``failed``, ``timed out``, ``skipped`` or ``missing``.
         detail: why it is not ``ok`` (exit status, timeout, missing file); ``""`` if ok.
         seconds: wall time of the run.
         output: its stdout and stderr, interleaved.
@@ -207,7 +207,7 @@ def render(results: list[Result], machine: dict, images: dict, *, mode: str,
     for r in results:
         out += [f"## {r.title}", "", f"`{r.command}`: {r.status}"
                 + (f" ({r.detail})" if r.detail else "") + f", {r.seconds:.0f} s.", ""]
-        if r.status == "missing":
+        if r.status in ("missing", "skipped"):
             continue
         if not r.parsed.tables:
             out += ["No result table could be read from its output (see the raw output).", ""]

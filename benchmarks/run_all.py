@@ -10,8 +10,9 @@ the raw output, and a description of the machine.
     python benchmarks/run_all.py --quick              # a few minutes on 2 idle cores
     python benchmarks/run_all.py --quick --only store rpc --out /tmp/bench.md
 
-A benchmark that is missing, fails or times out is reported as such; the others still
-run. The exit status is 1 if any benchmark did not finish ok.
+A benchmark that is missing, fails, times out or does not fit in the time budget
+(``--budget``; 570 s with ``--quick``) is reported as such; the others still run. The
+exit status is 1 if any benchmark did not finish ok.
 """
 
 from __future__ import annotations
@@ -59,25 +60,27 @@ class Bench(NamedTuple):
     full_timeout: float = 3600.0
 
 
-BENCHES = (
+BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
     Bench("store", "TCPStore set+get (vs torch TCPStore)", "benchmarks/store.py"),
-    Bench("collectives", "Eager all_reduce, 2 processes (vs torch gloo)",
-          "benchmarks/collectives.py"),
     Bench("ring_allreduce", "Ring all-reduce in shard_map (vs lax.psum)",
           "benchmarks/ring_allreduce.py"),
     Bench("sampler", "DistributedSampler (vs torch)", "benchmarks/sampler.py",
           quick=("--sizes", "100000", "1000000", "--repeats", "2")),
-    Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",
-          "benchmarks/ddp.py", quick=("--steps", "5"), quick_timeout=360.0),
+    Bench("collectives", "Eager all_reduce, 2 processes (vs torch gloo)",
+          "benchmarks/collectives.py"),
+    Bench("rpc", "RPC (vs torch.distributed.rpc and a raw socket)", "benchmarks/rpc.py",
+          quick=("--rounds", "1", "--calls", "200", "--echoes", "3", "--mib", "16")),
     Bench("hooks_optim", "Comm hooks and ZeRO (vs no hook / plain data parallel)",
           "benchmarks/hooks_optim.py"),
     Bench("dp", "DataParallel (vs one device)", "benchmarks/dp.py", quick=("--reps", "5")),
-    Bench("rpc", "RPC (vs torch.distributed.rpc and a raw socket)", "benchmarks/rpc.py",
-          quick=("--rounds", "1", "--calls", "200", "--echoes", "3", "--mib", "16")),
     Bench("hybrid", "HybridModel: DDP + RPC (vs torch)", "benchmarks/hybrid.py",
           quick=("--steps", "10", "--num-embeddings", "10000")),
+    Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",
+          "benchmarks/ddp.py", quick=("--steps", "5"), quick_timeout=360.0),
 )
 NAMES = tuple(b.name for b in BENCHES)
+QUICK_BUDGET = 570.0  # seconds: --quick writes its report within 10 minutes
+MIN_SECONDS = 20.0  # a benchmark is not started with less of the budget left
 
 
 def quick_args(bench: Bench, source: str) -> list[str]:
@@ -147,19 +150,38 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_bench(bench: Bench, quick: bool, tick=None, root: Path = ROOT) -> Result:
-    """Runs one benchmark and parses its output; a missing script is a ``missing`` result."""
+def run_bench(bench: Bench, quick: bool, tick=None, root: Path = ROOT,
+              budget: float | None = None) -> Result:
+    """Runs one benchmark and parses its output.
+
+    Args:
+        bench: what to run.
+        quick: quick arguments and timeout instead of the full ones.
+        tick: progress callback, see :func:`run_command`.
+        root: the repository root (working directory and ``PYTHONPATH``).
+        budget: seconds left of the whole run, if limited: the timeout is at most this,
+            and under :data:`MIN_SECONDS` left the benchmark is ``skipped``.
+
+    Returns:
+        The result; a missing script is a ``missing`` result, nothing raises.
+    """
     path = root / bench.script
     shown = f"python {bench.script}"
     if not path.is_file():
         return Result(bench.name, bench.title, shown, "missing",
                       f"{bench.script} does not exist", 0.0, "", parse(bench.name, ""))
     args = quick_args(bench, path.read_text()) if quick else list(bench.full)
+    shown = " ".join(["python", bench.script, *map(shlex.quote, args)])
     timeout = bench.quick_timeout if quick else bench.full_timeout
+    if budget is not None:
+        if budget < MIN_SECONDS:
+            return Result(bench.name, bench.title, shown, "skipped",
+                          f"only {budget:.0f} s of the time budget left (--budget)", 0.0, "",
+                          parse(bench.name, ""))
+        timeout = min(timeout, budget)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    shown = " ".join(["python", bench.script, *map(shlex.quote, args)])
     out, rc, secs = run_command([sys.executable, str(path), *args], timeout, cwd=root,
                                 env=env, tick=tick)
     try:
@@ -168,7 +190,7 @@ def run_bench(bench: Bench, quick: bool, tick=None, root: Path = ROOT) -> Result
         parsed = parse(bench.name, "")
         out += f"\n[run_all: could not parse the output: {e}]"
     if rc is None:
-        status, detail = "timed out", f"killed after {timeout:.0f} s"
+        status, detail = "timed out", f"stopped after {timeout:.0f} s"
     elif rc != 0:
         status, detail = "failed", f"exit status {rc}"
     else:
@@ -196,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="the Markdown report (plots go to img/ next to it)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per benchmark (default: 240 quick, 360 for ddp; 3600 full)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for all benchmarks together; the ones left when it runs "
+                        f"out are skipped (default: {QUICK_BUDGET:.0f} with --quick, none "
+                        f"without)")
     a = p.parse_args(argv)
+    budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else None
+    if budget is not None and budget <= 0:
+        p.error(f"--budget must be positive seconds, got {a.budget}")
     benches = [b for b in BENCHES if not a.only or b.name in a.only]
     if a.timeout is not None:
         if a.timeout <= 0:
@@ -212,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(benches, unit="bench", dynamic_ncols=True)
     for b in bar:
         bar.set_description(b.name)
-        res = run_bench(b, a.quick, tick=lambda s: bar.set_postfix_str(f"{s:.0f} s"))
+        left = None if budget is None else budget - (time.monotonic() - t0)
+        res = run_bench(b, a.quick, tick=lambda s: bar.set_postfix_str(f"{s:.0f} s"),
+                        budget=left)
         bar.write(f"{b.name:15s} {res.status:9s} {res.seconds:6.0f} s  "
                   f"{len([r for t in res.parsed.tables for r in t['rows']])} rows "
                   f"({res.parsed.source})" + (f"  {res.detail}" if res.detail else ""))

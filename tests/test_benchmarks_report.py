@@ -188,6 +188,9 @@ def test_runner_missing_failed_timed_out_and_ok(tmp_path):
                            True, root=tmp_path)
     assert ok.status == "ok" and ok.command == "python fake.py --n 2"
     assert "['--n', '2']" in ok.output and ok.parsed.series["allreduce"] == ALLREDUCE
+    skipped = run_all.run_bench(run_all.Bench("collectives", "C", "fake.py"), True,
+                                root=tmp_path, budget=run_all.MIN_SECONDS - 1)
+    assert skipped.status == "skipped" and "budget" in skipped.detail and not skipped.output
 
 
 def test_report_tables_plots_machine_and_raw_output(tmp_path):
@@ -201,6 +204,8 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
                parse("rpc", RPC_OUT)),
         Result("hybrid", "HybridModel", "python benchmarks/hybrid.py", "missing",
                "benchmarks/hybrid.py does not exist", 0.0, "", parse("hybrid", "")),
+        Result("dp", "DataParallel", "python benchmarks/dp.py", "skipped",
+               "only 3 s of the time budget left", 0.0, "", parse("dp", "")),
     ]
     machine = machine_info(str(tmp_path))
     machine["load_end"] = "1.00, 1.00, 1.00"
@@ -222,7 +227,9 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
     assert "| latency, 16 float32 echo | us | 308.1 | 11,891.4 | 0.03 | goal <= 1 |" in md
     assert "**timed out**" in md and "killed after 240 s" in md
     assert "**missing**" in md and "benchmarks/hybrid.py does not exist" in md
-    assert md.count("<details><summary>raw output</summary>") == 3  # not for the missing one
+    assert "**skipped**" in md and "only 3 s of the time budget left" in md
+    # raw output for the ones that ran, not for the missing or skipped ones
+    assert md.count("<details><summary>raw output</summary>") == 3
     assert "\x1b" not in md and "\n'''" in md  # ANSI stripped, fences in output defused
     assert render(results[:1], machine, {}, mode="full", started="s", total_s=1.0,
                   command="c").count("Quick mode") == 0
