@@ -92,7 +92,9 @@ class DistributedDataParallel:
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, init_sync: bool = True,
                  comm_hook: Any = None, compiler_options: dict | None = None,
-                 flat_buckets: bool = True):
+                 flat_buckets: bool = True, forward_sync_buffers: bool | None = None):
+        if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
+            broadcast_buffers = bool(forward_sync_buffers)
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a flax.nnx.Module, got {type(module).__name__}; "

@@ -46,7 +46,10 @@ class FunctionalDDP:
                  process_group: ProcessGroup | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  init_sync: bool = True, comm_hook: Any = None,
-                 compiler_options: dict | None = None, flat_buckets: bool = True):
+                 compiler_options: dict | None = None, flat_buckets: bool = True,
+                 forward_sync_buffers: bool | None = None):
+        if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
+            broadcast_buffers = bool(forward_sync_buffers)
         self.process_group = resolve_group(process_group)
         infos = leaf_infos(params)
         if not infos:

@@ -157,8 +157,8 @@ def test_buffers_broadcast_from_replica_0_and_skipped_after_no_sync():
     rm = expect(np.repeat(rm[:1], 8, 0), batches[3])
     np.testing.assert_allclose(np.asarray(ddp.replica_buffers()["bn"]["mean"][...]), rm,
                                rtol=1e-5, atol=1e-6)
-    # broadcast_buffers=False: replicas never exchange buffers
-    ddp = DDP(BNNet(nnx.Rngs(0)), broadcast_buffers=False)
+    # broadcast_buffers=False (forward_sync_buffers=False): replicas never exchange buffers
+    ddp = DDP(BNNet(nnx.Rngs(0)), forward_sync_buffers=False)  # torch 2.13's name
     f = ddp.value_and_grad(_bn_loss)
     rm = np.zeros((8, 3))
     for b in batches[:2]:
