@@ -5,7 +5,6 @@ other workers; :class:`RRef` names remote values (reference counted across worke
 ``shutdown`` ends it, bounded. See ``jdist/rpc/README.md`` for the message flow.
 """
 
-from jdist.rpc import dist_autograd as dist_autograd
 from jdist.rpc import functions as functions
 from jdist.rpc._api import get_worker_info as get_worker_info
 from jdist.rpc._api import init_rpc as init_rpc
@@ -13,16 +12,31 @@ from jdist.rpc._api import remote as remote
 from jdist.rpc._api import rpc_async as rpc_async
 from jdist.rpc._api import rpc_sync as rpc_sync
 from jdist.rpc._api import shutdown as shutdown
-from jdist.rpc._dist_optim import DistributedOptimizer as DistributedOptimizer
 from jdist.rpc._futures import Future as Future
 from jdist.rpc._futures import collect_all as collect_all
 from jdist.rpc._futures import wait_all as wait_all
 from jdist.rpc._options import RpcBackendOptions as RpcBackendOptions
 from jdist.rpc._protocol import WorkerInfo as WorkerInfo
-from jdist.rpc._remote_module import RemoteModule as RemoteModule
 from jdist.rpc._rref import RRef as RRef
 
 TensorPipeRpcBackendOptions = RpcBackendOptions  # the name torch users have in their code
+
+# distributed autograd pulls in jax, flax and optax: imported on first use
+_LAZY = {"dist_autograd": ("jdist.rpc.dist_autograd", None),
+         "DistributedOptimizer": ("jdist.rpc._dist_optim", "DistributedOptimizer"),
+         "RemoteModule": ("jdist.rpc._remote_module", "RemoteModule")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = importlib.import_module(module)
+        value = value if attr is None else getattr(value, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jdist.rpc' has no attribute {name!r}")
 
 __all__ = [
     "DistributedOptimizer",
