@@ -111,3 +111,21 @@ def test_xla_options_map_bucket_cap_and_are_valid_compile_options():
     for opts in (cpu, gpu):  # XLA rejects unknown option names at compile time
         f = jax.jit(lambda x: x + 1, compiler_options=opts)
         assert float(f(jnp.ones(()))) == 2.0
+
+
+def test_ready_order_follows_execution_not_registration():
+    import jax.numpy as jnp
+
+    class Shuffled(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 4, rngs=rngs)
+            self.c = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):  # runs c, then a, then b: b's gradients are ready first
+            return self.b(jnp.tanh(self.a(jnp.tanh(self.c(x)))))
+
+    ddp = DDP(Shuffled(nnx.Rngs(0)), bucket_cap_mb=70 / 2**20)  # 70 B: a layer per bucket
+    ddp.value_and_grad(lambda m, x: m(x).sum())(np.ones((8, 4), np.float32))
+    assert [bk.paths for bk in ddp.buckets] == [
+        ("b/bias", "b/kernel"), ("a/bias", "a/kernel"), ("c/bias", "c/kernel")]
