@@ -120,10 +120,10 @@ def fmt(x) -> str:
 
 
 def fmt_ratio(x) -> str:
-    """A ratio: 4 significant digits."""
+    """A ratio: 3 significant digits."""
     if x is None or math.isnan(float(x)):
         return "-"
-    return f"{float(x):.4g}"
+    return f"{float(x):.3g}"
 
 
 def clean_output(text: str, max_lines: int = MAX_RAW_LINES) -> str:
@@ -140,13 +140,19 @@ def clean_output(text: str, max_lines: int = MAX_RAW_LINES) -> str:
 
 
 # --------------------------------------------------------------------------- markdown
+def cell(text) -> str:
+    """Text for a Markdown table cell: pipes escaped, on one line."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def _table_md(t: dict) -> list[str]:
     out = [f"**{t['title']}**. Ratio: {t['ratio']}.", "",
-           f"| case | unit | jdist | {t['baseline']} | ratio | note |",
+           f"| case | unit | jdist | {cell(t['baseline'])} | ratio | note |",
            "|---|---|--:|--:|--:|---|"]
     for r in t["rows"]:
-        out.append(f"| {r['case']} | {r['unit']} | {fmt(r['jdist'])} | {fmt(r['baseline'])} "
-                   f"| {fmt_ratio(r['ratio'])} | {r.get('note', '')} |".replace("\n", " "))
+        out.append(f"| {cell(r['case'])} | {cell(r['unit'])} | {fmt(r['jdist'])} "
+                   f"| {fmt(r['baseline'])} | {fmt_ratio(r['ratio'])} "
+                   f"| {cell(r.get('note', ''))} |")
     return out + [""]
 
 
@@ -202,7 +208,7 @@ def render(results: list[Result], machine: dict, images: dict, *, mode: str,
     ]
     for r in results:
         status = r.status if r.status == "ok" else f"**{r.status}**"
-        out.append(f"| {r.title} | {status} | {r.seconds:.0f} s | {headline(r)} |")
+        out.append(f"| {cell(r.title)} | {status} | {r.seconds:.0f} s | {cell(headline(r))} |")
     out.append("")
     for r in results:
         out += [f"## {r.title}", "", f"`{r.command}`: {r.status}"

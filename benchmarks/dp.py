@@ -6,7 +6,9 @@ so no speedup is possible there: the ratio measures what DataParallel costs (dis
 copies, gather); the goal on a 2-core machine is <= 1.5x. On a multi-GPU machine it is a
 speedup.
 
-  python benchmarks/dp.py [--batch 1024] [--devices 8] [--reps 20]
+  python benchmarks/dp.py [--batch 1024] [--devices 8] [--reps 20] [--quick]
+
+The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="5 repetitions")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 5
     if "jax" not in sys.modules:
         _setup(args.devices)
     import jax
@@ -106,6 +111,22 @@ def main(argv=None) -> dict:
     print(f"  ratio DataParallel / one device: {res['ratio']:8.2f}x   "
           f"(max |grad diff| {err:.2e})")
     res.update(_small(args.reps))
+    from benchmarks._parse import bench_json, row, table
+
+    print(bench_json("dp", [
+        table(f"MLP {d_in}-{h}-{h}-{d_out}, batch {args.batch}, forward+backward",
+              "baseline", "jdist / baseline (lower is better)", [
+                  row(f"DataParallel over {args.devices} devices vs one device (jit)", "ms",
+                      res["data_parallel_ms"], res["one_device_ms"], res["ratio"],
+                      "goal <= 1.5 on 2 cores (virtual devices share the cores)"),
+                  row("DataParallel vs one jitted SPMD program (floor)", "ms",
+                      res["data_parallel_ms"], res["spmd_floor_ms"])]),
+        table("tiny MLP 16-32-4, batch 40 over 5 devices (dispatch cost)", "one device (jit)",
+              "jdist / one device", [
+                  row("DataParallel (one SPMD program)", "ms", res["tiny_dp_ms"],
+                      res["tiny_one_device_ms"]),
+                  row("scatter/replicate/parallel_apply/gather per device", "ms",
+                      res["tiny_loop_ms"], res["tiny_one_device_ms"])])]))
     return res
 
 

@@ -14,6 +14,8 @@ One run, two tables (8 replicas; virtual CPU devices unless the machine has more
 
     PYTHONPATH=. python benchmarks/hooks_optim.py            # full sizes
     PYTHONPATH=. python benchmarks/hooks_optim.py --smoke    # small model, few steps
+
+The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks import _parse as report  # noqa: E402
 from jdist.collectives._group import ProcessGroup, make_mesh  # noqa: E402
 from jdist.ddp import DistributedDataParallel as DDP  # noqa: E402
 from jdist.ddp import hooks as H  # noqa: E402
@@ -111,6 +114,7 @@ def hook_table(sizes, batch_n):
     print(f"{'hook':<24}{'asked (lowered)':>16}{'ratio':>8}{'compiled (CPU)':>16}"
           f"{'collectives':>13}")
     base = None
+    rows = []
     for name, hook, state in cases:
         ddp = DDP(MLP(sizes, rngs=nnx.Rngs(0)))
         if hook is not None:
@@ -120,6 +124,12 @@ def hook_table(sizes, batch_n):
         b = asked.bytes_min  # PowerSGD: the compressed branch; others have no branches
         base = base or b
         print(f"{name:<24}{b:>16,}{base / b:>8.1f}{ran.bytes_min:>16,}{asked.count:>13}")
+        rows.append(report.row(
+            name, "bytes", b, base, base / b,
+            f"compiled (CPU) {ran.bytes_min:,} bytes, {asked.count} collectives"))
+    return report.table(
+        f"Bytes per replica per DDP step, MLP {sizes}, {N} replicas (lowered program)",
+        "no hook", "no hook / hook (compression; higher is better)", rows)
 
 
 def zero_table(sizes, batch_n, steps):
@@ -192,16 +202,27 @@ def zero_table(sizes, batch_n, steps):
     t_plain = res["plain DP (all-reduce + Adam)"]
     print(f"ZeRO / plain: time x{t_zero / t_plain:.2f}, state memory "
           f"x{b_zero / b_plain:.3f} (ideal 1/{N} = {1 / N:.3f})")
+    zero, plain, ddp_name = ("ZeRO-1 (RS + shard Adam + AG)", "plain DP (all-reduce + Adam)",
+                             "DDP train_step + Adam")
+    rows = [
+        report.row(f"step time: {zero}", "ms", t_zero * 1e3, t_plain * 1e3, t_zero / t_plain),
+        report.row(f"optimizer state per replica: {zero}", "bytes", b_zero, b_plain,
+                   b_zero / b_plain, f"ideal 1/{N} = {1 / N:.3f}"),
+        report.row(f"step time: {ddp_name}", "ms", res[ddp_name] * 1e3, t_plain * 1e3),
+    ]
+    return report.table(f"Adam step, MLP {sizes}, {N} replicas, batch {batch_n}: ZeRO-1 and "
+                        f"DDP vs plain data parallel", plain, "jdist / plain DP", rows)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="small model, few steps")
+    ap.add_argument("--smoke", "--quick", action="store_true", help="small model, few steps")
     args = ap.parse_args()
     sizes = (64, 128, 128, 10) if args.smoke else (512, 1024, 1024, 1024, 10)
     print(f"backend {jax.default_backend()}, {len(jax.devices())} devices")
-    hook_table(sizes, 64)
-    zero_table(sizes, 256 if not args.smoke else 64, 5 if args.smoke else 20)
+    tables = [hook_table(sizes, 64),
+              zero_table(sizes, 256 if not args.smoke else 64, 5 if args.smoke else 20)]
+    print(report.bench_json("hooks_optim", tables))
 
 
 if __name__ == "__main__":

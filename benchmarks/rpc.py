@@ -14,6 +14,8 @@ processes per operation is printed too: on a busy machine it is the steadier mea
 
     PYTHONPATH=. python benchmarks/rpc.py           # 2 rounds, 2000 calls, 10 echoes
     PYTHONPATH=. python benchmarks/rpc.py --smoke   # 1 round, 200 calls, 3 echoes
+
+The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def main(argv=None) -> None:
     from jdist.launch import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny run (CI)")
+    p.add_argument("--smoke", "--quick", action="store_true", help="tiny run (CI)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--echoes", type=int, default=10)
@@ -193,6 +195,24 @@ def main(argv=None) -> None:
           f"CPU per echo jdist/torch = {j[3] / t[3]:.2f}")
     print(f"throughput jdist/raw socket = {j[1] / r[1]:.2f}  (goal >= 0.5); "
           f"CPU per echo jdist/raw = {j[3] / r[3]:.2f}")
+    from benchmarks._parse import bench_json, row, table
+
+    small, big = "latency, 16 float32 echo", f"throughput, {a.mib} MiB echo"
+    print(bench_json("rpc", [
+        table("rpc_sync vs torch.distributed.rpc (TensorPipe)", "torch",
+              "jdist / torch (latency, CPU: lower is better; throughput: higher is better)", [
+                  row(small, "us", j[0] * 1e6, t[0] * 1e6, j[0] / t[0], "goal <= 1"),
+                  row("CPU per call (both processes)", "us", j[2] * 1e6, t[2] * 1e6,
+                      j[2] / t[2]),
+                  row(big, "GB/s", j[1] / 1e9, t[1] / 1e9, j[1] / t[1], "goal >= 1"),
+                  row("CPU per echo (both processes)", "ms", j[3] * 1e3, t[3] * 1e3,
+                      j[3] / t[3])]),
+        table("rpc_sync vs a raw Python socket", "raw socket", "jdist / raw socket", [
+            row(small, "us", j[0] * 1e6, r[0] * 1e6),
+            row(big, "GB/s", j[1] / 1e9, r[1] / 1e9, j[1] / r[1], "goal >= 0.5"),
+            row("CPU per echo (both processes)", "ms", j[3] * 1e3, r[3] * 1e3, j[3] / r[3])])],
+        {"rpc": {"latency_us": {n: best[n][0] * 1e6 for n in best},
+                 "throughput_GBps": {n: best[n][1] / 1e9 for n in best}}}))
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)

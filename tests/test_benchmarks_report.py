@@ -202,6 +202,8 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
         Result("rpc", "RPC", "python benchmarks/rpc.py --smoke", "timed out",
                "killed after 240 s", 240.0, RPC_OUT + "```\n\x1b[31mred\x1b[0m",
                parse("rpc", RPC_OUT)),
+        Result("hybrid", "HybridModel", "python benchmarks/hybrid.py", "ok", "", 50.0,
+               HYBRID_OUT, parse("hybrid", HYBRID_OUT)),
         Result("hybrid", "HybridModel", "python benchmarks/hybrid.py", "missing",
                "benchmarks/hybrid.py does not exist", 0.0, "", parse("hybrid", "")),
         Result("dp", "DataParallel", "python benchmarks/dp.py", "skipped",
@@ -223,13 +225,15 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
     assert "jax " + machine["versions"]["jax"] in md
     assert "quick mode" in md and "9.4 min" in md
     assert "| mlp: jdist | ms | 169.86 | 82.87 | 2.05 |" in md
-    assert "| 4 KiB | ms | 10.568 | 0.28 | 37.81 |" in md
+    assert "| 4 KiB | ms | 10.568 | 0.28 | 37.8 |" in md
     assert "| latency, 16 float32 echo | us | 308.1 | 11,891.4 | 0.03 | goal <= 1 |" in md
     assert "**timed out**" in md and "killed after 240 s" in md
     assert "**missing**" in md and "benchmarks/hybrid.py does not exist" in md
+    # a pipe in a note is escaped: the row keeps its 6 cells
+    assert "| 1.75 | max \\|table_jdist - table_torch\\| after 10 steps: 2.98e-08 |" in md
     assert "**skipped**" in md and "only 3 s of the time budget left" in md
     # raw output for the ones that ran, not for the missing or skipped ones
-    assert md.count("<details><summary>raw output</summary>") == 3
+    assert md.count("<details><summary>raw output</summary>") == 4
     assert "\x1b" not in md and "\n'''" in md  # ANSI stripped, fences in output defused
     assert render(results[:1], machine, {}, mode="full", started="s", total_s=1.0,
                   command="c").count("Quick mode") == 0
