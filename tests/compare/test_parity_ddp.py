@@ -14,6 +14,7 @@ import functools
 
 import pytest
 
+from jdist.errors import WeightConversionError
 from jdist.testing import OptimizerSpec, run_parity, run_parity_cases
 from jdist.testing.parity import EXAMPLES, build_nnx_model, build_torch_model, example
 
@@ -59,5 +60,9 @@ def test_ddp_parity_needs_model_factories():
         run_parity(functools.partial(build_torch_model, "mlp"),
                    functools.partial(build_nnx_model, "mlp"), "mse", ex.data, ("sgd", 0.1),
                    nprocs=2, jax_input=lambda a: a)
+    with pytest.raises(WeightConversionError, match="3 convertible layers"):  # before launch
+        run_parity(functools.partial(build_torch_model, "mlp"),
+                   functools.partial(build_nnx_model, "cnn"), "mse", ex.data, ("sgd", 0.1),
+                   nprocs=2)
     with pytest.raises(ValueError, match="sets \\['nprocs'\\]"):
         run_parity_cases([dict(_case("mlp", "sgd"), nprocs=2)])
