@@ -90,7 +90,7 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
 
     Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
     ``loss`` is the replica mean when ``sync`` else per replica; ``grads`` reduced
-    (``None`` when not ``sync``); ``acc`` the local accumulated gradients when not
+    (``None`` when not ``sync`` or when ``update`` consumed them); ``acc`` the local accumulated gradients when not
     ``sync`` (else ``None``); ``params``/``opt_state`` updated when ``update`` is given
     and ``sync`` (else ``None``). Under ``join``, ``active`` holds 1.0 for replicas that
     still have inputs (0.0 for the others, whose gradients count as zeros and whose
@@ -147,6 +147,8 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
             new_buffers = _keep_where(scale > 0, new_buffers, old_buffers)
         if update is None or not sync:
             params = opt_state = None  # unchanged: do not copy them out
+        else:
+            grads = None  # consumed by the update: do not copy them out
         return (value, _expand(aux, ax), grads, _expand(new_buffers, ax),
                 _expand(hstate, ax), None if new_acc is None else _expand(new_acc, ax),
                 params, opt_state, n_active)
