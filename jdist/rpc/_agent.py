@@ -102,6 +102,7 @@ class RpcAgent(CallServer):
         self.enter_context_hook: Callable[[int], Any] | None = None
         #: asked first by rpc_async: a Future for a differentiable call, or None
         self.call_hook: Callable[..., Future | None] | None = None
+        self.remote_hook: Callable[..., RRef | None] | None = None  # the same for remote()
         from jdist.rpc.autograd._context import install
 
         install(self)
@@ -338,6 +339,10 @@ class RpcAgent(CallServer):
     def remote(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
                timeout: float | None = -1) -> RRef:
         """Run ``func`` on ``to`` and keep the result there; return an RRef to it."""
+        if self.remote_hook is not None:
+            rref = self.remote_hook(to, func, args, kwargs, timeout)
+            if rref is not None:
+                return rref
         worker = self.worker_info(to)
         t = resolve_timeout(timeout, self.options.rpc_timeout)
         fn = S.describe_callable(func)

@@ -220,3 +220,37 @@ def test_rpc_inside_jit_is_refused_and_gradient_map(agents):
         np.testing.assert_allclose(grads[module.bias], np.ones(1))
         with pytest.raises(KeyError, match="keyed by nnx.Variable"):
             grads["kernel"]
+
+
+def add_scaled(x, w_rref, k):  # remote() target on w1: uses w1's own parameter
+    return {"y": x * w_rref.local_value()[...] + k, "k": k}
+
+
+def test_remote_and_to_here_are_differentiable(agents):
+    """torch's DistributedOptimizer example shape: remote(...), then to_here() twice."""
+    a0 = agents[0]
+    w1 = a0.remote("w1", make_param, (W1,))
+    w0 = owned_param(a0)
+
+    def loss_fn(r):
+        x = jnp.tanh(r.local_value()[...])
+        rref = a0.remote("w1", add_scaled, (x, w1, 3.0))
+        first = rref.to_here()
+        assert first["k"] == 3.0
+        return jnp.sum(first["y"] ** 2) + jnp.sum(rref.to_here()["y"])
+
+    def ref(v0, v1):
+        y = jnp.tanh(v0) * v1 + 3.0
+        return jnp.sum(y ** 2) + jnp.sum(y)
+
+    want = jax.grad(ref, argnums=(0, 1))(X, W1)
+    with dist_autograd.context(a0) as cid:
+        dist_autograd.backward(cid, loss_fn, w0)
+        np.testing.assert_allclose(dist_autograd.get_gradients(cid)[w0], want[0], rtol=1e-6,
+                                   atol=1e-6)
+        np.testing.assert_allclose(a0.rpc_async("w1", grad_of, (w1,)).wait(), want[1],
+                                   rtol=1e-6, atol=1e-6)
+        with pytest.raises(DistAutogradError, match="to this worker"):
+            dist_autograd.backward(cid, lambda r: jnp.sum(
+                a0.remote("w0", add_scaled, (r.local_value()[...], w1, 1.0)).to_here()["y"]),
+                w0)

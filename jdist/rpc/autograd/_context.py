@@ -220,9 +220,31 @@ def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: A
         return None
     if getattr(func, "_jdist_autograd_internal", False):
         return None
+    from jdist.rpc._rref import rref_fetch
+
+    if func is rref_fetch:  # to_here(): differentiable only for a remote() made in a trace
+        link = getattr(args[0], "_ad_link", None) if args else None
+        if link is None:
+            return None
+        from jdist.rpc.autograd._engine import differentiable_fetch
+
+        return differentiable_fetch(ctx, args[0], link, timeout)
     from jdist.rpc.autograd._engine import differentiable_call
 
     return differentiable_call(ctx, to, func, args, kwargs, timeout)
+
+
+def remote_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
+    """``agent.remote`` asks this first: an RRef when the call is differentiable."""
+    trace = tracing()
+    ctx = current()
+    if trace is None or ctx is None or ctx.agent is not agent or ctx.released:
+        return None
+    if getattr(func, "_jdist_autograd_internal", False):
+        return None
+    from jdist.rpc.autograd._engine import differentiable_remote
+
+    return differentiable_remote(ctx, to, func, args, kwargs, timeout)
 
 
 def install(agent: Any) -> None:
@@ -230,4 +252,6 @@ def install(agent: Any) -> None:
     agent.context_id_hook = lambda: current_context_id(agent)
     agent.enter_context_hook = lambda cid: enter_context(agent, cid)
     agent.call_hook = lambda to, func, args, kwargs, timeout: call_hook(
+        agent, to, func, args, kwargs, timeout)
+    agent.remote_hook = lambda to, func, args, kwargs, timeout: remote_hook(
         agent, to, func, args, kwargs, timeout)

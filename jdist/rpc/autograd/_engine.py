@@ -120,13 +120,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     """
     agent = ctx.agent
     token = C.tracing()
-    leaves, tdef = flatten_args((tuple(args or ()), dict(kwargs or {})))
-    pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
-    xs = [leaves[i] for i in pos]
-    skel = list(leaves)
-    for k, i in enumerate(pos):
-        skel[i] = _Slot(k)
-    skeleton = jax.tree_util.tree_unflatten(tdef, skel)
+    xs, _, skeleton = _prepare(args, kwargs)
     msg = ctx.new_message_id()
     fn_name = getattr(func, "__qualname__", repr(func))
     box: dict = {}
@@ -145,13 +139,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     def bwd(_, cts):
         cts = [np.asarray(c) for c in cts]
         ct_xs = agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
-        out = [jnp.zeros((), token.dtype)]
-        for x, c in zip(xs, ct_xs, strict=True):
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                out.append(jnp.asarray(c, x.dtype))
-            else:
-                out.append(np.zeros(x.shape, jax.dtypes.float0))
-        return tuple(out)
+        return _input_cts(token, xs, ct_xs)
 
     @jax.custom_vjp
     def call(tok, *xs_):
@@ -166,6 +154,129 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     return fut
 
 
+class _Link:
+    """A differentiable ``remote()``'s state on the caller: cotangents from its
+    ``to_here()`` calls, summed until the remote call's own backward rule sends them."""
+
+    def __init__(self) -> None:
+        self.cts: list | None = None
+
+    def add(self, cts: list) -> None:
+        self.cts = cts if self.cts is None else [a + b for a, b in zip(self.cts, cts,
+                                                                           strict=True)]
+
+
+def _prepare(args: Any, kwargs: Any) -> tuple[list, list, Any]:
+    leaves, tdef = flatten_args((tuple(args or ()), dict(kwargs or {})))
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
+    skel = list(leaves)
+    for k, i in enumerate(pos):
+        skel[i] = _Slot(k)
+    return [leaves[i] for i in pos], pos, jax.tree_util.tree_unflatten(tdef, skel)
+
+
+def _input_cts(token: Any, xs: list, ct_xs: list) -> tuple:
+    out = [jnp.zeros((), token.dtype)]
+    for x, c in zip(xs, ct_xs, strict=True):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out.append(jnp.asarray(c, x.dtype))
+        else:
+            out.append(np.zeros(x.shape, jax.dtypes.float0))
+    return tuple(out)
+
+
+def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: Any,
+                          kwargs: Any, timeout: Any) -> Any:
+    """``remote()`` inside a differentiable trace: the value stays on ``to``; its
+    ``to_here()`` in the same trace is differentiable back through the call."""
+    agent = ctx.agent
+    worker = agent.worker_info(to)
+    fn_name = getattr(func, "__qualname__", repr(func))
+    if worker.id == agent.info.id:
+        raise DistAutogradError(
+            f"remote({worker}, {fn_name}) to this worker inside a dist_autograd loss "
+            "function: its value would not be differentiable; call the function directly")
+    token = C.tracing()
+    xs, _, skeleton = _prepare(args, kwargs)
+    msg = ctx.new_message_id()
+    link = _Link()
+    box: dict = {}
+
+    def forward(xs_c):
+        vals = [_concrete(x, f"remote of {fn_name}") for x in xs_c]
+        box["rref"] = agent.rpc_async(worker, _callee_remote, (msg, func, skeleton, vals),
+                                      None, timeout).wait()
+        return jnp.zeros((), jnp.float32)
+
+    def fwd(tok, *xs_):
+        del tok
+        return forward(xs_), None
+
+    def bwd(_, ct):
+        del ct
+        cts, link.cts = link.cts, None
+        if cts is None:  # the value never reached the loss
+            return _input_cts(token, xs, [np.zeros(x.shape, x.dtype) for x in xs])
+        ct_xs = agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout).wait()
+        return _input_cts(token, xs, ct_xs)
+
+    @jax.custom_vjp
+    def call(tok, *xs_):
+        del tok
+        return forward(xs_)
+
+    call.defvjp(fwd, bwd)
+    tracer = call(token, *xs)
+    rref = box["rref"]
+    rref._ad_link = (tracer, link, token)
+    return rref
+
+
+def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
+                         timeout: Any) -> Future:
+    """``to_here()`` of an RRef made by a differentiable ``remote()``."""
+    from jdist.rpc._rref import rref_fetch
+
+    agent = ctx.agent
+    tracer, link, token = ad_link
+    if token is not C.tracing():  # made in another (finished) trace: a plain fetch
+        prev = C.set_tracing(None)
+        try:
+            return agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout)
+        finally:
+            C.set_tracing(prev)
+    box: dict = {}
+
+    def forward():
+        prev = C.set_tracing(None)  # the fetch itself is a plain call
+        try:
+            value = agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout).wait()
+        finally:
+            C.set_tracing(prev)
+        skel, diff = _split_outputs(value)
+        box["skeleton"] = skel
+        return tuple(jnp.asarray(d) for d in diff)
+
+    def fwd(lk):
+        del lk
+        return forward(), None
+
+    def bwd(_, cts):
+        link.add([np.asarray(c) for c in cts])
+        return (jnp.ones((), jnp.float32),)  # non-zero: the remote call's rule must run
+
+    @jax.custom_vjp
+    def fetch(lk):
+        del lk
+        return forward()
+
+    fetch.defvjp(fwd, bwd)
+    diff = fetch(tracer)
+    fut: Future = Future(_desc=f"differentiable to_here of {rref!r}")
+    fut.set_result(_fill(box["skeleton"], list(diff)))
+    return fut
+
+
 # ---------------------------------------------------------------- callee side
 def _require_context(what: str) -> C.DistAutogradContext:
     ctx = C.current()
@@ -174,9 +285,8 @@ def _require_context(what: str) -> C.DistAutogradContext:
     return ctx
 
 
-@C._internal
-def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
-    """Run ``func`` under ``jax.vjp``; keep the VJP under ``msg``; return the value."""
+def _record(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
+    """Run ``func`` under ``jax.vjp``; keep the VJP under ``msg``; return its value split."""
     ctx = _require_context("a differentiable call")
     leaves, tdef = flatten_args(skeleton)
     slots = [0] * len(xs)
@@ -197,7 +307,24 @@ def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any
         if ctx.released:
             raise C.not_found(ctx.context_id)
         ctx.vjps[msg] = (vjp_fn, [t for _, t in params])
+    return skel_out, diff
+
+
+@C._internal
+def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
+    """Callee side of a differentiable call: the value, its VJP kept under ``msg``."""
+    skel_out, diff = _record(msg, func, skeleton, xs)
     return skel_out, [np.asarray(d) for d in diff]
+
+
+@C._internal
+def _callee_remote(msg: tuple, func: Any, skeleton: Any, xs: list) -> Any:
+    """Callee side of a differentiable ``remote()``: an RRef to the value kept here."""
+    from jdist.rpc._dist_optim import owned_rref
+
+    skel_out, diff = _record(msg, func, skeleton, xs)
+    value = _fill(skel_out, [jnp.asarray(d) for d in diff])
+    return owned_rref(C.current().agent, value)
 
 
 @C._internal
