@@ -35,8 +35,10 @@ Differences from torch:
 - a call whose result is never used in the loss keeps its recorded VJP until the
   context exits (torch's FAST mode can hang or error on it);
 - ``rpc_async`` inside the loss function completes before it returns;
-- ``remote()`` results are not differentiable: use ``rpc_sync``/``rpc_async``, RRef
-  proxies or :class:`jdist.rpc.RemoteModule`;
+- ``remote()`` inside the loss function is differentiable through ``to_here()`` calls
+  made in the same loss function (the cotangents of all of them are summed and sent
+  once); ``remote()`` to the worker itself there raises (call the function directly),
+  and RRef proxies on such an RRef are not differentiable;
 - changes a loss function makes to a module's non-parameter state (batch statistics)
   are not kept: it sees a copy whose parameters are traced.
 """
