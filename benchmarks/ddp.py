@@ -190,9 +190,10 @@ def torch_worker(kind, steps):
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     ms = _median_ms(step, steps)
+    dist.barrier()
     dist.destroy_process_group()
     return ms
 
