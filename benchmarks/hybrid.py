@@ -149,6 +149,14 @@ def main() -> None:
         print(f"  {lib:6s} {ms:9.2f} ms / step (median over both trainers)")
     print(f"  ratio jdist / torch: {rows[0][1] / rows[1][1]:.2f}")
     print(f"  max |table_jdist - table_torch| after {a.steps} steps: {diff:.2e}")
+    from benchmarks._parse import bench_json, row, table
+
+    case = f"train step, table {a.num_embeddings} x {a.dim}, batch {a.batch}"
+    print(bench_json("hybrid", [table(
+        "HybridModel (PS embedding by RPC + DDP linear, dist autograd, DistributedOptimizer)",
+        "torch", "jdist / torch (time: lower is better)",
+        [row(case, "ms", rows[0][1], rows[1][1], rows[0][1] / rows[1][1],
+             f"max table difference {diff:.1e}")])]))
 
 
 if __name__ == "__main__":
