@@ -363,8 +363,10 @@ def _to_numpy(v) -> np.ndarray:
         v = v.detach().cpu()
         if v.dtype == torch.bfloat16:
             v = v.float()
-        return v.numpy()
-    return np.asarray(v)
+        # a copy: torch optimizers update parameters in place, and the converted
+        # arrays must not follow them
+        return v.numpy().copy()
+    return np.array(v, copy=True)
 
 
 def _nnx_get(layer: Layer, attr: str):
@@ -382,7 +384,7 @@ def _nnx_prepare(layer: Layer, attr: str, value: np.ndarray, src_desc: str, tnam
             f"conversion ({_LAYOUT.get(layer.kind, 'same layout')}) but nnx "
             f"{layer.describe()} '{attr}' has {tuple(old.shape)}; build both layers with the "
             f"same sizes")
-    return var, jnp.asarray(value, dtype=old.dtype)
+    return var, jnp.array(value, dtype=old.dtype, copy=True)
 
 
 def _missing(strict, side, desc, name, other_side, other_desc, other_name):

@@ -384,3 +384,18 @@ def test_import_does_not_load_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_converted_arrays_do_not_alias_torch_parameters():
+    import jdist.testing as jt
+
+    tl = torch.nn.Linear(3, 2)
+    nl = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    jt.torch_to_nnx(tl, nl)
+    before = np.asarray(nl.bias.get_value()).copy()
+    with torch.no_grad():
+        tl.bias.add_(1.0)
+        tl.weight.mul_(2.0)
+    np.testing.assert_array_equal(np.asarray(nl.bias.get_value()), before)
+    np.testing.assert_allclose(np.asarray(nl.kernel.get_value()).T * 2.0,
+                               tl.weight.detach().numpy(), rtol=1e-6)
