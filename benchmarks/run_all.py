@@ -132,22 +132,65 @@ def run_command(cmd: list[str], timeout: float, *, cwd: Path = ROOT, env: dict |
     return out, rc, time.monotonic() - start
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group this run started, then SIGKILL what is left after 5 s."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            try:  # the leader is gone; children may linger in the group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return
-        except subprocess.TimeoutExpired:
+def _stat(pid: int | str) -> tuple[int, int] | None:
+    """``(parent pid, start time)`` of a process from /proc, None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19])  # the name before ')' may hold spaces
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """``(pid, start time)`` of every descendant of ``pid`` (empty without /proc)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        st = _stat(entry.name) if entry.name.isdigit() else None
+        if st is not None:
+            children.setdefault(st[0], []).append((int(entry.name), st[1]))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c[0])
+    return out
+
+
+def _signal(procs: list[tuple[int, int]], sig: int) -> None:
+    """Signals each process, and the group it leads, if it is still the one listed."""
+    for pid, start in procs:
+        st = _stat(pid)
+        if st is None or st[1] != start:  # gone, or the id now names another process
             continue
+        for fn in (os.killpg, os.kill):
+            try:
+                fn(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stops the benchmark this run started and everything it started.
+
+    The benchmark's process group and every descendant (``jdist.launch.spawn`` starts
+    workers in sessions of their own, which a group signal misses) get SIGTERM, then
+    SIGKILL after 5 s. Descendants are listed first: once their parent is gone they are
+    re-parented and can no longer be told apart.
+    """
+    st = _stat(proc.pid)
+    procs = ([(proc.pid, st[1])] if st else []) + descendants(proc.pid)
+    _signal(procs, signal.SIGTERM)
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+    time.sleep(0.5)
+    _signal(procs, signal.SIGKILL)
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def run_bench(bench: Bench, quick: bool, tick=None, root: Path = ROOT,

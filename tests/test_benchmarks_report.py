@@ -10,6 +10,7 @@ import json
 import math
 import re
 import sys
+import time
 
 import pytest
 
@@ -89,6 +90,20 @@ COLLECTIVES_OUT = "   4 KiB |     0.280 |    10.568 |  37.81\n" + bench_json(
                           [row("4 KiB", "ms", 10.568, 0.28, 37.81),
                            row("1 MiB", "ms", 3.848, 3.786, 1.02)])],
     {"allreduce": ALLREDUCE}) + "\n"
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, waiting for its reaper, counts as gone)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def rows_of(p):
@@ -174,10 +189,16 @@ def test_runner_missing_failed_timed_out_and_ok(tmp_path):
                                 True, root=tmp_path)
     assert missing.status == "missing" and "nope.py" in missing.detail
 
-    out, rc, secs = run_all.run_command(
-        [sys.executable, "-c", "print('partial', flush=True); import time; time.sleep(30)"],
-        timeout=1.0)
-    assert rc is None and secs < 10 and "partial" in out
+    # on timeout the benchmark and a worker in a session of its own (as spawn starts
+    # them) are both stopped
+    code = ("import subprocess, sys, time\n"
+            "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+            " start_new_session=True)\n"
+            "print('partial', w.pid, flush=True)\ntime.sleep(60)\n")
+    out, rc, secs = run_all.run_command([sys.executable, "-c", code], timeout=1.5)
+    assert rc is None and secs < 15 and "partial" in out
+    worker = int(out.split()[1])
+    assert not alive(worker), f"worker {worker} outlived the timeout"
     out, rc, _ = run_all.run_command(
         [sys.executable, "-c", "import sys; print('bad'); sys.exit(3)"], timeout=30)
     assert (rc, out.strip()) == (3, "bad")
