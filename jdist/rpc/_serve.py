@@ -27,6 +27,11 @@ class CallServer:
     """Callee half of :class:`RpcAgent` (see there for the attributes it uses)."""
 
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
+        if not self._ready.is_set():
+            # A peer was faster than our own rendezvous. Decoding RRef arguments needs the
+            # worker table, so wait for it on a worker thread, never on the receive loop.
+            self._executor.submit(self._on_call_when_ready, comm, peer, msg, frames)
+            return
         entry = None
         if isinstance(msg, P.Remote):
             value: Future = Future(_executor=self._executor, _desc=f"value of RRef {msg.rref}")
@@ -46,6 +51,15 @@ class CallServer:
                                   msg.ctx)
         else:
             self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
+
+    def _on_call_when_ready(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
+        if not self._ready.wait(self.options.connect_timeout):
+            err = RpcError(f"{self.info} got a call of {msg.fn} from worker {peer} before its "
+                           f"own rendezvous finished, and it did not finish within "
+                           f"{self.options.connect_timeout} s")
+            self._reply_failure(comm, msg.rid, err, peer, msg.fn)
+            return
+        self._on_call(comm, peer, msg, frames)
 
     def _invoke(self, func, args, kwargs, ctx: int):
         if not self._ready.is_set():  # a peer was faster than our own rendezvous
