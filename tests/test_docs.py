@@ -212,6 +212,8 @@ def _check_command(words: list[str], where: str) -> None:
     except SystemExit as exc:
         raise AssertionError(f"{where}: bad launcher command {shlex.join(words)}") from exc
     assert cfg.script, where
+    if cfg.script.startswith(("examples/", "benchmarks/")):  # the repository's scripts exist
+        assert (ROOT / cfg.script).exists(), f"{where}: no such script {cfg.script}"
 
 
 def test_shell_commands_parse():
