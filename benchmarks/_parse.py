@@ -27,9 +27,10 @@ class Parsed(NamedTuple):
     """What was read from one benchmark's output.
 
     Attributes:
-        tables: ``[{"title", "baseline", "ratio", "rows": [{"case", "unit", "jdist",
-            "baseline", "ratio", "note"}]}]``; ``baseline`` names the baseline column and
-            ``ratio`` says how the ratio is defined.
+        tables: ``[{"title", "subject", "baseline", "ratio", "rows": [{"case", "unit",
+            "jdist", "baseline", "ratio", "note"}]}]``; ``subject`` and ``baseline`` name
+            the two columns (``subject`` is jdist unless said otherwise) and ``ratio``
+            says how the ratio is defined.
         series: plot data (``allreduce``, ``ddp``, ``rpc``), absent keys when none.
         source: ``"BENCH_JSON"``, ``"text"`` or ``"none"`` (nothing recognised).
     """
@@ -54,9 +55,11 @@ def row(case: str, unit: str, jdist: float, baseline: float, ratio: float | None
             "ratio": ratio, "note": note}
 
 
-def table(title: str, baseline: str, ratio: str, rows: list) -> dict:
-    """One table: its rows compare jdist with the column named ``baseline``."""
-    return {"title": title, "baseline": baseline, "ratio": ratio, "rows": rows}
+def table(title: str, baseline: str, ratio: str, rows: list, subject: str = "jdist") -> dict:
+    """One table: its rows compare ``subject`` (jdist unless said otherwise) with the
+    column named ``baseline``; ``ratio`` says how the ratio is defined."""
+    return {"title": title, "subject": subject, "baseline": baseline, "ratio": ratio,
+            "rows": rows}
 
 
 def bench_json(bench: str, tables: list, series: dict | None = None) -> str:
@@ -133,7 +136,7 @@ def parse_ddp(output: str) -> Parsed:
                             "torch DDP", "jdist / torch (lower is better)", vs))
     if attr:
         tables.append(table("(b) attribution: compute only, no communication",
-                            "torch", "JAX / torch", attr))
+                            "torch", "JAX / torch", attr, subject="plain JAX"))
     if comp:
         tables.append(table("(c) first step (trace + compile)", "hand-written",
                             "jdist / hand-written", comp))

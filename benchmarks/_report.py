@@ -114,8 +114,10 @@ def fmt(x) -> str:
     x = float(x)
     if math.isnan(x) or math.isinf(x):
         return str(x)
+    if x.is_integer() and abs(x) >= 1000:
+        return f"{x:,.0f}"
     if abs(x) >= 1e4:
-        return f"{x:,.0f}" if x.is_integer() else f"{x:,.1f}"
+        return f"{x:,.1f}"
     return f"{x:.5g}"
 
 
@@ -147,7 +149,8 @@ def cell(text) -> str:
 
 def _table_md(t: dict) -> list[str]:
     out = [f"**{t['title']}**. Ratio: {t['ratio']}.", "",
-           f"| case | unit | jdist | {cell(t['baseline'])} | ratio | note |",
+           f"| case | unit | {cell(t.get('subject', 'jdist'))} | {cell(t['baseline'])} "
+           f"| ratio | note |",
            "|---|---|--:|--:|--:|---|"]
     for r in t["rows"]:
         out.append(f"| {cell(r['case'])} | {cell(r['unit'])} | {fmt(r['jdist'])} "
@@ -157,12 +160,17 @@ def _table_md(t: dict) -> list[str]:
 
 
 def headline(res: Result) -> str:
-    """The first row of the first table, in a few words."""
-    for t in res.parsed.tables:
-        for r in t["rows"]:
-            return (f"{r['case']}: {fmt(r['jdist'])} vs {fmt(r['baseline'])} {r['unit']} "
-                    f"({t['baseline']}), ratio {fmt_ratio(r['ratio'])}")
-    return "no numbers parsed" if res.status == "ok" else res.detail
+    """One row in a few words: the first with a goal, else the first whose two numbers
+    differ, else the first."""
+    rows = [(t, r) for t in res.parsed.tables for r in t["rows"]]
+    pick = (next(((t, r) for t, r in rows if "goal" in r.get("note", "")), None)
+            or next(((t, r) for t, r in rows if r["jdist"] != r["baseline"]), None)
+            or (rows[0] if rows else None))
+    if pick is None:
+        return "no numbers parsed" if res.status == "ok" else res.detail
+    t, r = pick
+    return (f"{r['case']}: {fmt(r['jdist'])} vs {fmt(r['baseline'])} {r['unit']} "
+            f"({t['baseline']}), ratio {fmt_ratio(r['ratio'])}")
 
 
 def render(results: list[Result], machine: dict, images: dict, *, mode: str,

@@ -247,6 +247,10 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
     assert "quick mode" in md and "9.4 min" in md
     assert "| mlp: jdist | ms | 169.86 | 82.87 | 2.05 |" in md
     assert "| 4 KiB | ms | 10.568 | 0.28 | 37.8 |" in md
+    assert "| case | unit | plain JAX | torch | ratio | note |" in md  # ddp attribution
+    # the summary quotes a row with a goal where there is one
+    assert "| RPC | **timed out** | 240 s | latency, 16 float32 echo: 308.1 vs 11,891.4 us " \
+           "(torch), ratio 0.03 |" in md
     assert "| latency, 16 float32 echo | us | 308.1 | 11,891.4 | 0.03 | goal <= 1 |" in md
     assert "**timed out**" in md and "killed after 240 s" in md
     assert "**missing**" in md and "benchmarks/hybrid.py does not exist" in md
@@ -261,8 +265,8 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
 
 
 def test_formatting_helpers():
-    assert [fmt(x) for x in (104492.0, 11891.4, 169.86, 20.5, 1.259, 0.000123, None)] == \
-        ["104,492", "11,891.4", "169.86", "20.5", "1.259", "0.000123", "-"]
+    assert [fmt(x) for x in (104492.0, 3412, 11891.4, 169.86, 20.5, 1.259, 0.000123, None)] \
+        == ["104,492", "3,412", "11,891.4", "169.86", "20.5", "1.259", "0.000123", "-"]
     assert fmt(2.3648249998586834) == "2.3648" and fmt_ratio(0.125) == "0.125"
     text = "a\rprogress 10%\rprogress 100%\n" + "\n".join(map(str, range(1000)))
     cleaned = clean_output(text, max_lines=10)
