@@ -320,12 +320,15 @@ PLOTS = (  # series key, image file, caption, plot function
 
 
 def make_plots(results: list[Result], img_dir: Path, rel: str) -> dict:
-    """Writes a PNG for each series some benchmark produced.
+    """Writes a PNG for each series some benchmark produced; removes the PNG of a
+    series that none produced this time (left from an earlier run, it would not match
+    the report).
 
     Returns:
         ``{benchmark name: [(caption, rel + "/" + file)]}`` for :func:`render`.
     """
     images: dict = {}
+    written = set()
     for r in results:
         for key, fname, caption, fn in PLOTS:
             data = r.parsed.series.get(key)
@@ -333,5 +336,9 @@ def make_plots(results: list[Result], img_dir: Path, rel: str) -> dict:
                 continue
             img_dir.mkdir(parents=True, exist_ok=True)
             fn(data, img_dir / fname)
+            written.add(fname)
             images.setdefault(r.name, []).append((caption, f"{rel}/{fname}"))
+    for _, fname, _, _ in PLOTS:
+        if fname not in written:
+            (img_dir / fname).unlink(missing_ok=True)
     return images

@@ -262,6 +262,11 @@ def test_report_tables_plots_machine_and_raw_output(tmp_path):
     assert "\x1b" not in md and "\n'''" in md  # ANSI stripped, fences in output defused
     assert render(results[:1], machine, {}, mode="full", started="s", total_s=1.0,
                   command="c").count("Quick mode") == 0
+    # a later run without RPC numbers drops the old RPC plot instead of leaving it stale
+    run_all.write_report(results[:2], machine, out, mode="quick", started="s", total_s=1.0,
+                         command="c")
+    assert not (tmp_path / "docs" / "img" / "rpc.png").exists()
+    assert (tmp_path / "docs" / "img" / "ddp_step.png").exists()
 
 
 def test_formatting_helpers():
