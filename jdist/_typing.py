@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Union
+from collections.abc import Hashable
+from typing import Any
 
 import jax
 
 PyTree = Any
 Array = jax.Array
 ArrayLike = Any
-AxisName = Union[Hashable, tuple]
+AxisName = Hashable | tuple
 Rank = int
 Params = PyTree
 Grads = PyTree

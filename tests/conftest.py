@@ -28,7 +28,6 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture
 def mesh8():
     """A 1-D Auto mesh over the 8 virtual devices, axis ``"dp"``."""

@@ -29,5 +29,5 @@ def tree_allclose(a, b, rtol=1e-6, atol=1e-6):
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
     assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

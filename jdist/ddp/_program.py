@@ -89,12 +89,13 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
     """``f(params, buffers, hstate, acc, opt_state, batch, extra, active) -> outputs``.
 
     Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
-    ``loss`` is the replica mean when ``sync`` else per replica; ``grads`` reduced
-    (``None`` when not ``sync`` or when ``update`` consumed them); ``acc`` the local accumulated gradients when not
-    ``sync`` (else ``None``); ``params``/``opt_state`` updated when ``update`` is given
-    and ``sync`` (else ``None``). Under ``join``, ``active`` holds 1.0 for replicas that
-    still have inputs (0.0 for the others, whose gradients count as zeros and whose
-    buffers are kept) and ``n_active`` is their number; otherwise both are ``None``.
+    ``loss`` is the replica mean when ``sync`` else per replica; ``grads`` reduced (``None``
+    when not ``sync`` or when ``update`` consumed them); ``acc`` the local accumulated
+    gradients when not ``sync`` (else ``None``); ``params``/``opt_state`` updated when
+    ``update`` is given and ``sync`` (else ``None``). Under ``join``, ``active`` holds 1.0
+    for replicas that still have inputs (0.0 for the others, whose gradients count as zeros
+    and whose buffers are kept) and ``n_active`` is their number; otherwise both are
+    ``None``.
     """
     ax, nrep = cfg.axis, cfg.num_replicas
 

@@ -18,7 +18,8 @@ when no hook is registered, so a hook must divide itself, which is the same).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 
