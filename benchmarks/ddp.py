@@ -1,6 +1,7 @@
 """DistributedDataParallel: jdist vs a hand-written JAX step, and vs torch DDP.
 
-Run: ``PYTHONPATH=. python benchmarks/ddp.py [--steps 30] [--devices 2] [--skip-torch]``
+Run: ``PYTHONPATH=. python benchmarks/ddp.py [--steps 30] [--devices 2] [--skip-torch]
+[--quick]`` (``--quick``: 5 steps, only the default jdist variant).
 
 Three comparisons, each jdist and its baseline in the same run (medians of timed steps
 after warm-up, every step blocked on):
@@ -18,7 +19,8 @@ b) **vs torch DDP**: 2 processes x 1 device, gloo, one thread each, global batch
 c) **compile time**: jdist's first step (tracing, recording the gradient-ready order,
    compiling) vs the hand-written step's first call.
 
-Ratios are jdist / baseline (lower is better).
+Ratios are jdist / baseline (lower is better). The last line, ``BENCH_JSON {...}``, holds
+the same numbers for benchmarks/run_all.py.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def handwritten_step(model, mesh, axis):
     return f, params
 
 
-def overhead(kind, steps):
+def overhead(kind, steps, variants=VARIANTS):
     """Interleaved timings (one step of each contender per round) of jdist vs hand-written."""
     import jax
     import optax
@@ -129,7 +131,7 @@ def overhead(kind, steps):
 
     b = batch(kind, BATCH)
     runs, out = {}, {}
-    for label, opts, flat in VARIANTS:
+    for label, opts, flat in variants:
         model = nnx_model(kind)
         ddp = DDP(model, compiler_options=opts, flat_buckets=flat)
         step = ddp.train_step(loss_fn, nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param))
@@ -268,14 +270,14 @@ def _one_thread_env():
             " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
 
 
-def vs_torch(kind, steps):
+def vs_torch(kind, steps, variants=VARIANTS[::2]):
     from benchmarks import ddp as me
     from jdist.launch import spawn
 
     env = _one_thread_env()
     torch_ms = spawn(me.torch_worker, args=(kind, steps), nprocs=2, timeout=600, env=env)
     out = {}
-    for label, opts, flat in VARIANTS[::2]:
+    for label, opts, flat in variants:
         res = spawn(me.jdist_worker, args=(kind, steps, opts, flat), nprocs=2, timeout=600,
                     env=env)
         out[label] = (max(r[0] for r in res), max(r[1] for r in res))
@@ -295,32 +297,59 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--devices", type=int, default=2, help="devices for (a) and (c)")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="5 steps, only the default jdist variant (for benchmarks/run_all.py)")
     args = ap.parse_args(argv)
+    variants = VARIANTS[:1] if args.quick else VARIANTS
+    if args.quick:
+        args.steps = 5
     if "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.devices}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     print(f"(a)+(c) one process, {args.devices} devices, MLP 784-1024x3-10, batch {BATCH}")
-    o = overhead("mlp", args.steps)
+    from benchmarks._parse import bench_json, row, table
+
+    o = overhead("mlp", args.steps, variants)
     print(f"  {'hand-written shard_map+pmean step':34s} {o['hand']:8.2f} ms   "
           f"compile {o['hand compile']:.2f} s")
-    for label, _, _ in VARIANTS:
+    over, comp, vs, attr, series = [], [], [], [], {}
+    for label, _, _ in variants:
         print(f"  {label:34s} {o[label]:8.2f} ms   compile {o[label + ' compile']:.2f} s   "
               f"ratio {o[label] / o['hand']:.3f}x   compile ratio "
               f"{o[label + ' compile'] / o['hand compile']:.2f}x")
-    if args.skip_torch:
-        return
-    print(f"(b) 2 processes x 1 device, gloo, 1 thread each, global batch {BATCH}")
-    for kind in ("mlp", "cnn"):
-        t_ms, res = vs_torch(kind, args.steps)
+        over.append(row(label, "ms", o[label], o["hand"], o[label] / o["hand"]))
+        c, hc = o[label + " compile"], o["hand compile"]
+        comp.append(row(f"{label}, first step", "s", c, hc, c / hc))
+    if not args.skip_torch:
+        print(f"(b) 2 processes x 1 device, gloo, 1 thread each, global batch {BATCH}")
+    for kind in () if args.skip_torch else ("mlp", "cnn"):
+        t_ms, res = vs_torch(kind, args.steps, variants[::2])
         print(f"  {kind}: torch DDP {t_ms:8.2f} ms")
+        series[kind] = {"torch DDP": t_ms}
         for label, (j_ms, j_compile) in res.items():
             print(f"       {label:34s} {j_ms:8.2f} ms   ratio {j_ms / t_ms:.2f}x   "
                   f"(first step {j_compile:.2f} s)")
+            series[kind][label] = j_ms
+            vs.append(row(f"{kind}: {label}", "ms", j_ms, t_ms, j_ms / t_ms,
+                          f"first step {j_compile:.2f} s"))
         tc, jc = compute_only_one_thread(kind, args.steps)
         print(f"       compute only (1 process, 1 device, batch {BATCH // 2}, no "
               f"communication): torch {tc:8.2f} ms   JAX {jc:8.2f} ms   ratio {jc / tc:.2f}x")
+        attr.append(row(f"{kind}: plain JAX step", "ms", jc, tc, jc / tc,
+                        "1 process, 1 device, no communication"))
+    tables = [table(f"(a) DDP step, one process, {args.devices} devices: jdist vs a "
+                    f"hand-written jit(shard_map) + pmean step", "hand-written",
+                    "jdist / hand-written (lower is better; goal <= 1.05)", over)]
+    if vs:
+        tables += [table("(b) DDP step, 2 processes (gloo): jdist vs torch DDP", "torch DDP",
+                         "jdist / torch (lower is better)", vs),
+                   table("(b) attribution: compute only, no communication", "torch",
+                         "JAX / torch", attr, subject="plain JAX")]
+    tables.append(table("(c) first step (trace + compile)", "hand-written",
+                        "jdist / hand-written", comp))
+    print(bench_json("ddp", tables, {"ddp": series} if series else {}))
 
 
 if __name__ == "__main__":
