@@ -98,7 +98,8 @@ def run_command(cmd: list[str], timeout: float, *, cwd: Path = ROOT, env: dict |
 
     Args:
         cmd: the command.
-        timeout: seconds; on expiry the whole process group is terminated (then killed).
+        timeout: seconds; on expiry the command and everything it started are
+            terminated, then killed (:func:`_kill_group`).
         cwd: working directory.
         env: environment (default: this one).
         tick: called about once a second with the seconds elapsed (progress display).
