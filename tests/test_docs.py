@@ -136,17 +136,38 @@ def _fail_text(proc: subprocess.CompletedProcess) -> str:
            f"{proc.stderr[-6000:]}"
 
 
-@pytest.mark.parametrize("rel", _single_files())
-def test_python_blocks_run(rel, tmp_path):
+def _run_file(rel: str, workdir: Path) -> subprocess.CompletedProcess:
+    """Run the single-process python blocks of ``rel`` in one fresh interpreter."""
     blocks = [b._asdict() for b in extract(ROOT / rel) if b.lang == "python" and not b.options]
-    spec = tmp_path / "blocks.json"
+    spec = workdir / "blocks.json"
     spec.write_text(json.dumps(blocks))
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(spec)], cwd=tmp_path,
-                          env=_env(), capture_output=True, text=True,
-                          timeout=SINGLE_TIMEOUT)
+    return subprocess.run([sys.executable, "-c", _RUNNER, str(spec)], cwd=workdir,
+                          env=_env(), capture_output=True, text=True, timeout=SINGLE_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    """All files' interpreters, two at a time (each is mostly single-threaded compiles).
+
+    They share nothing (no collectives across processes), so running them side by side
+    only changes the wall time; each test below waits for its own file's result.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {rel: pool.submit(_run_file, rel, tmp_path_factory.mktemp("doc"))
+               for rel in _single_files()}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("rel", _single_files())
+def test_python_blocks_run(rel, single_runs):
+    proc = single_runs[rel].result()
     assert proc.returncode == 0, _fail_text(proc)
     # every block started (the runner prints a header per block)
-    assert proc.stdout.count("--- ") >= len(blocks), _fail_text(proc)
+    n = sum(1 for b in extract(ROOT / rel) if b.lang == "python" and not b.options)
+    assert proc.stdout.count("--- ") >= n, _fail_text(proc)
 
 
 _DONE_LINE = ("\nimport os as _os\n"
