@@ -50,6 +50,26 @@ def _merge(gdef, *states):
     return nnx.merge(gdef, *(jax.tree.map(lambda x: x, s) for s in states))
 
 
+def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
+    """Whether ``tx`` shards its state (ZeRO: has ``state_partition_specs``) and the
+    keyword arguments of its update inside DDP's train step.
+
+    DDP's bucketed all-reduce averages the gradients; a ZeRO optimizer then only slices
+    its shard (``average_gradients=False``), so gradients are averaged exactly once.
+    """
+    if not callable(getattr(tx, "state_partition_specs", None)):
+        return False, {}
+    tgroup = getattr(tx, "group", None)
+    if tgroup is not None and (tgroup.mesh != group.mesh
+                               or tgroup.axis_name != group.axis_name):
+        raise ValueError(
+            f"the optimizer shards its state over {tgroup.axis_name!r} on "
+            f"{tgroup.mesh.devices.size} devices, but DDP runs over {group.axis_name!r} on "
+            f"{group.mesh.devices.size}; build it with the DDP group "
+            "(ZeroRedundancyOptimizer(tx, group=ddp.process_group))")
+    return True, ({"average_gradients": False} if hasattr(tx, "average_gradients") else {})
+
+
 class DistributedDataParallel:
     """Data-parallel training of an NNX module with torch's DDP semantics.
 
@@ -231,7 +251,10 @@ class DistributedDataParallel:
         """``step(batch, *args) -> loss``: forward, bucketed reduction, optimizer update.
 
         One jitted program per step; ``self.module`` and ``optimizer`` are updated in
-        place. Inside :meth:`no_sync` gradients only accumulate (no update).
+        place. Inside :meth:`no_sync` gradients only accumulate (no update). With a
+        :class:`~jdist.optim.ZeroRedundancyOptimizer` as ``tx`` (any ``tx`` with
+        ``state_partition_specs``) the optimizer state stays sharded (1/N per replica);
+        DDP averages the gradients and ZeRO only slices its shard of them.
         """
         if isinstance(optimizer, nnx.ModelAndOptimizer) or not isinstance(
                 optimizer, nnx.Optimizer):
@@ -240,21 +263,24 @@ class DistributedDataParallel:
                 f"{type(optimizer).__name__}; build one with nnx.Optimizer(ddp.module, tx, "
                 "wrt=nnx.Param)")
 
+        sharded, upd_kw = _sharded_optimizer(optimizer.tx, self.process_group)
+
         def step(batch, *args):
             self._engine.remember(step, batch, args)
             gdef, params, buffers = _split(self.module)
             ogdef, ostate = nnx.split(optimizer)
+            specs = optimizer.tx.state_partition_specs(ostate) if sharded else None
 
             def update(p, grads, os, b):
                 model = _merge(gdef, p, b)
                 opt = nnx.merge(ogdef, os)
-                opt.update(model, grads)
+                opt.update(model, grads, **upd_kw)
                 return _split(model)[1], nnx.split(opt)[1]
 
             out = self._engine.grad_step(("train", gdef, ogdef, loss_fn, has_aux),
                                          self._loss(gdef, loss_fn, has_aux), params,
                                          buffers, batch, args, update=update,
-                                         opt_state=ostate)
+                                         opt_state=ostate, opt_specs=specs)
             nnx.update(self.module, out["buffers"])
             if self._engine.require_backward_grad_sync:
                 nnx.update(self.module, out["params"])

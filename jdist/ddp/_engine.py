@@ -194,12 +194,17 @@ class Engine:
     # ----------------------------------------------------------------- programs
     def grad_step(self, key: Any, loss: Callable, params: Any, module_buffers: Any,
                   batch: Any, extra: tuple, update: Callable | None = None,
-                  opt_state: Any = None) -> dict:
-        """Run one gradient (or train) step; returns the program's outputs by name."""
+                  opt_state: Any = None, opt_specs: Any = None) -> dict:
+        """Run one gradient (or train) step; returns the program's outputs by name.
+
+        ``opt_specs``: PartitionSpecs of a sharded optimizer state (ZeRO), ``None`` for a
+        replicated one.
+        """
         g = self.group
         sync = self.require_backward_grad_sync
         params = _placement.replicated(params, g)
-        opt_state = _placement.replicated(opt_state, g)
+        opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
+                     else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
         batch = _placement.shard_batch(batch, g)
         buffers = self.buffers_in(module_buffers)
@@ -209,12 +214,13 @@ class Engine:
         has_acc = self.acc is not None
         js = self.join_state
         mode = None if js is None else js.mode
-        pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None, mode)
+        pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None, mode,
+                opt_specs is not None)
         prog = self._programs.get(pkey)
         if prog is None:
             prog = _program.grad_program(self._config(), loss, update, sync=sync,
                                          sync_buffers=self.sync_buffers, has_acc=has_acc,
-                                         join=mode)
+                                         join=mode, opt_specs=opt_specs)
             self._programs[pkey] = prog
         active = None if js is None else _placement.per_replica(
             jax.numpy.float32(1.0 if js.active else 0.0), g)

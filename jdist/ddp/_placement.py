@@ -28,6 +28,7 @@ from jdist.collectives._group import ProcessGroup
 
 __all__ = [
     "replicated",
+    "with_specs",
     "shard_batch",
     "per_replica",
     "local_rows",
@@ -60,6 +61,30 @@ def replicated(tree: Any, group: ProcessGroup) -> Any:
         )
 
     return jax.tree.map(one, tree)
+
+
+def with_specs(tree: Any, specs: Any, group: ProcessGroup) -> Any:
+    """Each leaf as a global array laid out by its ``PartitionSpec`` in ``specs``.
+
+    Used for a sharded optimizer state (ZeRO). Leaves already placed are kept; ``P()``
+    leaves are replicated; other leaves must hold the full global value on this process.
+    """
+
+    def one(x, spec):
+        sharding = NamedSharding(group.mesh, spec)
+        if is_placed(x, sharding):
+            return x
+        if spec == P():
+            return replicated(x, group)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise ValueError(
+                f"an optimizer state array is laid out as {x.sharding}, not as {sharding}; "
+                "build the optimizer state on the DDP group's mesh (e.g. "
+                "nnx.Optimizer(ddp.module, tx, wrt=nnx.Param) with the same process group)")
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree, specs)
 
 
 def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:

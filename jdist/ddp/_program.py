@@ -85,7 +85,8 @@ class JoinMode(NamedTuple):
 
 
 def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: bool,
-                 sync_buffers: bool, has_acc: bool, join: JoinMode | None = None) -> Callable:
+                 sync_buffers: bool, has_acc: bool, join: JoinMode | None = None,
+                 opt_specs: Any = None) -> Callable:
     """``f(params, buffers, hstate, acc, opt_state, batch, extra, active) -> outputs``.
 
     Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
@@ -95,7 +96,8 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
     ``update`` is given and ``sync`` (else ``None``). Under ``join``, ``active`` holds 1.0
     for replicas that still have inputs (0.0 for the others, whose gradients count as zeros
     and whose buffers are kept) and ``n_active`` is their number; otherwise both are
-    ``None``.
+    ``None``. ``opt_specs`` (PartitionSpecs, e.g. a ZeRO optimizer's) shard ``opt_state``
+    in and out instead of replicating it.
     """
     ax, nrep = cfg.axis, cfg.num_replicas
 
@@ -155,8 +157,10 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
                 params, opt_state, n_active)
 
     rep, row = P(), P(ax)
-    in_specs = (rep, row, row, row, rep, row, rep, row)
-    out_specs = (rep if sync else row, row, rep, row, row, row, rep, rep, rep)
+    ospec = rep if opt_specs is None else opt_specs
+    in_specs = (rep, row, row, row, ospec, row, rep, row)
+    out_ospec = ospec if update is not None and sync else rep  # else the output is None
+    out_specs = (rep if sync else row, row, rep, row, row, row, rep, out_ospec, rep)
     return jax.jit(jax.shard_map(body, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=True), compiler_options=cfg.compiler_options or None)
 

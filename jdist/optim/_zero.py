@@ -19,7 +19,11 @@ kind runs per dtype. torch needs one dtype for all parameters; jdist keeps one b
 per dtype.
 
 With DDP (gradients already averaged) pass ``average_gradients=False``: each replica
-then slices its shard locally instead of reduce-scattering.
+then slices its shard locally instead of reduce-scattering. Inside
+``DistributedDataParallel.train_step`` with ``nnx.Optimizer(model, zero, wrt=nnx.Param)``
+DDP's bucketed all-reduce does the averaging and the step calls
+``update(..., average_gradients=False)`` (no second reduction), and shards the optimizer
+state with :meth:`~ZeroRedundancyOptimizer.state_partition_specs`.
 
 Outside ``shard_map`` the state is a pytree of global arrays: shard leaves have shape
 ``(N * L,)`` sharded over the axis (``state_partition_specs``), scalars (Adam's
@@ -160,9 +164,16 @@ class ZeroRedundancyOptimizer:
                                    out_specs=specs, check_vma=False))
         return fn(_replicated(params, self.group.mesh))
 
-    def update(self, grads, state: ZeroState, params=None, **extra):
-        """Inside ``shard_map``: reduce-scatter, shard update, all-gather (see module doc)."""
-        return self._update(grads, state, params, self.average_gradients, **extra)
+    def update(self, grads, state: ZeroState, params=None, *,
+               average_gradients: bool | None = None, **extra):
+        """Inside ``shard_map``: reduce-scatter, shard update, all-gather (see module doc).
+
+        ``average_gradients`` overrides the constructor's setting for this call (DDP's
+        train step passes ``False``: its all-reduce already averaged the gradients).
+        """
+        average = self.average_gradients if average_gradients is None else bool(
+            average_gradients)
+        return self._update(grads, state, params, average, **extra)
 
     def step(self, params, grads, state: ZeroState):
         """Outside ``shard_map``: one ZeRO step with *already averaged* gradients.
@@ -207,7 +218,9 @@ class ZeroRedundancyOptimizer:
             g = self._shard(g)
         p = self._shard(_flatten(params, layout, n))
         u, inner = self.tx.update(g, state.inner, p, **extra)
-        full = {k: jax.lax.all_gather(v, self.axis, axis=0, tiled=True) for k, v in u.items()}
+        # invariant result: the same update on every replica (checked under check_vma)
+        full = {k: jax.lax.all_gather(v, self.axis, axis=0, tiled=True, to="invarying")
+                for k, v in u.items()}
         return _unflatten(full, layout), ZeroState(inner)
 
     # ---- sharding helpers ----------------------------------------------------------
