@@ -146,7 +146,7 @@ def _run_file(rel: str, workdir: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def single_runs(tmp_path_factory):
+def single_runs(request, tmp_path_factory):
     """All files' interpreters, two at a time (each is mostly single-threaded compiles).
 
     They share nothing (no collectives across processes), so running them side by side
@@ -154,9 +154,11 @@ def single_runs(tmp_path_factory):
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    selected = [item.callspec.params["rel"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_python_blocks_run"]
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {rel: pool.submit(_run_file, rel, tmp_path_factory.mktemp("doc"))
-               for rel in _single_files()}
+               for rel in selected}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
