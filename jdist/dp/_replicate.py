@@ -6,9 +6,11 @@ parameter pytree (or of a Flax NNX module) per device. All copies are made by on
 zero-copy view of one of its shards. Copies are cached by placement and reused while the
 source leaves are the same array objects (JAX arrays are immutable, so an unchanged
 identity means unchanged values); an optimizer step makes new arrays and the next call
-copies again. Under a JAX transformation (``jax.grad``, ``jit``) nothing is cached and
+copies again. Under ``jit`` (or any trace without concrete values) nothing is cached and
 the copies are ``jax.device_put``, which is differentiable: the cotangents of all replicas
-are summed back onto the source, as torch's ``Broadcast`` backward (reduce-add) does.
+are summed back onto the source, as torch's ``Broadcast`` backward (reduce-add) does. Under
+an eager ``jax.grad`` the copies of the parameters' concrete values are cached as above,
+with the same backward (``ReplicaCache.put``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax._src.interpreters import ad as _ad
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jdist.dp._scatter_gather import mesh_for, resolve_devices
@@ -56,11 +60,59 @@ class ReplicaCache:
         return value
 
     def put(self, params: Any, sharding: jax.sharding.Sharding, home: Any = None) -> Any:
-        """``jax.device_put(params, sharding)``, cached; see :func:`put_from` for ``home``."""
-        return self.get(params, ("put", sharding), lambda p: put_from(p, sharding, home))
+        """``jax.device_put(params, sharding)``, cached; see :func:`put_from` for ``home``.
+
+        Under an eager ``jax.grad`` / ``jax.vjp`` (the parameters are linearize tracers
+        with concrete values) the copies of those values are cached too, behind a
+        ``custom_vjp`` whose backward moves the cotangents back as ``put_from`` does.
+        """
+        make = lambda p: put_from(p, sharding, home)  # noqa: E731
+        primals = _grad_primals(params)
+        if primals is None:
+            return self.get(params, ("put", sharding), make)
+        return _cached_put(params, primals,
+                           lambda: self.get(primals, ("put", sharding), make), home)
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _grad_primals(tree: Any) -> Any:
+    """The concrete values of ``tree`` when every leaf is a float linearize tracer at the
+    top level of an eager ``jax.grad``/``jax.vjp``; else None."""
+    tracer_type = getattr(_ad, "LinearizeTracer", None)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if tracer_type is None or not leaves:
+        return None
+    values = []
+    for x in leaves:
+        if type(x) is not tracer_type or not jnp.issubdtype(x.dtype, jnp.floating):
+            return None
+        v = x.primal
+        if not isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer):
+            return None
+        values.append(v)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _cached_put(params: Any, primals: Any, copies: Callable[[], Any], home: Any) -> Any:
+    """``copies()`` (cached copies of ``primals``, the values of ``params``) whose
+    cotangents go back to each value's placement (or ``home``), as ``put_from``'s do."""
+    home = None if home is None else SingleDeviceSharding(home)
+    src = jax.tree_util.tree_map(lambda v: _source(v, home), primals)
+
+    @jax.custom_vjp
+    def put(p):
+        return copies()
+
+    def fwd(p):
+        return copies(), None
+
+    def bwd(_, ct):
+        return (jax.device_put(ct, src),)
+
+    put.defvjp(fwd, bwd)
+    return put(params)
 
 
 def _source(x: Any, home: Any) -> Any:

@@ -192,6 +192,24 @@ def test_repeated_calls_reuse_compiled_programs_and_replicas():
     assert dp._runtime.replicas.misses == 4 and len(traces) == 2
 
 
+def test_eager_grad_reuses_replicas_and_returns_cotangents_to_the_params_device():
+    p = jax.device_put(mlp_params(), DEVS[3])  # parameters away from device_ids[0]
+    x = batch(13)
+    dp = DataParallel((mlp_apply, p), device_ids=range(8))
+    loss = lambda p: jnp.mean((dp.apply(p, x) - 1.0) ** 2)  # noqa: E731
+    ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean((mlp_apply(p, x) - 1.0) ** 2)))
+    want_l, want_g = ref(p)
+    for _ in range(3):
+        got_l, got_g = jax.value_and_grad(loss)(p)
+        close((got_l, got_g), (want_l, want_g))
+        assert all(leaf.devices() == {DEVS[3]} for leaf in jax.tree.leaves(got_g))
+    assert dp._runtime.replicas.misses == 2  # copies of the same values made once
+    q = jax.tree.map(lambda a: a * 2, p)  # new values: copied again, gradients follow them
+    close(jax.grad(loss)(q), jax.jit(jax.grad(
+        lambda p: jnp.mean((mlp_apply(p, x) - 1.0) ** 2)))(q))
+    assert dp._runtime.replicas.misses == 4
+
+
 def test_mismatched_batch_sizes_raise_instead_of_dropping_samples():
     dp = DataParallel((lambda p, a, b: a + b.sum(), 0.0), device_ids=[0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"different sizes along dim 0.*: 5.*: 2"):
