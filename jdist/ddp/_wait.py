@@ -1,15 +1,20 @@
 """Wait for a DDP step with a deadline, naming dead peers instead of hanging.
 
 A step's collectives block while any process of the group is missing. Rather than
-blocking blindly, :func:`wait_ready` polls the step's outputs; while it waits it asks the
-process-group watchdog (present after ``init_process_group`` with several processes)
-whether a member process has died, and raises :class:`~jdist.errors.PeerFailedError`
-naming it. Past the group's ``timeout`` it raises
-:class:`~jdist.errors.CollectiveTimeoutError` naming the step.
+blocking blindly, :func:`wait_ready` hands the blocking wait to a daemon thread and waits
+for it with a deadline (it returns as soon as the outputs are ready: no polling latency
+added to every step); while it waits it asks the process-group watchdog (present after
+``init_process_group`` with several processes) whether a member process has died, and
+raises :class:`~jdist.errors.PeerFailedError` naming it. Past the group's ``timeout`` it
+raises :class:`~jdist.errors.CollectiveTimeoutError` naming the step (the thread stuck on
+that step is abandoned; the next wait starts a fresh one).
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
 from typing import Any
 
@@ -22,6 +27,52 @@ __all__ = ["wait_ready"]
 
 def _ready(leaves) -> bool:
     return all(x.is_ready() for x in leaves)
+
+
+class _Waiter:
+    """A daemon thread that blocks on arrays and sets an event when they are computed."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.abandoned = False
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="jdist-ddp-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.abandoned:
+            leaves, done = self.requests.get()
+            for x in leaves:
+                if isinstance(x, jax.Array):
+                    try:
+                        x.block_until_ready()
+                    except Exception:  # noqa: BLE001 - it surfaces where the outputs are used
+                        pass
+                else:  # anything else with is_ready(): poll it
+                    while not self.abandoned and not x.is_ready():
+                        time.sleep(1e-3)
+            done.set()
+
+    def submit(self, leaves) -> threading.Event:
+        done = threading.Event()
+        self.requests.put((leaves, done))
+        return done
+
+
+_waiter: _Waiter | None = None
+
+
+def _start_wait(leaves) -> threading.Event:
+    global _waiter
+    if _waiter is None or _waiter.pid != os.getpid():  # none yet, or inherited by a fork
+        _waiter = _Waiter()
+    return _waiter.submit(leaves)
+
+
+def _abandon_waiter() -> None:
+    global _waiter
+    if _waiter is not None:
+        _waiter.abandoned = True  # it is stuck on a step that will not finish
+    _waiter = None
 
 
 def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
@@ -46,20 +97,21 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
     limit = float(group.timeout if timeout is None else timeout)
     start = time.monotonic()
     next_check = start + check_every
-    pause = 1e-4
-    while not _ready(leaves):
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-3)
+    done = _start_wait(leaves)
+    while not done.wait(max(0.0, min(next_check, start + limit) - time.monotonic())):
         now = time.monotonic()
         if watchdog is not None and now >= next_check and len(group.ranks) > 1:
-            next_check = now + check_every
             dead = watchdog.diagnose(list(group.ranks), wait=0.0)
             if dead:
+                _abandon_waiter()
                 who = "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()))
                 raise PeerFailedError(
                     f"{what} cannot finish: {who}. Look at that rank's own error first; "
                     "the surviving processes must be restarted (jdist-run --max-restarts)")
+        if now >= next_check:
+            next_check = now + check_every
         if now - start > limit:
+            _abandon_waiter()
             raise CollectiveTimeoutError(
                 f"{what} did not finish within {limit:g} s (group {group.name!r}, ranks "
                 f"{list(group.ranks)}); some process is not running the same step. Give "
