@@ -11,11 +11,19 @@ collectives name a rank that died.
 
 ``destroy_process_group()`` stops all of it, so a later ``init_process_group`` in the
 same process works (JAX's backends are cleared, so arrays made before are invalid).
+
+A program that never calls ``destroy_process_group()`` (most torch scripts don't) gets
+the same orderly teardown at interpreter exit: without it, rank 0 (host of JAX's
+coordination service) can exit first and JAX then aborts the other ranks while they
+disconnect. After an uncaught exception the exit teardown is skipped, so a failing rank
+exits at once and the launcher can end the job.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
 from typing import Any
 
@@ -255,6 +263,38 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     group_state.runtime = {"store": store, "watchdog": watchdog, "jax": owns_jax,
                            "owns_store": own_store, "spec": spec}
     group_state.default_group = world
+    _install_exit_teardown()
+
+
+_EXIT = {"installed": False, "failed": False}
+_EXIT_BYE_WAIT = 5.0
+
+
+def _install_exit_teardown() -> None:
+    """Destroy the group at interpreter exit (after JAX's own handler is registered,
+    so this one runs first), unless the program is dying of an uncaught exception."""
+    if _EXIT["installed"]:
+        return
+    _EXIT["installed"] = True
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        _EXIT["failed"] = True
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(_teardown_at_exit)
+
+
+def _teardown_at_exit() -> None:
+    if _EXIT["failed"] or not group_state.is_initialized():
+        return
+    try:
+        # short waits: a rank leaving through sys.exit(code) while its peers are stuck
+        # in a collective must not hold up the launcher for long
+        destroy_process_group(_at_exit=True)
+    except Exception as exc:  # never turn a clean exit into a traceback
+        print(f"jdist: teardown at exit failed: {exc!r}", file=sys.stderr)
 
 
 def _close_store(store) -> None:
@@ -305,7 +345,8 @@ def _shutdown_jax(rt: dict) -> None:
         _clear_backends()
 
 
-def destroy_process_group(group: ProcessGroup | None = None) -> None:
+def destroy_process_group(group: ProcessGroup | None = None, *,
+                          _at_exit: bool = False) -> None:
     """Tear down ``group``, or everything (the default group, JAX's runtime, the store).
 
     After the full teardown ``init_process_group`` may be called again. Destroying a
@@ -337,14 +378,15 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     gen, wait = group_state.generation, min(world.timeout, 30.0)
     if store is not None and spec is not None and not dead:
         # every rank is done with collectives before JAX's runtime goes away
-        _store_barrier(store, f"jdist/bye/{gen}", spec.world_size, wait)
+        bye = min(wait, _EXIT_BYE_WAIT) if _at_exit else wait
+        _store_barrier(store, f"jdist/bye/{gen}", spec.world_size, bye)
     host = spec is None or spec.rank == 0  # rank 0 hosts JAX's service (and the store)
     left = f"jdist/left/{gen}"
     if not host:
         _shutdown_jax(rt)
         if store is not None and not dead:
             _store_barrier(store, left, 0, 0.0)
-            if rt.get("owns_store") and spec.kind in ("env", "tcp"):
+            if rt.get("owns_store") and spec.kind in ("env", "tcp") and not _at_exit:
                 _wait_server_gone(store, wait)
     else:
         if store is not None and spec is not None and not dead:
