@@ -16,16 +16,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jdist.collectives._group import ProcessGroup, resolve_group
-from jdist.ddp import _sync
-from jdist.ddp._buckets import BucketLayout, LeafInfo
-from jdist.ddp._engine import Engine
+from jdist.collectives._group import ProcessGroup
+from jdist.ddp._buckets import LeafInfo
+from jdist.ddp._shell import EngineShell
 
-__all__ = ["DistributedDataParallel", "leaf_infos", "NO_PARAMS_MSG"]
-
-NO_PARAMS_MSG = ("DistributedDataParallel is not needed when a module doesn't have any "
-                 "parameter that requires a gradient.")
-
+__all__ = ["DistributedDataParallel", "leaf_infos"]
 
 def leaf_infos(params: Any) -> list[LeafInfo]:
     """Metadata (``"a/b/kernel"`` paths, shapes, dtypes, bytes) of a parameter tree."""
@@ -70,7 +65,7 @@ def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
     return True, ({"average_gradients": False} if hasattr(tx, "average_gradients") else {})
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(EngineShell):
     """Data-parallel training of an NNX module with torch's DDP semantics.
 
     Args:
@@ -113,45 +108,24 @@ class DistributedDataParallel:
                  broadcast_buffers: bool = True, init_sync: bool = True,
                  comm_hook: Any = None, compiler_options: dict | None = None,
                  flat_buckets: bool = True, forward_sync_buffers: bool | None = None):
-        if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
-            broadcast_buffers = bool(forward_sync_buffers)
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a flax.nnx.Module, got {type(module).__name__}; "
                 "for Linen modules or plain parameter pytrees use "
                 "jdist.ddp.FunctionalDDP(params, ...) with an apply function")
         self.module = module
-        self.process_group = resolve_group(process_group)
         _, params, buffers = _split(module)
-        infos = leaf_infos(params)
-        if not infos:
-            raise ValueError(NO_PARAMS_MSG)
-        if init_sync and self.process_group.size() > 1:
-            p, b = _sync.init_sync(self.process_group, infos, params,
-                                   buffers if broadcast_buffers else None)
-            nnx.update(module, p)
-            if broadcast_buffers:
-                nnx.update(module, b)
-        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
-                              find_unused_parameters=find_unused_parameters,
-                              broadcast_buffers=broadcast_buffers,
-                              compiler_options=compiler_options,
-                              flat_buckets=flat_buckets)
-        if comm_hook is not None:
-            state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
-            self.register_comm_hook(state, hook)
+        params, buffers, synced = self._start(
+            leaf_infos(params), params, buffers, process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
+            compiler_options=compiler_options, flat_buckets=flat_buckets,
+            forward_sync_buffers=forward_sync_buffers)
+        if synced:
+            nnx.update(module, params)
+            nnx.update(module, buffers)
 
     # ------------------------------------------------------------------ info
-    @property
-    def buckets(self) -> BucketLayout:
-        """The bucket layout: paths and bytes per bucket (rebuilt at the first step)."""
-        return self._engine.layout
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """False inside :meth:`no_sync`."""
-        return self._engine.require_backward_grad_sync
-
     def replica_buffers(self) -> Any:
         """Buffers of this process's replicas, stacked on a leading axis (or ``None``).
 
@@ -162,40 +136,6 @@ class DistributedDataParallel:
 
         st = self._engine.buf_stacked
         return None if st is None else local_rows(st)
-
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """Reduce buckets with ``hook(state, bucket) -> (buffer, new_state)``.
-
-        Call once, before the first step (torch's rule). ``state`` is a pytree of arrays
-        (or ``None``); DDP keeps one copy per replica and threads it through every step
-        and, within a step, from bucket to bucket in reduction order. The hook runs
-        inside the step's ``shard_map``: it must return a buffer shaped like
-        ``bucket.buffer`` that is the same on every replica (reduce over
-        ``bucket.axis_name``). See :mod:`jdist.ddp.hooks`.
-        """
-        self._engine.register_comm_hook(state, hook)
-
-    @property
-    def comm_hook_state(self) -> Any:
-        """The hook state of this process's first replica (after the last step)."""
-        return self._engine.user_hook_state()
-
-    def no_sync(self):
-        """Context manager: steps inside accumulate local gradients, no collective.
-
-        The first synced step after it reduces (accumulated + new) gradients once, and
-        does not broadcast buffers (torch's rule). ``train_step`` skips the optimizer
-        update inside it.
-        """
-        return self._engine.no_sync()
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs across processes (see :mod:`jdist.ddp._join`)."""
-        from jdist.ddp._join import Join
-
-        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
-                    enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     # ------------------------------------------------------------------ pure pieces
     def _loss(self, gdef, loss_fn: Callable, has_aux: bool) -> Callable:

@@ -24,16 +24,14 @@ from typing import Any
 
 import optax
 
-from jdist.collectives._group import ProcessGroup, resolve_group
-from jdist.ddp import _sync
-from jdist.ddp._buckets import BucketLayout
-from jdist.ddp._ddp import NO_PARAMS_MSG, leaf_infos
-from jdist.ddp._engine import Engine
+from jdist.collectives._group import ProcessGroup
+from jdist.ddp._ddp import leaf_infos
+from jdist.ddp._shell import EngineShell
 
 __all__ = ["FunctionalDDP"]
 
 
-class FunctionalDDP:
+class FunctionalDDP(EngineShell):
     """DDP over explicit parameter pytrees (Linen, Equinox arrays, hand-written models).
 
     Args:
@@ -48,50 +46,14 @@ class FunctionalDDP:
                  init_sync: bool = True, comm_hook: Any = None,
                  compiler_options: dict | None = None, flat_buckets: bool = True,
                  forward_sync_buffers: bool | None = None):
-        if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
-            broadcast_buffers = bool(forward_sync_buffers)
-        self.process_group = resolve_group(process_group)
-        infos = leaf_infos(params)
-        if not infos:
-            raise ValueError(NO_PARAMS_MSG)
         self._has_buffers = buffers is not None
-        if init_sync and self.process_group.size() > 1:
-            params, synced = _sync.init_sync(self.process_group, infos, params,
-                                             buffers if broadcast_buffers else None)
-            if broadcast_buffers:
-                buffers = synced
-        self.params = params
-        self.buffers = buffers
+        self.params, self.buffers, _ = self._start(
+            leaf_infos(params), params, buffers, process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
+            compiler_options=compiler_options, flat_buckets=flat_buckets,
+            forward_sync_buffers=forward_sync_buffers)
         self.opt_state: Any = None
-        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
-                              find_unused_parameters=find_unused_parameters,
-                              broadcast_buffers=broadcast_buffers,
-                              compiler_options=compiler_options,
-                              flat_buckets=flat_buckets)
-        if comm_hook is not None:
-            state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
-            self.register_comm_hook(state, hook)
-
-    @property
-    def buckets(self) -> BucketLayout:
-        """The bucket layout (rebuilt in gradient-ready order at the first step)."""
-        return self._engine.layout
-
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """As :meth:`DistributedDataParallel.register_comm_hook`."""
-        self._engine.register_comm_hook(state, hook)
-
-    def no_sync(self):
-        """As :meth:`DistributedDataParallel.no_sync`."""
-        return self._engine.no_sync()
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """As :meth:`DistributedDataParallel.join`."""
-        from jdist.ddp._join import Join
-
-        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
-                    enable=enable, throw_on_early_termination=throw_on_early_termination)
 
     def _pure(self, loss_fn: Callable, has_aux: bool) -> Callable:
         with_buffers = self._has_buffers

@@ -1,0 +1,104 @@
+"""What both DDP wrappers share: set-up of the engine and the torch-named controls.
+
+:class:`~jdist.ddp.DistributedDataParallel` (NNX) and :class:`~jdist.ddp.FunctionalDDP`
+(pytrees) differ only in how they hold parameters and build pure functions; the group,
+init sync, engine, comm hook, ``no_sync`` and ``join`` are one piece of code here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.ddp import _sync
+from jdist.ddp._buckets import BucketLayout
+from jdist.ddp._engine import Engine
+
+__all__ = ["EngineShell", "NO_PARAMS_MSG"]
+
+NO_PARAMS_MSG = ("DistributedDataParallel is not needed when a module doesn't have any "
+                 "parameter that requires a gradient.")
+
+
+class EngineShell:
+    """Base of the DDP wrappers: holds ``process_group`` and the step ``_engine``."""
+
+    process_group: ProcessGroup
+    _engine: Engine
+
+    def _start(self, infos: list, params: Any, buffers: Any, *,
+               process_group: ProcessGroup | None, bucket_cap_mb: float | None,
+               find_unused_parameters: bool, broadcast_buffers: bool, init_sync: bool,
+               comm_hook: Any, compiler_options: dict | None, flat_buckets: bool,
+               forward_sync_buffers: bool | None) -> tuple[Any, Any, bool]:
+        """Resolve the group, sync from rank 0, build the engine, register ``comm_hook``.
+
+        Returns ``(params, buffers, synced)``: rank 0's values when ``synced`` (buffers
+        only when ``broadcast_buffers``), else the arguments unchanged.
+        """
+        if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
+            broadcast_buffers = bool(forward_sync_buffers)
+        self.process_group = resolve_group(process_group)
+        if not infos:
+            raise ValueError(NO_PARAMS_MSG)
+        synced = init_sync and self.process_group.size() > 1
+        if synced:
+            params, synced_buffers = _sync.init_sync(self.process_group, infos, params,
+                                                     buffers if broadcast_buffers else None)
+            if broadcast_buffers:
+                buffers = synced_buffers
+        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
+                              find_unused_parameters=find_unused_parameters,
+                              broadcast_buffers=broadcast_buffers,
+                              compiler_options=compiler_options,
+                              flat_buckets=flat_buckets)
+        if comm_hook is not None:
+            state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
+            self.register_comm_hook(state, hook)
+        return params, buffers, synced
+
+    @property
+    def buckets(self) -> BucketLayout:
+        """The bucket layout: paths and bytes per bucket (rebuilt in gradient-ready order
+        at the first step)."""
+        return self._engine.layout
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._engine.require_backward_grad_sync
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Reduce buckets with ``hook(state, bucket) -> (buffer, new_state)``.
+
+        Call once, before the first step (torch's rule). ``state`` is a pytree of arrays
+        (or ``None``); DDP keeps one copy per replica and threads it through every step
+        and, within a step, from bucket to bucket in reduction order. The hook runs
+        inside the step's ``shard_map``: it must return a buffer shaped like
+        ``bucket.buffer`` that is the same on every replica (reduce over
+        ``bucket.axis_name``). See :mod:`jdist.ddp.hooks`.
+        """
+        self._engine.register_comm_hook(state, hook)
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The hook state of this process's first replica (after the last step)."""
+        return self._engine.user_hook_state()
+
+    def no_sync(self):
+        """Context manager: steps inside accumulate local gradients, no collective.
+
+        The first synced step after it reduces (accumulated + new) gradients once, and
+        does not broadcast buffers (torch's rule). ``train_step`` skips the optimizer
+        update inside it.
+        """
+        return self._engine.no_sync()
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Context manager for uneven inputs across processes (see :mod:`jdist.ddp._join`)."""
+        from jdist.ddp._join import Join
+
+        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
+                    enable=enable, throw_on_early_termination=throw_on_early_termination)
