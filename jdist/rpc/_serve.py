@@ -62,8 +62,6 @@ class CallServer:
         self._on_call(comm, peer, msg, frames)
 
     def _invoke(self, func, args, kwargs, ctx: int):
-        if not self._ready.is_set():  # a peer was faster than our own rendezvous
-            self._ready.wait(self.options.connect_timeout)
         if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
             with self.enter_context_hook(ctx):
                 return func(*args, **kwargs)
