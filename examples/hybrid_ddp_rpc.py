@@ -221,8 +221,6 @@ def main(argv=None) -> dict | None:
                  rpc_backend_options=rpc.RpcBackendOptions(rpc_timeout=120))
     out = None
     if rank == 0:
-        for r in (1, 2):  # trainers done with init_rpc before RRefs are sent to them
-            rpc.rpc_sync(f"trainer{r}", abs, (0,))
         emb = RemoteModule("ps/cpu", EmbeddingBag, (cfg["num_embeddings"], cfg["dim"]))
         futs = [rpc.rpc_async(f"trainer{r}", run_trainer, (emb, r, cfg), timeout=0)
                 for r in (1, 2)]
