@@ -29,7 +29,6 @@ from jdist.testing._parity import ParityReport as ParityReport
 from jdist.testing._parity import StepResult as StepResult
 from jdist.testing._parity import batch_schedule as batch_schedule
 from jdist.testing._parity import compare_models as compare_models
-from jdist.testing._parity import copy_torch_weights as copy_torch_weights
 from jdist.testing._parity import loss_pair as loss_pair
 from jdist.testing._parity import make_optax as make_optax
 from jdist.testing._parity import make_torch_optimizer as make_torch_optimizer
@@ -58,7 +57,6 @@ __all__ = [
     "TorchBatchNorm",
     "batch_schedule",
     "compare_models",
-    "copy_torch_weights",
     "loss_pair",
     "make_optax",
     "make_torch_optimizer",

@@ -64,7 +64,6 @@ __all__ = [
     "StepResult",
     "batch_schedule",
     "compare_models",
-    "copy_torch_weights",
     "loss_pair",
     "make_optax",
     "make_torch_optimizer",
@@ -291,7 +290,7 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
         (axis 1 moved last: NCHW -> NHWC) or a function on numpy batches.
       train: training mode (BatchNorm uses and updates batch statistics) or eval mode.
       copy_weights: copy the torch weights into the NNX model first
-        (:func:`copy_torch_weights`); ``False`` compares the models as given.
+        (:func:`~jdist.testing.torch_to_nnx`); ``False`` compares the models as given.
       params_every_step: also compare every array after every step.
       nprocs: processes per framework; above 1 both run data-parallel (torch DDP over
         gloo, :class:`jdist.ddp.DistributedDataParallel`) in ``nprocs`` processes each,
@@ -364,8 +363,8 @@ def _run_cases(cases: list[Case], nprocs, timeout) -> list[ParityReport]:
 def _run_single(c: Case) -> ParityReport:
     _check_models(c.torch_model, c.nnx_model)
     if c.copy_weights:
-        copy_torch_weights(c.torch_model, c.nnx_model, strict=c.strict,
-                           check_config=c.check_config)
+        _convert.torch_to_nnx(c.torch_model, c.nnx_model, strict=c.strict,
+                              check_config=c.check_config)
     else:
         compare_models(c.torch_model, c.nnx_model, strict=c.strict)  # pairing errors now
     x, y = c.data
@@ -385,19 +384,6 @@ def _run_single(c: Case) -> ParityReport:
     arrays = per_step[-1] if per_step else compare_models(c.torch_model, c.nnx_model,
                                                            strict=c.strict)
     return ParityReport(tuple(results), arrays, tuple(per_step) if per_step else None, config)
-
-
-def copy_torch_weights(torch_model, nnx_model, **kwargs):
-    """:func:`~jdist.testing.torch_to_nnx` from a private copy of ``torch_model``.
-
-    On CPU, JAX may adopt a numpy array's memory without copying, and the numpy view of a
-    torch parameter shares the parameter's memory, so NNX arrays copied straight from a
-    model that keeps training would change with it. Copying from a deep copy (kept
-    alive by those arrays, never trained) keeps the two models independent.
-    """
-    import copy
-
-    return _convert.torch_to_nnx(copy.deepcopy(torch_model), nnx_model, **kwargs)
 
 
 def _jax_schedule(n, steps, batch_size, torch_idx, sched, config, num_replicas=1, rank=0):

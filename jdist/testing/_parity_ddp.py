@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jdist.testing import _convert
 from jdist.testing import _parity as P
 
 __all__ = ["run_ddp_parity"]
@@ -117,8 +118,8 @@ def _jax_case(c: P.Case, rank: int, world: int, torch_init, torch_indices) -> di
     if c.copy_weights:  # from the weights torch's process 0 had after wrapping
         torch_model = c.torch_model()
         _load_torch_state(torch_model, torch_init)
-        P.copy_torch_weights(torch_model, nnx_model, strict=c.strict,
-                             check_config=c.check_config)
+        _convert.torch_to_nnx(torch_model, nnx_model, strict=c.strict,
+                              check_config=c.check_config)
     P._set_train(None, nnx_model, c.train)
     ddp = DistributedDataParallel(nnx_model)
     opt = nnx.Optimizer(nnx_model, P.make_optax(c.spec), wrt=nnx.Param)

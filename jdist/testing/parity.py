@@ -68,9 +68,9 @@ def _perturbed_nnx(name: str, seed: int, eps: float):
     import jax
     from flax import nnx
 
-    from jdist.testing._parity import copy_torch_weights
+    from jdist.testing._convert import torch_to_nnx
 
-    model = copy_torch_weights(build_torch_model(name, seed), build_nnx_model(name, seed))
+    model = torch_to_nnx(build_torch_model(name, seed), build_nnx_model(name, seed))
     if eps:
         _, params, _ = nnx.split(model, nnx.Param, ...)
         leaves, treedef = jax.tree_util.tree_flatten(params)
