@@ -131,6 +131,14 @@ def torch_main():
         ddp(x).sum().backward()
     ddp(x).sum().backward()
     out["no_sync"] = vec.weight.grad.numpy().reshape(-1).copy()
+    # Release every DDP reducer (and its gloo work) before the group goes away: a
+    # reducer outliving destroy_process_group() has aborted torch at exit here
+    # ("terminate called without an active exception").
+    del ddp, opt
+    import gc
+
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return out
 
