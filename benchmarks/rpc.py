@@ -122,7 +122,9 @@ def bench_raw(n_lat: int, n_tp: int, size: int):
             if size == 0:  # CPU-time query
                 conn.sendall(int(time.process_time() * 1e9).to_bytes(8, "big"))
                 continue
-            body = bytearray(size)
+            # fresh numpy memory (lazily mapped, huge pages), as jdist's receiver uses:
+            # bytearray(size) would zero-fill 4 KiB pages and double the echo time
+            body = np.empty(size, np.uint8)
             _recv_exact(conn, body)
             conn.sendall(head)
             conn.sendall(body)

@@ -78,7 +78,10 @@ def test_roundtrip_frames_both_directions(pair):
     got = server.run(comm_s.recv())
     assert [bytes(f) for f in got[:2]] == [b"header", b""]
     np.testing.assert_array_equal(np.frombuffer(got[2], np.float32), arr)
-    assert isinstance(got[2], bytearray)  # writable, so numpy arrays built on it are too
+    # writable and independent of the sender, so numpy arrays built on it are too
+    assert not memoryview(got[2]).readonly
+    np.frombuffer(got[2], np.float32)[:] = -1
+    assert arr[0] == 0
     comm_s.send([b"reply", b"x" * 10])
     back = client.run(comm_c.recv())
     assert [bytes(f) for f in back] == [b"reply", b"x" * 10]

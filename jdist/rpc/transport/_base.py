@@ -68,8 +68,12 @@ class Comm(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def recv(self) -> list[bytearray]:
-        """The next message's frames; raises :class:`CommClosedError` at end of stream."""
+    async def recv(self) -> list[bytearray | memoryview]:
+        """The next message's frames; raises :class:`CommClosedError` at end of stream.
+
+        Frames are writable and owned by the receiver (``bytearray``, or a ``memoryview``
+        of a fresh buffer for large frames), so arrays rebuilt on them are writable too.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

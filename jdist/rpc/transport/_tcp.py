@@ -2,7 +2,7 @@
 
 Receiving runs on the event loop through an :class:`asyncio.BufferedProtocol` whose
 buffers are the ones :class:`FrameDecoder` hands out, so a large array frame is read
-straight into its final ``bytearray``. Sending is done by the calling thread with
+straight into its final buffer. Sending is done by the calling thread with
 ``socket.sendmsg`` over the frames' memoryviews (one system call for header and
 buffers, no join, no copy), waiting with ``poll`` when the kernel buffer is full; a lock
 keeps messages whole.
@@ -113,7 +113,7 @@ class TCPComm(Comm):
         self.loop = loop
         self.max_message_bytes = int(max_message_bytes)
         self._decoder = FrameDecoder(max_message_bytes)
-        self._ready: collections.deque[list[bytearray]] = collections.deque()
+        self._ready: collections.deque[list] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._error: CommClosedError | None = None
         self._wlock = threading.Lock()
@@ -204,7 +204,7 @@ class TCPComm(Comm):
                     views[i] = views[i][n:]
                     n = 0
 
-    async def recv(self) -> list[bytearray]:
+    async def recv(self) -> list[bytearray | memoryview]:
         while not self._ready:
             if self._error is not None:
                 raise self._error
