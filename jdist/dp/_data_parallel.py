@@ -32,6 +32,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from jdist.dp._fused import value_and_grad as fused_value_and_grad
 from jdist.dp._parallel_apply import (
     Programs,
     ReplicaProgram,
@@ -64,6 +65,7 @@ class Runtime:
     def __init__(self, replicas: ReplicaCache | None = None) -> None:
         self.replicas = ReplicaCache() if replicas is None else replicas
         self.programs = Programs()
+        self.fused: dict = {}  # (loss_fn, has_aux) -> FusedValueAndGrad
 
     def program(self, key: Any, fn: Callable, mesh, dim: int) -> ReplicaProgram:
         return self.programs.get((key, mesh, dim), lambda: ReplicaProgram(
@@ -333,6 +335,39 @@ class DataParallel(nnx.Module):
                             "call an NNX-module DataParallel as dp(*inputs) instead")
         return _forward(self.apply_fn, inputs, kwargs, self.device_ids, self.output_device,
                         self.dim, self._runtime, params=params)
+
+    def value_and_grad(self, loss_fn: Callable, has_aux: bool = False) -> Callable:
+        """Forward, loss and backward through this DataParallel as ONE compiled program.
+
+        The training step ``loss = criterion(dp(x), y); loss.backward()`` of torch, fused:
+        a ``jit`` over the sub-mesh of the devices that receive chunks, with each replica's
+        forward in a ``shard_map`` (the same chunks, PRNG folding and replica-0 state
+        updates as calling the DataParallel), the loss on the gathered outputs, and the
+        replicas' gradients summed inside the program. Compiled once per input signature.
+
+        Args:
+          loss_fn: ``loss_fn(outputs, *loss_args) -> scalar`` (or ``(scalar, aux)`` with
+            ``has_aux``), where ``outputs`` is the gathered forward output.
+          has_aux: as in ``jax.value_and_grad``.
+
+        Returns:
+          For an ``(apply_fn, params)`` DataParallel, ``f(params, inputs, *loss_args,
+          **module_kwargs)``; for an NNX module, ``f(inputs, *loss_args, **module_kwargs)``
+          (gradients as an ``nnx.State`` shaped like ``nnx.state(dp, nnx.Param)``, ready
+          for ``nnx.Optimizer(dp, tx, wrt=nnx.Param).update(dp, grads)``). ``inputs`` is
+          the module's input array or a tuple of its inputs. ``f`` returns ``(loss,
+          grads)`` (``((loss, aux), grads)`` with ``has_aux``): the loss on
+          ``output_device``, the gradients on ``device_ids[0]``.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> dp = DataParallel((lambda p, x: x * p, 2.0), device_ids=[0, 1])
+          >>> f = dp.value_and_grad(lambda out, y: jnp.sum((out - y) ** 2))
+          >>> loss, g = f(2.0, jnp.arange(4.0), jnp.zeros(4))
+          >>> float(loss), float(g)
+          (56.0, 56.0)
+        """
+        return fused_value_and_grad(self, loss_fn, has_aux, self._runtime.fused)
 
 
 def data_parallel(module: Any, inputs: Any, device_ids: Sequence | None = None,
