@@ -11,10 +11,9 @@ into the buffer it hands out, so large frames land in their final buffer with no
 malformed raises :class:`FrameError` before memory is allocated for it; the caller then
 closes the connection.
 
-A large frame comes out as a writable ``memoryview`` of a fresh numpy ``uint8`` array, not
-a ``bytearray``: ``bytearray(n)`` zero-fills its memory in 4 KiB pages (one page fault
-each), which for 64 MiB costs more than moving the bytes over loopback, while numpy
-allocates it lazily and asks the kernel for huge pages (``MADV_HUGEPAGE``).
+A large frame comes out as a writable ``memoryview`` of numpy memory from
+:func:`jdist.rpc.transport._buffers.alloc_frame` (not a ``bytearray``, whose zero-fill
+costs more than the transfer).
 """
 
 from __future__ import annotations
@@ -22,21 +21,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-import numpy as np
+from jdist.rpc.transport._buffers import alloc_frame
 
-__all__ = ["FrameError", "FrameDecoder", "encode_prefix", "alloc_frame", "MAGIC", "VERSION",
-           "MAX_FRAMES"]
+__all__ = ["FrameError", "FrameDecoder", "encode_prefix", "MAGIC", "VERSION", "MAX_FRAMES"]
 
 MAGIC = b"JR"
 VERSION = 1
 MAX_FRAMES = 4096
 _PREFIX = struct.Struct("!2sBBI")
 _STAGING = 256 * 1024
-
-
-def alloc_frame(nbytes: int) -> memoryview:
-    """A writable, uninitialized ``nbytes`` buffer for a large frame (see module docstring)."""
-    return memoryview(np.empty(nbytes, np.uint8))
 
 
 class FrameError(ValueError):
