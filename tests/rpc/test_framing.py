@@ -46,6 +46,7 @@ def test_large_frame_received_in_place():
     blob = wire([b"h", big, b"t"])
     got = feed(FrameDecoder(1 << 22), blob, list(range(0, len(blob), 70_000)))
     assert [bytes(f) for f in got[0]] == [b"h", big, b"t"]
+    assert all(not memoryview(f).readonly for f in got[0])  # arrays built on them are writable
 
 
 @settings(max_examples=300, deadline=None)
@@ -80,6 +81,20 @@ def test_oversized_announcement_refused_before_allocation():
     header = encode_prefix([b"x"])[:8] + struct.pack("!Q", 10**15)
     with pytest.raises(FrameError, match="max_frame_bytes=1000"):
         feed(d, header, [])
+
+
+def test_receive_buffer_allocated_only_after_the_cap_check(monkeypatch):
+    from jdist.rpc.transport import _framing
+
+    sizes = []
+    monkeypatch.setattr(_framing, "alloc_frame",
+                        lambda n: sizes.append(n) or memoryview(bytearray(n)))
+    header = encode_prefix([b"x"])[:8] + struct.pack("!Q", 3 << 20)
+    with pytest.raises(FrameError, match="max_frame_bytes"):
+        feed(FrameDecoder(2 << 20), header + b"\0" * 1000, [])
+    assert sizes == []  # refused on the announced length alone
+    assert feed(FrameDecoder(4 << 20), header + b"\0" * 1000, []) == []
+    assert sizes == [3 << 20]  # within the cap: one buffer of the announced size
 
 
 @pytest.mark.parametrize("blob,match", [
