@@ -233,6 +233,38 @@ def _recompiles(jdist, r: int, n: int) -> None:
     assert after == before, f"repeated calls recompiled: {before} -> {after}"
 
 
+def _large(jdist, r: int, n: int) -> None:
+    """Host arrays from 256 KiB go through a reused staging buffer: results stay right
+    (and earlier results untouched) across calls with new values, async and mixed ops."""
+    shape = (300, 257)  # 308 KB of float32
+    results, refs = [], []
+    for salt in range(3):
+        xs = [make_input(k, "float32", salt=10 + salt, shape=shape) for k in range(n)]
+        x = xs[r].copy()
+        results.append(jdist.all_reduce(x))
+        refs.append(np.stack(xs).sum(0))
+        close(x, refs[-1], f"large all_reduce in place {salt}")
+        close(jdist.broadcast(xs[r].copy(), src=n - 1), xs[n - 1], f"large broadcast {salt}")
+    for got, want in zip(results, refs, strict=True):  # not overwritten by the later calls
+        close(got, want, "large all_reduce result kept")
+    from jdist.collectives._group import resolve_group
+
+    assert (shape, "<f4") in resolve_group(None).extra["staging"]  # the staged path ran
+    ints = [make_input(k, "int32", salt=20, shape=shape) for k in range(n)]
+    bools = [make_input(k, "bool", salt=21, shape=shape) for k in range(n)]
+    works = [jdist.all_reduce(ints[r].copy(), jdist.ReduceOp.MAX, async_op=True),
+             jdist.all_reduce(bools[r].copy(), jdist.ReduceOp.BOR, async_op=True),
+             jdist.all_reduce(ints[r].copy(), jdist.ReduceOp.MIN, async_op=True)]
+    close(works[0].wait(timeout=60), np.stack(ints).max(0), "large async MAX")
+    close(works[1].wait(timeout=60), np.stack(bools).any(0), "large async BOR")
+    close(works[2].wait(timeout=60), np.stack(ints).min(0), "large async MIN")
+    xs = [make_input(k, "float32", salt=22, shape=shape) for k in range(n)]
+    close(jdist.all_gather_into_tensor(None, xs[r]), np.concatenate(xs), "large all_gather")
+    big = [make_input(k, "float32", salt=23, shape=(n * 100, 700)) for k in range(n)]
+    close(jdist.reduce_scatter_tensor(None, big[r]), np.stack(big).sum(0)[r * 100:(r + 1) * 100],
+          "large reduce_scatter_tensor")
+
+
 def battery(subgroup: bool = True) -> dict:
     """Every eager collective on this job; returns timing and device facts."""
     import jax
@@ -247,6 +279,7 @@ def battery(subgroup: bool = True) -> dict:
     _data_movement(jdist, r, n)
     _jax_in_jax_out(jdist, r, n)
     _async(jdist, r, n)
+    _large(jdist, r, n)
     _objects(jdist, r, n)
     _p2p(jdist, r, n)
     _recompiles(jdist, r, n)
