@@ -71,8 +71,8 @@ class Comm(abc.ABC):
     async def recv(self) -> list[bytearray | memoryview]:
         """The next message's frames; raises :class:`CommClosedError` at end of stream.
 
-        Frames are writable and owned by the receiver (``bytearray``, or a ``memoryview``
-        of a fresh buffer for large frames), so arrays rebuilt on them are writable too.
+        Frames are writable and referenced by nothing else (``bytearray``, or for large
+        frames a ``memoryview`` of numpy memory), so arrays rebuilt on them are too.
         """
 
     @abc.abstractmethod
