@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -97,7 +98,7 @@ def test_mismatch_raises_on_every_rank():
 
 
 def _dying_rank() -> None:
-    """Grandchild acting as rank 1: joins, does one collective, then is SIGKILLed."""
+    """Grandchild acting as the victim: joins, does one collective, then is SIGKILLed."""
     import jdist
 
     jdist.init_process_group(timeout=30)
@@ -105,13 +106,7 @@ def _dying_rank() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _survivor_or_victim() -> dict:
-    if os.environ["RANK"] == "1":
-        # run the real rank 1 as a child so that spawn does not end rank 0 when it dies
-        code = "from tests.collectives.test_mismatch import _dying_rank; _dying_rank()"
-        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
-                              timeout=90, capture_output=True)
-        return {"victim_exit": proc.returncode}
+def _survivor() -> dict:
     import jdist
     from jdist.errors import PeerFailedError
 
@@ -127,9 +122,41 @@ def _survivor_or_victim() -> dict:
         return {"error": str(e), "seconds": time.monotonic() - t}
 
 
+def _grandchild(fn: str) -> subprocess.CompletedProcess:
+    code = (f"import json; from tests.collectives.test_mismatch import {fn}; "
+            f"print(json.dumps({fn}()), flush=True)")
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ), timeout=90,
+                          capture_output=True, text=True)
+
+
+def _survivor_or_victim(victim: int) -> dict:
+    """The victim runs as a child of its spawned process, so that spawn does not end the
+    job when it dies. When rank 0 dies, JAX's coordination service (hosted in rank 0's
+    process) dies with it and JAX's client aborts the survivor right after its error, so
+    the survivor runs as a child too and reports what it printed."""
+    rank = int(os.environ["RANK"])
+    if rank == victim:
+        return {"victim_exit": _grandchild("_dying_rank").returncode}
+    if victim != 0:
+        return _survivor()
+    proc = _grandchild("_survivor")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return {**(json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}),
+            "exit": proc.returncode}
+
+
 def test_killed_rank_is_named_by_survivor():
-    results = run_procs(_survivor_or_victim, 2, timeout=120)
+    results = run_procs(_survivor_or_victim, 2, args=(1,), timeout=120)
     assert results[1]["victim_exit"] == -signal.SIGKILL, results
     err = results[0]["error"]
     assert "rank 1 is gone" in err, err
     assert results[0]["seconds"] < 30, results
+
+
+def test_killed_rank_0_is_named_by_survivor_before_jax_aborts_it():
+    results = run_procs(_survivor_or_victim, 2, args=(0,), timeout=120)
+    assert results[0]["victim_exit"] == -signal.SIGKILL, results
+    err = results[1]["error"]
+    assert "rank 0 is gone" in err, err
+    assert results[1]["seconds"] < 30, results
+    assert results[1]["exit"] in (0, -signal.SIGABRT), results  # JAX's client may abort it
