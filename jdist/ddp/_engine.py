@@ -34,7 +34,7 @@ class Engine:
     def __init__(self, group: ProcessGroup, leaves: Sequence[LeafInfo], *,
                  bucket_cap_mb: float | None, find_unused_parameters: bool,
                  broadcast_buffers: bool, compiler_options: dict | None = None,
-                 flat_buckets: bool = True):
+                 flat_buckets: bool = False):
         self.group = group
         self.leaves = tuple(leaves)
         self.bucket_cap_mb = bucket_cap_mb
@@ -53,10 +53,7 @@ class Engine:
         self.join_state: Any = None
         self._programs: dict = {}
         self._warned_unused = False
-        if compiler_options is None:
-            platform = group.mesh.devices.flat[0].platform
-            compiler_options = bucket_compiler_options(bucket_cap_mb, platform)
-        self.compiler_options = dict(compiler_options)
+        self._user_options = None if compiler_options is None else dict(compiler_options)
         self.flat_buckets = bool(flat_buckets)
 
     # ----------------------------------------------------------------- hooks
@@ -122,6 +119,15 @@ class Engine:
         from jdist.ddp.hooks import merge_static
 
         return merge_static(_placement.local_first(self.hook_state), self._hook_static)
+
+    @property
+    def compiler_options(self) -> dict:
+        """XLA options of the step programs: the user's, or derived (``_xla.py``)."""
+        if self._user_options is not None:
+            return dict(self._user_options)
+        platform = self.group.mesh.devices.flat[0].platform
+        flat = self.flat_buckets or self.hook is not None
+        return bucket_compiler_options(self.bucket_cap_mb, platform, combine=not flat)
 
     def _config(self) -> _program.Config:
         return _program.Config(

@@ -16,6 +16,7 @@ or many, and for any dtype (typed PRNG keys included).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -37,6 +38,12 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=64)
+def _named(mesh: Any, spec: P) -> NamedSharding:
+    """``NamedSharding(mesh, spec)``, built once per mesh and spec (placement runs per step)."""
+    return NamedSharding(mesh, spec)
+
+
 def _local_devices(group: ProcessGroup) -> list:
     mine = set(group.local_devices)
     return [d for d in group.mesh.devices.flat if d in mine]
@@ -49,7 +56,9 @@ def is_placed(x: Any, sharding: NamedSharding) -> bool:
 
 def replicated(tree: Any, group: ProcessGroup) -> Any:
     """Every leaf as a global array replicated over the group's devices (``P()``)."""
-    sharding = NamedSharding(group.mesh, P())
+    sharding = _named(group.mesh, P())
+    if all(is_placed(x, sharding) for x in jax.tree.leaves(tree)):
+        return tree  # the common case: the previous step's outputs
     devs = _local_devices(group)
 
     def one(x):
@@ -94,11 +103,10 @@ def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
       ValueError: a leaf is a scalar, or its leading size does not divide evenly over
         this process's devices, or leaves disagree on the leading size.
     """
-    sharding = NamedSharding(group.mesh, P(group.axis_name))
-    devs = _local_devices(group)
-    n = len(devs)
+    sharding = _named(group.mesh, P(group.axis_name))
+    n = len(group.local_devices)
     leaves, tdef = jax.tree.flatten(tree)
-    sizes = {int(jnp.shape(x)[0]) if jnp.ndim(x) else None for x in leaves}
+    sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
     if None in sizes:
         raise ValueError(
             f"every {what} leaf needs a leading batch dimension to split over this process's "
@@ -109,23 +117,26 @@ def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
             f"the {what} leaves have different leading sizes {sorted(sizes)}; every leaf "
             f"must have this process's batch size as its first dimension"
         )
-    out = []
-    for x in leaves:
-        if is_placed(x, sharding):
-            out.append(x)
-            continue
-        b = int(jnp.shape(x)[0])
-        if b % n:
-            raise ValueError(
-                f"this process's {what} has {b} samples, which does not split evenly over "
-                f"its {n} devices ({b} % {n} = {b % n}); use a per-process batch size that is "
-                f"a multiple of {n} (e.g. {max(n, b - b % n)}), or drop_last in the sampler"
-            )
-        gshape = (b * group.size(),) + tuple(jnp.shape(x)[1:])
-        if group.size() == 1 or len(group.devices_per_rank) == 1:
-            out.append(jax.device_put(x, sharding))
-        else:
-            out.append(jax.make_array_from_process_local_data(sharding, np.asarray(x), gshape))
+    out = list(leaves)
+    todo = [i for i, x in enumerate(leaves) if not is_placed(x, sharding)]
+    if not todo:
+        return tree
+    b = int(np.shape(leaves[todo[0]])[0])
+    if b % n:
+        raise ValueError(
+            f"this process's {what} has {b} samples, which does not split evenly over "
+            f"its {n} devices ({b} % {n} = {b % n}); use a per-process batch size that is "
+            f"a multiple of {n} (e.g. {max(n, b - b % n)}), or drop_last in the sampler"
+        )
+    if group.size() == 1 or len(group.devices_per_rank) == 1:
+        # one process: one batched transfer for every leaf
+        for i, x in zip(todo, jax.device_put([leaves[i] for i in todo], sharding), strict=True):
+            out[i] = x
+    else:
+        for i in todo:
+            x = np.asarray(leaves[i])
+            gshape = (b * group.size(),) + x.shape[1:]
+            out[i] = jax.make_array_from_process_local_data(sharding, x, gshape)
     return jax.tree.unflatten(tdef, out)
 
 

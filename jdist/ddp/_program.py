@@ -39,7 +39,7 @@ class Config(NamedTuple):
     hook: Callable
     find_unused: bool
     compiler_options: dict | None = None
-    flat_buckets: bool = True
+    flat_buckets: bool = False
 
 
 def _is_key(x) -> bool:

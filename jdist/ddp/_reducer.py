@@ -6,15 +6,16 @@ loss with each bucket's parameters wrapped (by :mod:`jdist.ddp._graph`) in an id
 it, the rule
 
 1. takes the bucket's cotangents (symbolic zeros of unused parameters become zeros, or
-   raise :class:`~jdist.errors.UnusedParametersError`), adds locally accumulated
-   gradients from ``no_sync`` steps, and flattens them into one buffer;
-2. calls the comm hook ``hook(state, GradBucket) -> (buffer, new_state)`` (default: mean
-   all-reduce over the replica axis), threading the hook state from bucket to bucket;
-3. unflattens the reduced buffer and returns it as the cotangent.
-
-With ``flat_buckets=False`` and no registered hook, a bucket's gradients are reduced by
-one variadic ``pmean`` without the copy into a flat buffer (XLA lowers it to one
-all-reduce per gradient, which its own combiner may merge).
+   raise :class:`~jdist.errors.UnusedParametersError`) and adds locally accumulated
+   gradients from ``no_sync`` steps;
+2. without a comm hook, reduces them with one mean all-reduce: a ``pmean`` of all the
+   bucket's gradients, lowered per gradient and merged into one all-reduce per bucket by
+   XLA's all-reduce combiner, with no copy (see :mod:`jdist.ddp._xla`; every bucket's
+   gradients are made to depend on the previous bucket's reduced values so that the
+   combiner never merges two buckets);
+3. with a comm hook (or ``flat_buckets=True``), flattens them into one buffer, calls
+   ``hook(state, GradBucket) -> (buffer, new_state)``, threading the hook state from
+   bucket to bucket, and unflattens the reduced buffer.
 
 Parameters are made *varying* (``lax.pcast(..., to='varying')``) before differentiating:
 with ``check_vma=True`` the gradient of a replicated input is otherwise already summed
@@ -126,6 +127,31 @@ def _flat(cts: Sequence[jax.Array], dtype) -> jax.Array:
     return buf
 
 
+def _after(grads: Sequence[jax.Array], prev: Sequence[jax.Array]) -> list[jax.Array]:
+    """``grads`` (same values) made to depend on the previous bucket's reduced ``prev``.
+
+    The first element of each gradient is multiplied by a factor that is always exactly 1
+    but computed from one element of every ``prev`` array (``1 - (s > inf)``, which is
+    also 1 for NaN), as an in-place one-element update. Every all-reduce of this bucket is
+    then reachable from every all-reduce of the previous one: XLA's all-reduce combiner,
+    which merges all-reduces that do not depend on each other, merges a bucket's
+    gradients into one all-reduce but never two buckets, and the buckets are reduced in
+    gradient-ready order.
+    """
+    s = sum(jnp.ravel(p)[0].astype(jnp.float32) for p in prev)
+    one = 1.0 - (s > jnp.inf).astype(jnp.float32)  # == 1.0, not foldable by XLA
+    out = []
+    for g in grads:
+        f = one.astype(g.dtype)
+        if g.ndim == 0:
+            out.append(g * f)
+            continue
+        at = (0,) * g.ndim
+        first = jax.lax.dynamic_slice(g, at, (1,) * g.ndim)
+        out.append(jax.lax.dynamic_update_slice(g, first * f, at))
+    return out
+
+
 def _split(buf: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
     out, pos = [], 0
     for x in like:
@@ -142,8 +168,11 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
     bucket = layout.buckets[bi]
     if scale is not None:  # join(): replicas out of inputs contribute zeros
         grads = [g * scale.astype(g.dtype) for g in grads]
+    if rec.fired:  # reduce after the previous bucket (keeps XLA from merging buckets)
+        grads = _after(grads, rec.reduced[rec.fired[-1]])
     if not flat and hook is mean_allreduce_hook:
-        # no flat copy: one variadic pmean (XLA lowers it per gradient and may combine)
+        # no flat copy: a pmean of the bucket's gradients, which XLA lowers to one
+        # all-reduce per gradient and its combiner merges into one per bucket
         outs = list(jax.lax.pmean(tuple(grads), axis))
         if post is not None:
             outs = [o * post.astype(o.dtype) for o in outs]

@@ -1,16 +1,25 @@
 """XLA options that keep DDP's buckets as the unit of communication.
 
-jdist builds one all-reduce per bucket inside the backward pass. XLA has passes of its
-own that re-bucket collectives, so DDP compiles its step with options derived from
-``bucket_cap_mb``:
+jdist reduces each bucket with one all-reduce inside the backward pass. How that single
+all-reduce comes about depends on whether the bucket is copied into a flat buffer:
 
-- **CPU**: the ``cpu-all-reduce-combiner`` pass merges *every* all-reduce of the program
-  into one, placed after the last backward computation (no overlap, one giant bucket).
-  DDP disables it for its programs (``xla_disable_hlo_passes``), so each bucket's
-  all-reduce stays separate and is scheduled as soon as its gradients exist.
+- **Default reduction** (no comm hook, ``flat_buckets=False``): the bucket's gradients
+  are reduced by one ``pmean`` of all of them, which XLA lowers to one all-reduce per
+  gradient (an SPMD program cannot all-reduce several arrays in one op: XLA's
+  partitioner rejects a variadic all-reduce in manual mode). XLA's all-reduce combiner
+  then merges them into one variadic all-reduce per bucket, with no copy: it merges
+  all-reduces that do not depend on each other, and the reducer makes every bucket's
+  gradients depend (at the cost of a one-element update) on the previous bucket's
+  reduced values, so buckets are never merged with each other. The combiner stays on.
+- **Flat buffers** (a comm hook is registered, or ``flat_buckets=True``): each bucket is
+  one flat array and the hook's collectives run on it. On CPU the
+  ``cpu-all-reduce-combiner`` pass, which merges *every* independent all-reduce of a
+  program into one placed after the last backward computation, is disabled
+  (``xla_disable_hlo_passes``), so each bucket's all-reduce stays separate and is
+  scheduled as soon as its gradients exist.
 - **GPU**: the all-reduce combiner merges collectives up to
   ``xla_gpu_all_reduce_combine_threshold_bytes``; DDP sets it to the bucket cap, so XLA
-  does not merge buckets beyond the size the user asked for, and keeps the latency hiding
+  does not merge beyond the size the user asked for, and keeps the latency hiding
   scheduler on (``xla_gpu_enable_latency_hiding_scheduler``), which overlaps the
   asynchronous all-reduces with the remaining backward computation.
 
@@ -25,11 +34,20 @@ from jdist.ddp._buckets import bucket_cap_bytes
 __all__ = ["bucket_compiler_options"]
 
 
-def bucket_compiler_options(bucket_cap_mb: float | None, platform: str) -> dict:
-    """The compiler options DDP uses on ``platform`` for a ``bucket_cap_mb`` setting."""
+def bucket_compiler_options(bucket_cap_mb: float | None, platform: str, *,
+                            combine: bool = False) -> dict:
+    """The compiler options DDP uses on ``platform`` for a ``bucket_cap_mb`` setting.
+
+    Args:
+      bucket_cap_mb: the DDP bucket cap (``None``: 25 MiB).
+      platform: ``"cpu"``, ``"gpu"``/``"cuda"``/``"rocm"`` or another backend name.
+      combine: whether the program relies on XLA's all-reduce combiner to make one
+        all-reduce per bucket (the default reduction, without flat buffers); ``False``
+        for programs with flat bucket buffers.
+    """
     _, cap = bucket_cap_bytes(bucket_cap_mb)
     if platform == "cpu":
-        return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+        return {} if combine else {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
     if platform in ("gpu", "cuda", "rocm"):
         return {
             "xla_gpu_all_reduce_combine_threshold_bytes": int(cap),

@@ -35,6 +35,34 @@ def test_train_step_equals_full_batch_training(cap, tx):
     assert len(ddp.buckets.buckets) == (1 if cap is None else 2)
 
 
+def test_train_step_updates_module_and_optimizer_in_place_each_step():
+    """The step reads and writes the module's own Variables (found at its first call): the
+    new values are visible right after each step, and values changed between steps (a
+    checkpoint restored with nnx.update) are what the next step starts from."""
+    tx = optax.adam(1e-2)
+    batches = [data(seed=s) for s in range(3)]
+    model = MLP(rngs=nnx.Rngs(0))
+    kernel = model.layers[0].kernel
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = DDP(model).train_step(mse, opt)
+    ref = MLP(rngs=nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+    reference_train(ref, tx, batches[:1])  # one step, with its own optimizer state
+    step(batches[0])
+    assert model.layers[0].kernel is kernel  # same Variable, new value
+    assert max_diff(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param)) < 1e-5
+    assert int(opt.step[...]) == 1
+    # restore other values (and a fresh optimizer state) between steps
+    other = MLP(rngs=nnx.Rngs(7))
+    nnx.update(model, nnx.state(other, nnx.Param))
+    nnx.update(opt, nnx.state(ref_opt))  # ref_opt never stepped: count 0, zero moments
+    losses = [float(step(b)) for b in batches[1:]]
+    ref_losses = reference_train(other, tx, batches[1:])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert max_diff(nnx.state(model, nnx.Param), nnx.state(other, nnx.Param)) < 1e-5
+    assert int(opt.step[...]) == 2
+
+
 @pytest.mark.parametrize("flat", [True, False])
 def test_value_and_grad_returns_replica_mean_and_aux(flat):
     b = data()
@@ -58,18 +86,34 @@ def _hlo(ddp, batch):
     return text[text.index("ENTRY"):].splitlines()
 
 
-def test_one_all_reduce_per_bucket_scheduled_inside_backward():
-    ddp = DDP(MLP((16, 64, 64, 64, 4), rngs=nnx.Rngs(0)), bucket_cap_mb=0.01)
+def _all_reduces(lines):
+    """``(line index, elements)`` of every all-reduce; ``elements`` counts the non-scalar
+    operands of a (possibly variadic) all-reduce, 0 for a scalar one (the loss mean)."""
+    out = []
+    for i, ln in enumerate(lines):
+        if " all-reduce(" not in ln and " all-reduce-start(" not in ln:
+            continue
+        result = ln.split("=", 1)[1].split("all-reduce")[0]
+        dims = [d for d in re.findall(r"f32\[([\d,]*)\]", result) if d]
+        out.append((i, sum(int(np.prod([int(x) for x in d.split(",")])) for d in dims)))
+    return out
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_one_all_reduce_per_bucket_scheduled_inside_backward(flat):
+    """Default: XLA's combiner merges each bucket's gradients into one variadic all-reduce
+    (and never two buckets); flat: one all-reduce of the flat buffer, combiner off."""
+    ddp = DDP(MLP((16, 64, 64, 64, 4), rngs=nnx.Rngs(0)), bucket_cap_mb=0.01,
+              flat_buckets=flat)
     b = data()
     ddp.value_and_grad(mse)(b)
     sizes = [sum(ddp.buckets.leaves[j].size for j in bk.leaves) for bk in ddp.buckets.buckets]
     assert len(sizes) >= 3
     lines = _hlo(ddp, b)
-    ars = [(i, re.search(r"= f32\[(\d*)\]", ln).group(1)) for i, ln in enumerate(lines)
-           if " all-reduce(" in ln or " all-reduce-start(" in ln]
-    bucket_ars = [(i, int(n)) for i, n in ars if n]  # the scalar one is the loss mean
+    ars = _all_reduces(lines)
+    bucket_ars = [(i, n) for i, n in ars if n]  # the loss mean may have its own
     assert [n for _, n in bucket_ars] == sizes, (ars, sizes)
-    assert len(ars) == len(sizes) + 1
+    assert len(ars) in (len(sizes), len(sizes) + 1)
     # bucket 0's all-reduce runs before the backward matmuls of the earlier layers
     first_ar = bucket_ars[0][0]
     later_compute = [i for i, ln in enumerate(lines)
