@@ -34,7 +34,7 @@ class Engine:
     def __init__(self, group: ProcessGroup, leaves: Sequence[LeafInfo], *,
                  bucket_cap_mb: float | None, find_unused_parameters: bool,
                  broadcast_buffers: bool, compiler_options: dict | None = None,
-                 flat_buckets: bool = False):
+                 flat_buckets: bool | None = None):
         self.group = group
         self.leaves = tuple(leaves)
         self.bucket_cap_mb = bucket_cap_mb
@@ -54,6 +54,8 @@ class Engine:
         self._programs: dict = {}
         self._warned_unused = False
         self._user_options = None if compiler_options is None else dict(compiler_options)
+        if flat_buckets is None:  # see DistributedDataParallel's flat_buckets
+            flat_buckets = self._platform == "cpu" and group.size() > 1
         self.flat_buckets = bool(flat_buckets)
 
     # ----------------------------------------------------------------- hooks
@@ -125,9 +127,12 @@ class Engine:
         """XLA options of the step programs: the user's, or derived (``_xla.py``)."""
         if self._user_options is not None:
             return dict(self._user_options)
-        platform = self.group.mesh.devices.flat[0].platform
         flat = self.flat_buckets or self.hook is not None
-        return bucket_compiler_options(self.bucket_cap_mb, platform, combine=not flat)
+        return bucket_compiler_options(self.bucket_cap_mb, self._platform, combine=not flat)
+
+    @property
+    def _platform(self) -> str:
+        return self.group.mesh.devices.flat[0].platform
 
     def _config(self) -> _program.Config:
         return _program.Config(

@@ -44,7 +44,7 @@ class FunctionalDDP(EngineShell):
                  process_group: ProcessGroup | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  init_sync: bool = True, comm_hook: Any = None,
-                 compiler_options: dict | None = None, flat_buckets: bool = False,
+                 compiler_options: dict | None = None, flat_buckets: bool | None = None,
                  forward_sync_buffers: bool | None = None):
         self._has_buffers = buffers is not None
         self.params, self.buffers, _ = self._start(

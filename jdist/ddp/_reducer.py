@@ -8,14 +8,15 @@ it, the rule
 1. takes the bucket's cotangents (symbolic zeros of unused parameters become zeros, or
    raise :class:`~jdist.errors.UnusedParametersError`) and adds locally accumulated
    gradients from ``no_sync`` steps;
-2. without a comm hook, reduces them with one mean all-reduce: a ``pmean`` of all the
-   bucket's gradients, lowered per gradient and merged into one all-reduce per bucket by
-   XLA's all-reduce combiner, with no copy (see :mod:`jdist.ddp._xla`; every bucket's
-   gradients are made to depend on the previous bucket's reduced values so that the
-   combiner never merges two buckets);
-3. with a comm hook (or ``flat_buckets=True``), flattens them into one buffer, calls
-   ``hook(state, GradBucket) -> (buffer, new_state)``, threading the hook state from
-   bucket to bucket, and unflattens the reduced buffer.
+2. without a comm hook and flat buffers (the default on one process), reduces them with
+   one mean all-reduce: a ``pmean`` of all the bucket's gradients, lowered per gradient
+   and merged into one all-reduce per bucket by XLA's all-reduce combiner, with no copy
+   (see :mod:`jdist.ddp._xla`; every bucket's gradients are made to depend on the
+   previous bucket's reduced values so that the combiner never merges two buckets);
+3. with a comm hook or flat buffers (``flat_buckets``; the default across processes on
+   CPU), flattens them into one buffer, calls ``hook(state, GradBucket) -> (buffer,
+   new_state)``, threading the hook state from bucket to bucket, and unflattens the
+   reduced buffer.
 
 Parameters are made *varying* (``lax.pcast(..., to='varying')``) before differentiating:
 with ``check_vma=True`` the gradient of a replicated input is otherwise already summed
@@ -138,17 +139,21 @@ def _after(grads: Sequence[jax.Array], prev: Sequence[jax.Array]) -> list[jax.Ar
     gradients into one all-reduce but never two buckets, and the buckets are reduced in
     gradient-ready order.
     """
-    s = sum(jnp.ravel(p)[0].astype(jnp.float32) for p in prev)
-    one = 1.0 - (s > jnp.inf).astype(jnp.float32)  # == 1.0, not foldable by XLA
+    firsts = [jnp.ravel(p)[0].astype(jnp.float32) for p in prev if p.size]
+    if not firsts:  # only empty parameters before: nothing to depend on
+        return list(grads)
+    one = 1.0 - (sum(firsts) > jnp.inf).astype(jnp.float32)  # == 1.0, not foldable by XLA
     out = []
     for g in grads:
         f = one.astype(g.dtype)
-        if g.ndim == 0:
+        if not g.size:
+            out.append(g)
+        elif g.ndim == 0:
             out.append(g * f)
-            continue
-        at = (0,) * g.ndim
-        first = jax.lax.dynamic_slice(g, at, (1,) * g.ndim)
-        out.append(jax.lax.dynamic_update_slice(g, first * f, at))
+        else:
+            at = (0,) * g.ndim
+            first = jax.lax.dynamic_slice(g, at, (1,) * g.ndim)
+            out.append(jax.lax.dynamic_update_slice(g, first * f, at))
     return out
 
 

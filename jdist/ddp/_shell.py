@@ -30,7 +30,7 @@ class EngineShell:
     def _start(self, infos: list, params: Any, buffers: Any, *,
                process_group: ProcessGroup | None, bucket_cap_mb: float | None,
                find_unused_parameters: bool, broadcast_buffers: bool, init_sync: bool,
-               comm_hook: Any, compiler_options: dict | None, flat_buckets: bool,
+               comm_hook: Any, compiler_options: dict | None, flat_buckets: bool | None,
                forward_sync_buffers: bool | None) -> tuple[Any, Any, bool]:
         """Resolve the group, sync from rank 0, build the engine, register ``comm_hook``.
 

@@ -3,7 +3,7 @@
 jdist reduces each bucket with one all-reduce inside the backward pass. How that single
 all-reduce comes about depends on whether the bucket is copied into a flat buffer:
 
-- **Default reduction** (no comm hook, ``flat_buckets=False``): the bucket's gradients
+- **No copy** (no comm hook; the default on one process and on GPU): the bucket's gradients
   are reduced by one ``pmean`` of all of them, which XLA lowers to one all-reduce per
   gradient (an SPMD program cannot all-reduce several arrays in one op: XLA's
   partitioner rejects a variadic all-reduce in manual mode). XLA's all-reduce combiner
@@ -11,8 +11,9 @@ all-reduce comes about depends on whether the bucket is copied into a flat buffe
   all-reduces that do not depend on each other, and the reducer makes every bucket's
   gradients depend (at the cost of a one-element update) on the previous bucket's
   reduced values, so buckets are never merged with each other. The combiner stays on.
-- **Flat buffers** (a comm hook is registered, or ``flat_buckets=True``): each bucket is
-  one flat array and the hook's collectives run on it. On CPU the
+- **Flat buffers** (a comm hook is registered, or ``flat_buckets=True``; the default
+  across processes on CPU, where gloo runs a variadic all-reduce as one collective per
+  array): each bucket is one flat array and the hook's collectives run on it. On CPU the
   ``cpu-all-reduce-combiner`` pass, which merges *every* independent all-reduce of a
   program into one placed after the last backward computation, is disabled
   (``xla_disable_hlo_passes``), so each bucket's all-reduce stays separate and is

@@ -125,6 +125,31 @@ def test_one_all_reduce_per_bucket_scheduled_inside_backward(flat):
     assert first_layer_grad and first_ar < first_layer_grad[0] < bucket_ars[-1][0]
 
 
+class ScalarAndEmpty(nnx.Module):
+    """Scalar and zero-size parameters, each in a bucket of its own with a tiny cap."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 4, rngs=rngs)
+        self.scale = nnx.Param(jnp.asarray(1.5))
+        self.empty = nnx.Param(jnp.zeros((0,)))
+
+    def __call__(self, x):  # used first: their gradients are ready last (chained buckets)
+        return self.lin(self.scale[...] * x + jnp.sum(self.empty[...]))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_scalar_and_empty_parameters_in_chained_buckets(flat):
+    b = data()
+    ref_grads = nnx.grad(mse)(ScalarAndEmpty(nnx.Rngs(0)), b)
+    ddp = DDP(ScalarAndEmpty(nnx.Rngs(0)), bucket_cap_mb=1e-6, flat_buckets=flat)
+    _, grads = ddp.value_and_grad(mse)(b)
+    assert [bk.paths for bk in ddp.buckets] == [("lin/bias",), ("lin/kernel",),
+                                                 ("empty", "scale")]
+    for name in ("lin", "scale"):
+        assert max_diff(grads[name], ref_grads[name]) < 1e-6
+    assert np.asarray(grads["empty"][...]).shape == (0,)
+
+
 def test_comm_hook_state_is_threaded_and_registered_once():
     calls = []
 
