@@ -54,6 +54,13 @@ __all__ = [
 ]
 
 
+MAX_COMBINED = 255
+"""Most gradients a bucket may have to be reduced without a flat copy: XLA's all-reduce
+combiner merges at most 256 arrays into one all-reduce (one is left for the loss mean,
+which it may merge into a bucket's); a bucket with more parameters is copied into one
+flat buffer, so that it still is one all-reduce."""
+
+
 def mean_allreduce_hook(state: Any, bucket: GradBucket) -> tuple[jax.Array, Any]:
     """The default reduction: mean over the replica axis (torch: divide, SUM all-reduce)."""
     return jax.lax.pmean(bucket.buffer, bucket.axis_name), state
@@ -175,7 +182,7 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
         grads = [g * scale.astype(g.dtype) for g in grads]
     if rec.fired:  # reduce after the previous bucket (keeps XLA from merging buckets)
         grads = _after(grads, rec.reduced[rec.fired[-1]])
-    if not flat and hook is mean_allreduce_hook:
+    if not flat and hook is mean_allreduce_hook and len(grads) <= MAX_COMBINED:
         # no flat copy: a pmean of the bucket's gradients, which XLA lowers to one
         # all-reduce per gradient and its combiner merges into one per bucket
         outs = list(jax.lax.pmean(tuple(grads), axis))

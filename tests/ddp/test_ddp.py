@@ -125,6 +125,30 @@ def test_one_all_reduce_per_bucket_scheduled_inside_backward(flat):
     assert first_layer_grad and first_ar < first_layer_grad[0] < bucket_ars[-1][0]
 
 
+def test_bucket_with_more_gradients_than_the_combiner_merges_is_copied(monkeypatch):
+    """XLA's combiner merges at most 256 arrays into one all-reduce, so a bucket with more
+    parameters than ``MAX_COMBINED`` is copied into one flat buffer (one all-reduce either
+    way). Checked with the limit lowered to 2 (a real 256-parameter bucket takes seconds
+    to trace): the 4-parameter buckets are flat, the others are merged by XLA."""
+    from jdist.ddp import _reducer
+
+    monkeypatch.setattr(_reducer, "MAX_COMBINED", 2)
+    b = data()
+    ddp = DDP(MLP((16, 64, 64, 64, 4), rngs=nnx.Rngs(1)), bucket_cap_mb=0.02)
+    _, grads = ddp.value_and_grad(mse)(b)
+    counts = [len(bk.leaves) for bk in ddp.buckets.buckets]
+    assert max(counts) > 2 and min(counts) <= 2, counts
+    sizes = [sum(ddp.buckets.leaves[j].size for j in bk.leaves) for bk in ddp.buckets.buckets]
+    lines = _hlo(ddp, b)
+    assert [n for _, n in _all_reduces(lines) if n] == sizes
+    operands = [[d for d in re.findall(r"f32\[([\d,]*)\]", ln.split(" all-reduce(")[0]) if d]
+                for ln in lines if " all-reduce(" in ln]
+    flat = [ops for ops in operands if len(ops) == 1 and "," not in ops[0]]
+    assert len(flat) == sum(c > 2 for c in counts), operands  # copied: one 1-D operand
+    _, ref_grads = nnx.value_and_grad(mse)(MLP((16, 64, 64, 64, 4), rngs=nnx.Rngs(1)), b)
+    assert max_diff(grads, ref_grads) < 1e-6
+
+
 class ScalarAndEmpty(nnx.Module):
     """Scalar and zero-size parameters, each in a bucket of its own with a tiny cap."""
 
