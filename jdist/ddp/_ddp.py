@@ -85,15 +85,23 @@ class _Slots:
 
     @staticmethod
     def usable(state: Any) -> bool:
-        """Whether every leaf is a plain array (no array refs or lazy values)."""
-        return all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(state))
+        """Whether every Variable holds one plain array (not a ref, tuple or lazy value)."""
+        values = [v.get_raw_value() for _, v in nnx.to_flat_state(state)]
+        return len(values) == len(jax.tree.leaves(state)) and all(
+            isinstance(x, (jax.Array, np.ndarray)) for x in values)
 
     def read(self) -> Any:
         return jax.tree.unflatten(self.treedef, [v.get_raw_value() for v in self.variables])
 
-    def write(self, state: Any) -> None:
-        for v, x in zip(self.variables, jax.tree.leaves(state), strict=True):
+    def write(self, state: Any) -> bool:
+        """Write ``state``'s values into the Variables; ``False`` (nothing written) when
+        its structure is not the one read (the step added or removed variables)."""
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef != self.treedef:
+            return False
+        for v, x in zip(self.variables, leaves, strict=True):
             v.set_raw_value(x)
+        return True
 
 
 class _Bound:
@@ -262,10 +270,9 @@ class DistributedDataParallel(EngineShell):
                 gdef, params, buffers = _split(self.module)
                 key, pure = ("vg", gdef, loss_fn, has_aux), self._loss(gdef, loss_fn, has_aux)
             out = self._engine.grad_step(key, pure, params, buffers, batch, args)
-            if b.fast:
-                b.buffers.write(out["buffers"])
-            else:
+            if not (b.fast and b.buffers.write(out["buffers"])):
                 nnx.update(self.module, out["buffers"])
+                bound.clear()  # the structure may have changed: find the Variables again
             value = (out["loss"], out["aux"]) if has_aux else out["loss"]
             return value, out["grads"]
 
@@ -325,16 +332,14 @@ class DistributedDataParallel(EngineShell):
             out = self._engine.grad_step(key, pure, params, buffers, batch, args,
                                          update=update, opt_state=ostate, opt_specs=specs)
             synced = self._engine.require_backward_grad_sync
-            if b.fast:
-                b.buffers.write(out["buffers"])
-                if synced:
-                    b.params.write(out["params"])
-                    b.opt.write(out["opt_state"])
-            else:
+            if not (b.fast and b.buffers.write(out["buffers"])):
                 nnx.update(self.module, out["buffers"])
-                if synced:
-                    nnx.update(self.module, out["params"])
-                    nnx.update(optimizer, out["opt_state"])
+                bound.clear()  # the structure may have changed: find the Variables again
+            if synced and not (b.fast and b.params.write(out["params"])
+                               and b.opt.write(out["opt_state"])):
+                nnx.update(self.module, out["params"])
+                nnx.update(optimizer, out["opt_state"])
+                bound.clear()
             return (out["loss"], out["aux"]) if has_aux else out["loss"]
 
         return step

@@ -63,6 +63,27 @@ def test_train_step_updates_module_and_optimizer_in_place_each_step():
     assert int(opt.step[...]) == 2
 
 
+class Sowing(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.lin(x)
+        self.sow(nnx.Intermediate, "y_mean", jnp.mean(y))
+        return y
+
+
+def test_step_that_adds_variables_updates_the_module_like_nnx_update():
+    """A step whose structure changes (sow adds an Intermediate; a tuple value) falls back
+    from reading and writing cached Variables to nnx.split/nnx.update."""
+    model = Sowing(nnx.Rngs(0))
+    step = DDP(model).train_step(mse, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    for _ in range(2):
+        step(data(n=8))
+    sown = nnx.state(model, nnx.Intermediate)["y_mean"].get_value()
+    assert isinstance(sown, tuple) and len(sown) == 2
+
+
 @pytest.mark.parametrize("flat", [True, False])
 def test_value_and_grad_returns_replica_mean_and_aux(flat):
     b = data()
