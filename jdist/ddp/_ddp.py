@@ -116,9 +116,12 @@ class _Bound:
             states.append(ostate)
         self.fast = all(_Slots.usable(s) for s in states)
         if self.fast:
-            self.params = _Slots(module, params)
-            self.buffers = _Slots(module, buffers)
-            self.opt = None if optimizer is None else _Slots(optimizer, ostate)
+            try:  # graphlib.flatten is flax-internal: a future flax falls back to split/update
+                self.params = _Slots(module, params)
+                self.buffers = _Slots(module, buffers)
+                self.opt = None if optimizer is None else _Slots(optimizer, ostate)
+            except (AttributeError, TypeError, KeyError, ValueError):
+                self.fast = False
 
 
 def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
