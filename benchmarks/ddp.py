@@ -272,19 +272,27 @@ def torch_worker(kind, steps):
         model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(),
                               nn.AvgPool2d(2), nn.Flatten(), nn.Linear(12 * 12 * 32, 10))
     ddp = TorchDDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    st = {"ddp": ddp, "opt": torch.optim.SGD(ddp.parameters(), lr=0.01)}
+    del ddp
     b = batch(kind, BATCH // world, seed=rank)
     x = torch.from_numpy(b["x"] if kind == "mlp" else b["x"].transpose(0, 3, 1, 2).copy())
     y = torch.from_numpy(b["y"]).long()
 
     def step():
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(x), y)
+        st["opt"].zero_grad()
+        loss = nn.functional.cross_entropy(st["ddp"](x), y)
         loss.backward()
-        opt.step()
+        st["opt"].step()
         return float(loss.detach())
 
     ms = _median_ms(step, steps)
+    # release the DDP reducer (and its gloo work) before the group goes away: one that
+    # outlives destroy_process_group() can abort torch at exit ("terminate called
+    # without an active exception"), as tests/compare/ddp_cases.py found
+    st.clear()
+    import gc
+
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return ms
