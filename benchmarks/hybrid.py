@@ -101,6 +101,9 @@ def torch_main(cfg: dict, pg_port: int, rpc_port: int) -> dict | None:
         table = emb.module_rref.local_value().weight.detach().numpy().copy()
         out = {"table": table, "trainers": results}
     rpc.shutdown()
+    import gc
+
+    gc.collect()  # the trainers' DDP reducers go before their group (torch gloo exit abort)
     dist.destroy_process_group()
     return out
 

@@ -17,6 +17,7 @@ the means over processes; parameters are process 0's, compared in the calling pr
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 
@@ -67,6 +68,10 @@ def _torch_worker(cases: list[P.Case], timeout: float) -> list[dict]:
         rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     try:
         out = [_torch_case(c, rank, world) for c in cases]
+        # torch's DDP reducers sit in reference cycles: collect them while the group is
+        # alive (a reducer outliving destroy_process_group() has aborted torch at exit:
+        # "terminate called without an active exception")
+        gc.collect()
         dist.barrier()
         return out
     finally:
