@@ -401,10 +401,12 @@ def main(argv=None):
     variants = VARIANTS[:1] if args.quick else VARIANTS
     if args.quick:
         args.steps = 5
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if "jax" not in sys.modules:
+        from jdist.launch import xla_flags_with_devices  # imports no JAX
+
+        os.environ["XLA_FLAGS"] = xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""),
+                                                         args.devices)
 
     print(f"(a)+(c) one process, {args.devices} devices, MLP 784-1024x3-10, batch {BATCH}")
     from benchmarks._parse import bench_json, row, table

@@ -18,9 +18,9 @@ import time
 
 
 def _setup_devices(n: int) -> None:
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    from jdist.launch import xla_flags_with_devices  # imports no JAX
+
+    os.environ["XLA_FLAGS"] = xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), n)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

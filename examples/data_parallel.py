@@ -28,11 +28,10 @@ import time
 def _setup(devices: int) -> None:
     if "jax" in sys.modules:  # already configured (e.g. under pytest)
         return
-    flag = f"--xla_force_host_platform_device_count={devices}"
-    os.environ["XLA_FLAGS"] = " ".join(
-        [f for f in os.environ.get("XLA_FLAGS", "").split()
-         if not f.startswith("--xla_force_host_platform_device_count")] + [flag])
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jdist.launch import xla_flags_with_devices  # imports no JAX
+
+    os.environ["XLA_FLAGS"] = xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def _digits(np):

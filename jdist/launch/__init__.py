@@ -3,5 +3,6 @@
 from jdist.launch._spawn import SpawnError as SpawnError
 from jdist.launch._spawn import free_port as free_port
 from jdist.launch._spawn import spawn as spawn
+from jdist.launch._spawn import xla_flags_with_devices as xla_flags_with_devices
 
-__all__ = ["spawn", "SpawnError", "free_port"]
+__all__ = ["spawn", "SpawnError", "free_port", "xla_flags_with_devices"]
