@@ -161,6 +161,20 @@ def test_parse_address_rejects_missing_scheme():
         parse_address("127.0.0.1:29500")
 
 
+def test_address_of_another_scheme_is_refused():
+    tcp, inproc = get_transport("tcp"), get_transport("inproc")
+
+    async def nothing(comm):
+        return None
+
+    with pytest.raises(ValueError, match="InprocTransport cannot listen on 'tcp://"):
+        asyncio.run(inproc.listen("tcp://127.0.0.1:0", nothing, max_message_bytes=1024))
+    with pytest.raises(ValueError, match="TCPTransport cannot listen on 'inproc://x'"):
+        asyncio.run(tcp.listen("inproc://x", nothing, max_message_bytes=1024))
+    with pytest.raises(ValueError, match="TCPTransport cannot connect to 'inproc://x'"):
+        asyncio.run(tcp.connect("inproc://x", timeout=1.0, max_message_bytes=1024))
+
+
 def test_unknown_scheme_lists_known():
     with pytest.raises(ValueError, match="inproc.*tcp"):
         get_transport("carrier-pigeon")

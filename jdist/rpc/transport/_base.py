@@ -128,6 +128,14 @@ class Transport(abc.ABC):
 
     scheme: str
 
+    def location(self, address: str, verb: str) -> str:
+        """The part of ``address`` after ``scheme://``; ``ValueError`` for another scheme
+        (``verb``: what was attempted, e.g. ``"listen on"``)."""
+        scheme, loc = parse_address(address)
+        if scheme != self.scheme:
+            raise ValueError(f"{type(self).__name__} cannot {verb} {address!r}")
+        return loc
+
     @abc.abstractmethod
     async def listen(self, address: str, handler: Handler, *,
                      max_message_bytes: int) -> Listener:

@@ -19,7 +19,6 @@ from jdist.rpc.transport._base import (
     Handler,
     Listener,
     Transport,
-    parse_address,
 )
 from jdist.rpc.transport._registry import register_transport
 
@@ -108,9 +107,7 @@ class InprocTransport(Transport):
 
     async def listen(self, address: str, handler: Handler, *,
                      max_message_bytes: int) -> Listener:
-        scheme, name = parse_address(address)
-        if scheme != self.scheme:
-            raise ValueError(f"InprocTransport cannot listen on {address!r}")
+        name = self.location(address, "listen on")
         with _lock:
             if not name:
                 name = f"listener-{next(_names)}"

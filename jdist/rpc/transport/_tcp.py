@@ -25,7 +25,6 @@ from jdist.rpc.transport._base import (
     Handler,
     Listener,
     Transport,
-    parse_address,
 )
 from jdist.rpc.transport._framing import FrameDecoder, FrameError, encode_prefix
 from jdist.rpc.transport._registry import register_transport
@@ -256,9 +255,7 @@ class TCPTransport(Transport):
 
     async def listen(self, address: str, handler: Handler, *,
                      max_message_bytes: int) -> Listener:
-        scheme, loc = parse_address(address)
-        if scheme != self.scheme:
-            raise ValueError(f"TCPTransport cannot listen on {address!r}")
+        loc = self.location(address, "listen on")
         host, port = split_host_port(loc)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -290,9 +287,7 @@ class TCPTransport(Transport):
 
     async def connect(self, address: str, *, timeout: float,
                       max_message_bytes: int) -> Comm:
-        scheme, loc = parse_address(address)
-        if scheme != self.scheme:
-            raise ValueError(f"TCPTransport cannot connect to {address!r}")
+        loc = self.location(address, "connect to")
         host, port = split_host_port(loc)
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
