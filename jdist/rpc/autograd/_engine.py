@@ -21,6 +21,7 @@ with concrete arrays, which is what lets them make RPCs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -132,22 +133,11 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         box["skeleton"] = skel_out
         return tuple(jnp.asarray(d) for d in diff_out)
 
-    def fwd(tok, *xs_):
-        del tok
-        return forward(xs_), None
-
-    def bwd(_, cts):
+    def backward(cts):
         cts = [np.asarray(c) for c in cts]
-        ct_xs = agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
-        return _input_cts(token, xs, ct_xs)
+        return agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
 
-    @jax.custom_vjp
-    def call(tok, *xs_):
-        del tok
-        return forward(xs_)
-
-    call.defvjp(fwd, bwd)
-    diff = call(token, *xs)
+    diff = _bind(token, xs, forward, backward)
     out = _fill(box["skeleton"], list(diff))
     fut: Future = Future(_desc=f"differentiable rpc of {fn_name}")
     fut.set_result(out)
@@ -173,6 +163,26 @@ def _prepare(args: Any, kwargs: Any) -> tuple[list, list, Any]:
     for k, i in enumerate(pos):
         skel[i] = _Slot(k)
     return [leaves[i] for i in pos], pos, jax.tree_util.tree_unflatten(tdef, skel)
+
+
+def _bind(token: Any, xs: list, forward: Callable, backward: Callable) -> Any:
+    """``forward(xs)`` as a ``custom_vjp`` of the trace ``token`` and ``xs``, whose
+    backward rule sends the output cotangents through ``backward(cts) -> ct_xs``."""
+
+    def fwd(tok, *xs_):
+        del tok
+        return forward(xs_), None
+
+    def bwd(_, cts):
+        return _input_cts(token, xs, backward(cts))
+
+    @jax.custom_vjp
+    def call(tok, *xs_):
+        del tok
+        return forward(xs_)
+
+    call.defvjp(fwd, bwd)
+    return call(token, *xs)
 
 
 def _input_cts(token: Any, xs: list, ct_xs: list) -> tuple:
@@ -208,25 +218,14 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
                                       None, timeout).wait()
         return jnp.zeros((), jnp.float32)
 
-    def fwd(tok, *xs_):
-        del tok
-        return forward(xs_), None
-
-    def bwd(_, ct):
-        del ct
+    def backward(ct):
+        del ct  # the to_here() calls' cotangents, summed in link, are what flows back
         cts, link.cts = link.cts, None
         if cts is None:  # the value never reached the loss
-            return _input_cts(token, xs, [np.zeros(x.shape, x.dtype) for x in xs])
-        ct_xs = agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout).wait()
-        return _input_cts(token, xs, ct_xs)
+            return [np.zeros(x.shape, x.dtype) for x in xs]
+        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout).wait()
 
-    @jax.custom_vjp
-    def call(tok, *xs_):
-        del tok
-        return forward(xs_)
-
-    call.defvjp(fwd, bwd)
-    tracer = call(token, *xs)
+    tracer = _bind(token, xs, forward, backward)
     rref = box["rref"]
     rref._ad_link = (tracer, link, token)
     return rref
