@@ -207,6 +207,18 @@ def set_tracing(trace: Any) -> Any:
     return prev
 
 
+def _differentiable_context(agent: Any, func: Any) -> DistAutogradContext | None:
+    """The context a call of ``func`` through ``agent`` is differentiable in, or None:
+    it must be made inside a differentiable trace of this worker's live current context,
+    and not be one of dist_autograd's own internal calls."""
+    ctx = current()
+    if tracing() is None or ctx is None or ctx.agent is not agent or ctx.released:
+        return None
+    if getattr(func, "_jdist_autograd_internal", False):
+        return None
+    return ctx
+
+
 def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
     """``agent.rpc_async`` asks this first: a Future when the call is differentiable.
 
@@ -214,11 +226,8 @@ def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: A
     worker's current context (``dist_autograd.backward``'s loss function, or a function
     this worker runs for a differentiable RPC). Otherwise ``None``: a plain call.
     """
-    trace = tracing()
-    ctx = current()
-    if trace is None or ctx is None or ctx.agent is not agent or ctx.released:
-        return None
-    if getattr(func, "_jdist_autograd_internal", False):
+    ctx = _differentiable_context(agent, func)
+    if ctx is None:
         return None
     from jdist.rpc._rref import rref_fetch
 
@@ -236,11 +245,8 @@ def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: A
 
 def remote_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
     """``agent.remote`` asks this first: an RRef when the call is differentiable."""
-    trace = tracing()
-    ctx = current()
-    if trace is None or ctx is None or ctx.agent is not agent or ctx.released:
-        return None
-    if getattr(func, "_jdist_autograd_internal", False):
+    ctx = _differentiable_context(agent, func)
+    if ctx is None:
         return None
     from jdist.rpc.autograd._engine import differentiable_remote
 
