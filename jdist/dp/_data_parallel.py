@@ -36,6 +36,7 @@ from jdist.dp._fused import value_and_grad as fused_value_and_grad
 from jdist.dp._parallel_apply import (
     Programs,
     ReplicaProgram,
+    check_same_output,
     fold_keys,
     nnx_apply,
     partition,
@@ -49,7 +50,6 @@ from jdist.dp._scatter_gather import (
     batch_size,
     chunk_sizes,
     dim_spec,
-    gather,
     is_array,
     mesh_for,
     resolve_devices,
@@ -105,18 +105,6 @@ _concat_jit = jax.jit(lambda a, b, dim: [jnp.concatenate([x, y], axis=dim)
                       static_argnums=2)
 
 
-def _check_same(meta_a, meta_b, m: int) -> None:
-    if (meta_a.treedef != meta_b.treedef or meta_a.scalar != meta_b.scalar
-            or [i for i, _ in meta_a.static] != [i for i, _ in meta_b.static]):
-        if meta_a.treedef != meta_b.treedef:  # dicts with other keys: torch's error
-            gather([jax.tree_util.tree_unflatten(t, [0] * t.num_leaves)
-                    for t in (meta_a.treedef, meta_b.treedef)], "cpu")
-        raise ValueError(
-            f"replica {m} returned an output structured differently from replicas 0..{m - 1} "
-            f"({meta_b.treedef} vs {meta_a.treedef}); every replica must return the same "
-            f"structure (dicts with the same keys, arrays in the same places)")
-
-
 def _append_static(static_lists: list, meta) -> list:
     return [vals + [v] for vals, (_, v) in zip(static_lists, meta.static, strict=True)]
 
@@ -155,7 +143,7 @@ def _apply_vmapped(fn, params, a_dyn, akey, sizes, dim) -> tuple:
         args, kwargs = rebuild(tail, akey)
         out_t, _ = fn(rebuild(fold_keys(p_dyn, m), pkey), args, kwargs)
         arrays_t, meta_t = split_output(out_t, True, dim)
-        _check_same(meta, meta_t, m)
+        check_same_output(meta, meta_t, m)
         arrays = [jnp.concatenate([a, b], axis=dim) for a, b in zip(arrays, arrays_t, strict=True)]
         static_lists = _append_static(static_lists, meta_t)
     return _finish(arrays, meta, static_lists, jax.tree_util.tree_map(lambda a: a[0], aux))
@@ -208,7 +196,7 @@ def apply_data_parallel(fn: Callable, key: Any, params: Any, args: tuple, kwargs
     static_lists = [[v] * m for _, v in meta.static]
     if m < k:
         arrays_t, _, meta_t = results[1]
-        _check_same(meta, meta_t, m)
+        check_same_output(meta, meta_t, m)
         arrays = _concat_jit(arrays, jax.device_put(arrays_t, output_device), dim)
         static_lists = _append_static(static_lists, meta_t)
     if jax.tree_util.tree_leaves(aux):

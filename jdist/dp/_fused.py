@@ -35,7 +35,14 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist.collectives._group import DEFAULT_AXIS
-from jdist.dp._parallel_apply import fold_keys, nnx_apply, partition, rebuild, split_output
+from jdist.dp._parallel_apply import (
+    check_same_output,
+    fold_keys,
+    nnx_apply,
+    partition,
+    rebuild,
+    split_output,
+)
 from jdist.dp._scatter_gather import SCALAR_WARNING, batch_size, chunk_sizes, dim_spec, mesh_for
 
 __all__ = ["FusedValueAndGrad"]
@@ -70,11 +77,7 @@ def _forward(fn: Callable, params: Any, a_dyn: list, akey: tuple, sizes: tuple, 
         args, kwargs = rebuild(tail, akey)
         out_t, _ = fn(rebuild(fold_keys(p_dyn, m), pkey), args, kwargs)
         arrays_t, meta_t = split_output(out_t, True, dim)
-        if meta_t.treedef != meta.treedef or meta_t.scalar != meta.scalar:
-            raise ValueError(
-                f"replica {m} returned an output structured differently from replicas "
-                f"0..{m - 1} ({meta_t.treedef} vs {meta.treedef}); every replica must "
-                f"return the same structure")
+        check_same_output(meta, meta_t, m)
         arrays = [jnp.concatenate([a, b], axis=dim) for a, b in zip(arrays, arrays_t,
                                                                       strict=True)]
     if meta.static:

@@ -37,6 +37,7 @@ from jdist.collectives._group import DEFAULT_AXIS
 from jdist.dp._replicate import Replicas
 from jdist.dp._scatter_gather import (
     dim_spec,
+    gather,
     is_array,
     mesh_for,
     resolve_devices,
@@ -45,7 +46,7 @@ from jdist.dp._scatter_gather import (
 
 __all__ = [
     "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
-    "join_output", "fold_keys", "nnx_apply", "replica_error", "parallel_apply",
+    "join_output", "check_same_output", "fold_keys", "nnx_apply", "replica_error", "parallel_apply",
 ]
 
 
@@ -171,6 +172,20 @@ def split_output(out: Any, expand: bool, dim: int) -> tuple[list, OutputMeta]:
 def join_output(arrays: Sequence, meta: OutputMeta) -> Any:
     """Rebuild an output from its arrays and :class:`OutputMeta`."""
     return rebuild(arrays, (meta.treedef, meta.static))
+
+
+def check_same_output(meta_a: OutputMeta, meta_b: OutputMeta, m: int) -> None:
+    """Raise unless replica ``m``'s output (``meta_b``) is structured like replicas
+    0..m-1's (``meta_a``); dicts with other keys get torch's ``gather`` error."""
+    if (meta_a.treedef != meta_b.treedef or meta_a.scalar != meta_b.scalar
+            or [i for i, _ in meta_a.static] != [i for i, _ in meta_b.static]):
+        if meta_a.treedef != meta_b.treedef:  # dicts with other keys: torch's error
+            gather([jax.tree_util.tree_unflatten(t, [0] * t.num_leaves)
+                    for t in (meta_a.treedef, meta_b.treedef)], "cpu")
+        raise ValueError(
+            f"replica {m} returned an output structured differently from replicas 0..{m - 1} "
+            f"({meta_b.treedef} vs {meta_a.treedef}); every replica must return the same "
+            f"structure (dicts with the same keys, arrays in the same places)")
 
 
 class ReplicaProgram:

@@ -139,3 +139,16 @@ def test_scalar_outputs_warn_and_bad_uses_raise():
     with pytest.raises(ValueError, match="different sizes along dim 0"):
         DataParallel((lambda q, a, b: mlp_apply(q, a) + mlp_apply(q, b), p),
                      device_ids=[0, 1]).value_and_grad(jnp.sum)(p, (x, batch(6)))
+
+
+def test_uneven_tail_with_another_output_structure_raises_as_in_the_eager_path():
+    def keys(p, x):
+        return {"a": x * p} if x.shape[0] > 1 else {"b": x * p}
+
+    dp = DataParallel((keys, 1.0), device_ids=[0, 1, 2, 3])  # chunks 3, 3, 3, 1
+    with pytest.raises(ValueError, match="All dicts must have the same number of keys"):
+        dp.value_and_grad(lambda out: jnp.sum(out["a"]))(1.0, jnp.ones(10))
+    tuples = DataParallel((lambda p, x: x * p if x.shape[0] > 1 else (x, x), 1.0),
+                          device_ids=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="structured differently"):
+        tuples.value_and_grad(jnp.sum)(1.0, jnp.ones(10))
