@@ -150,6 +150,8 @@ def schedule_part(dry_run):
     from jdist.ddp._engine import Engine
 
     devs = jax.devices()
+    print(f"devices: {len(devs)}, local {jax.local_device_count()}", file=sys.stderr,
+          flush=True)
     n = len(devs)
     mesh = make_mesh(devs)
     group = ProcessGroup(ranks=tuple(range(n)), rank=0, mesh=mesh, axis_name="dp",
@@ -195,6 +197,7 @@ def schedule_part(dry_run):
              ("hand-written shard_map + pmean, XLA defaults", hand_text)]
     res, texts = [], {}
     for label, fn in cases:
+        print(f"compiling: {label}", file=sys.stderr, flush=True)
         t = time.perf_counter()
         text, buckets, opts = fn()
         secs = time.perf_counter() - t
@@ -435,8 +438,14 @@ def _child(part, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", args.out,
            "--steps", str(args.steps)] + (["--dry-run"] if args.dry_run else [])
     t = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    sys.stderr.write(p.stderr[-3000:] if p.returncode else "")
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                           timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"").decode(errors="replace")
+                + (e.stderr or b"").decode(errors="replace"))
+        return {"error": f"part {part} timed out after {args.timeout} s", "tail": tail[-6000:]}
+    sys.stderr.write(p.stderr[-6000:] if p.returncode else "")
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("PART_JSON ")]
     if p.returncode or not line:
         return {"error": f"part {part} exited {p.returncode}",
@@ -448,6 +457,9 @@ def _child(part, args):
 
 def run_part(args):
     if args.part == "schedule":
+        import faulthandler
+
+        faulthandler.dump_traceback_later(max(args.timeout - 10, 5), exit=True)
         if not args.dry_run:
             import jax
 
