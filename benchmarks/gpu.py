@@ -139,7 +139,7 @@ def _mlp_loss(params, batch):
     return jnp.mean((x - batch["y"]) ** 2)
 
 
-def schedule_part(dry_run):
+def schedule_part(dry_run, only=None):
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -196,7 +196,9 @@ def schedule_part(dry_run):
               lambda: jdist_text(None, lhs_off)),
              ("hand-written shard_map + pmean, XLA defaults", hand_text)]
     res, texts = [], {}
-    for label, fn in cases:
+    for i, (label, fn) in enumerate(cases):
+        if only is not None and i != only:
+            continue
         print(f"compiling: {label}", file=sys.stderr, flush=True)
         t = time.perf_counter()
         text, buckets, opts = fn()
@@ -436,7 +438,8 @@ def _child(part, args):
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", args.out,
-           "--steps", str(args.steps)] + (["--dry-run"] if args.dry_run else [])
+           "--steps", str(args.steps)] + (["--dry-run"] if args.dry_run else []) + (
+               [] if args.case is None else ["--case", str(args.case)])
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -464,7 +467,7 @@ def run_part(args):
             import jax
 
             jax.config.update("mock_num_gpu_processes", 8)
-        s, texts = schedule_part(args.dry_run)
+        s, texts = schedule_part(args.dry_run, args.case)
         for i, (label, text) in enumerate(texts.items()):
             with open(os.path.join(args.out, f"schedule_{i}.hlo.txt"), "w") as f:
                 f.write(f"// {label}\n{text}")
@@ -484,6 +487,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="XLA:CPU, to check the script")
     ap.add_argument("--part", choices=("schedule", "timing", "nccl"))
     ap.add_argument("--parts", default="schedule,timing,nccl")
+    ap.add_argument("--case", type=int, help="schedule part: compile only case CASE (0-3)")
     ap.add_argument("--timeout", type=float, default=240)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
