@@ -86,34 +86,43 @@ def _array_bytes(shape_text):
     return total
 
 
+def _is_start(name, op):
+    return op == "all-reduce-start" or (op == "async-start" and name.startswith("all-reduce"))
+
+
 def collective_schedule(text):
     """Each all-reduce of a scheduled HLO module: bytes and the compute placed around it.
 
-    Returns a list of dicts: ``bytes`` (reduced), ``async`` (start/done pair),
-    ``overlapped`` (computations scheduled between start and done), ``after`` (computations
-    scheduled after it in its computation: later backward work), ``position`` (index).
+    XLA:GPU runs an all-reduce asynchronously: an ``all-reduce-start`` (printed as an
+    ``async-start`` of a wrapped all-reduce) and its ``-done``; XLA:CPU runs it in one
+    ``all-reduce`` op. Returns a list of dicts: ``bytes`` (reduced), ``async_`` (a
+    start/done pair), ``overlapped`` (computations scheduled between start and done),
+    ``after`` (computations scheduled after it: later backward work), ``total``.
     """
+    comps = _instructions(text)
+    wrapped = set()  # the computations async-starts call: their all-reduce is counted once
+    for _, body in comps:
+        for name, op, rest in body:
+            if _is_start(name, op):
+                wrapped.update(re.findall(r"calls=%?([\w.\-]+)", rest))
     out = []
-    for _, body in _instructions(text):
-        ops = [op for _, op, _ in body]
-        if "all-reduce-start" not in ops and "all-reduce" not in ops:
+    for cname, body in comps:
+        if cname in wrapped:
             continue
-        compute = [op not in ALWAYS_SKIP for op in ops]
+        compute = [op not in ALWAYS_SKIP and not op.startswith("async-")
+                   for _, op, _ in body]
         for i, (name, op, rest) in enumerate(body):
-            if op not in ("all-reduce", "all-reduce-start"):
-                continue
-            shape = rest.split(f" {op}(")[0]
-            nbytes = _array_bytes(shape)
-            done = i
-            if op == "all-reduce-start":
-                if shape.strip().startswith("(") and len(_ARRAY.findall(shape)) % 2 == 0:
-                    pass  # a tuple of outputs (variadic): every element is reduced data
+            if op == "all-reduce":
+                done, shape = i, rest.split(f" {op}(")[0]
+            elif _is_start(name, op):
+                done, shape = i, ""
                 for j in range(i + 1, len(body)):
-                    if body[j][1] == "all-reduce-done" and re.search(
-                            rf"[\s(%]{re.escape(name)}[,)\s]", body[j][2]):
-                        done = j
+                    if re.search(rf"[\s(%]{re.escape(name)}[,)\s]", body[j][2]):
+                        done, shape = j, body[j][2].split(f" {body[j][1]}(")[0]
                         break
-            out.append(dict(bytes=nbytes, async_=op == "all-reduce-start", position=i,
+            else:
+                continue
+            out.append(dict(bytes=_array_bytes(shape), async_=done != i,
                             overlapped=sum(compute[i + 1:done]),
                             after=sum(compute[done + 1:]), total=sum(compute)))
     return out

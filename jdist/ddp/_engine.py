@@ -128,7 +128,9 @@ class Engine:
         if self._user_options is not None:
             return dict(self._user_options)
         flat = self.flat_buckets or self.hook is not None
-        return bucket_compiler_options(self.bucket_cap_mb, self._platform, combine=not flat)
+        largest = max((b.nbytes for b in self.layout.buckets), default=0)
+        return bucket_compiler_options(self.bucket_cap_mb, self._platform, combine=not flat,
+                                       largest_bucket=largest)
 
     @property
     def _platform(self) -> str:

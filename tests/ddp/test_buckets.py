@@ -111,6 +111,29 @@ def test_xla_options_map_bucket_cap_and_are_valid_compile_options():
     for opts in (cpu, gpu):  # XLA rejects unknown option names at compile time
         f = jax.jit(lambda x: x + 1, compiler_options=opts)
         assert float(f(jnp.ones(()))) == 2.0
+    # a bucket may exceed the cap (it closes once it reaches it): the threshold follows it
+    big = bucket_compiler_options(2, "gpu", largest_bucket=3_006_000)
+    assert big["xla_gpu_all_reduce_combine_threshold_bytes"] == 3_006_000
+
+
+def test_gpu_combine_threshold_follows_the_rebuilt_layout(monkeypatch):
+    """On GPU no bucket is split by XLA's combiner: threshold >= the largest bucket.
+
+    Seen on an H200 (benchmarks/gpu.py): with the cap as threshold, a 29.4 MB bucket
+    under the 25 MiB cap compiled to two all-reduces (24 and 4 MiB).
+    """
+    from jdist.ddp._engine import Engine
+
+    monkeypatch.setattr(Engine, "_platform", property(lambda self: "gpu"))
+    model = Stack(8, 500, rngs=nnx.Rngs(0))
+    ddp = DDP(model, bucket_cap_mb=2)
+    opts = ddp._engine.compiler_options
+    assert opts["xla_gpu_all_reduce_combine_threshold_bytes"] == 8_016_000  # torch's iter0
+    ddp.value_and_grad(lambda m, b: m(b).sum())(np.ones((8, 500), np.float32))
+    assert ddp.buckets.sizes() == [3_006_000, 3_006_000, 2_004_000]
+    opts = ddp._engine.compiler_options
+    assert opts["xla_gpu_all_reduce_combine_threshold_bytes"] == 3_006_000
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
 
 
 def test_ready_order_follows_execution_not_registration():
