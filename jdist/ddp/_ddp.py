@@ -64,6 +64,9 @@ class _StaticKey:
             self.parts is other.parts or self.parts == other.parts)
 
 
+_DIRECT_SET = [True]  # whether Variables keep their array in ``_raw_value`` (flax 0.12)
+
+
 class _Slots:
     """The Variables of a graph node behind one split ``State``, read and written in place.
 
@@ -91,7 +94,27 @@ class _Slots:
             isinstance(x, (jax.Array, np.ndarray)) for x in values)
 
     def read(self) -> Any:
-        return jax.tree.unflatten(self.treedef, [v.get_raw_value() for v in self.variables])
+        return jax.tree.unflatten(self.treedef, self.values())
+
+    def values(self) -> list:
+        """The Variables' arrays, in the state's leaf order (no ``State`` is built)."""
+        return [v.get_raw_value() for v in self.variables]
+
+    def write_values(self, values: list) -> None:
+        """Set the Variables' arrays. The first goes through ``set_raw_value`` (which checks
+        that this trace level may mutate them); the others, bound to the same module at
+        the same level, are set directly: flax's per-Variable checks were two thirds of
+        the Python time of a small model's step."""
+        if len(values) != len(self.variables):
+            raise ValueError(f"{len(values)} values for {len(self.variables)} Variables")
+        for i, (v, x) in enumerate(zip(self.variables, values, strict=True)):
+            if i == 0 or not _DIRECT_SET[0]:
+                v.set_raw_value(x)
+                continue
+            object.__setattr__(v, "_raw_value", x)
+            if v.get_raw_value() is not x:  # a flax without that slot: use its setter
+                _DIRECT_SET[0] = False
+                v.set_raw_value(x)
 
     def write(self, state: Any) -> bool:
         """Write ``state``'s values into the Variables; ``False`` (nothing written) when
@@ -102,6 +125,13 @@ class _Slots:
         for v, x in zip(self.variables, leaves, strict=True):
             v.set_raw_value(x)
         return True
+
+
+def _leaves_or_tree(tree: Any, treedef: Any) -> Any:
+    """``tree``'s leaves when it has the structure read at bind time, else ``tree`` itself
+    (the step added or removed variables: the caller falls back to ``nnx.update``)."""
+    leaves, got = jax.tree.flatten(tree)
+    return leaves if got == treedef else tree
 
 
 class _Bound:
@@ -317,14 +347,55 @@ class DistributedDataParallel(EngineShell):
             return (_StaticKey("train", gdef, ogdef, loss_fn, has_aux),
                     self._loss(gdef, loss_fn, has_aux), update)
 
+        def flat_pieces(b):
+            """``pieces`` over flat lists of arrays: the ``State`` trees are rebuilt at
+            trace time only, so a step neither builds nor flattens ``State`` objects (and
+            their Variables) in Python (about half of DDP's per-step host time)."""
+            key, pure, update = pieces(b.gdef, b.ogdef)
+            pt, bt, ot = b.params.treedef, b.buffers.treedef, b.opt.treedef
+
+            def fpure(p, bufs, batch, extra):
+                value, (aux, new_b) = pure(jax.tree.unflatten(pt, p),
+                                           jax.tree.unflatten(bt, bufs), batch, extra)
+                return value, (aux, _leaves_or_tree(new_b, bt))
+
+            def fupdate(p, grads, os, bufs):
+                new_p, new_o = update(jax.tree.unflatten(pt, p), jax.tree.unflatten(pt, grads),
+                                      jax.tree.unflatten(ot, os), jax.tree.unflatten(bt, bufs))
+                return _leaves_or_tree(new_p, pt), _leaves_or_tree(new_o, ot)
+
+            return _StaticKey("flat", key, pt, bt, ot), fpure, fupdate
+
         bound: list = []  # found at the first call: the module's and optimizer's Variables
 
         def step(batch, *args):
             self._engine.remember(step, batch, args)
             if not bound:
                 b = _Bound(self.module, optimizer)
-                bound.append((b, *pieces(b.gdef, b.ogdef)))
+                bound.append((b, *(flat_pieces(b) if b.fast and not sharded
+                                   else pieces(b.gdef, b.ogdef))))
             b, key, pure, update = bound[0]
+            if b.fast and not sharded:
+                out = self._engine.grad_step(key, pure, b.params.values(), b.buffers.values(),
+                                             batch, args, update=update,
+                                             opt_state=b.opt.values())
+                new_b, new_p, new_o = out["buffers"], out["params"], out["opt_state"]
+                synced = self._engine.require_backward_grad_sync
+                if isinstance(new_b, list):
+                    b.buffers.write_values(new_b)
+                else:  # the step changed the module's variables: nnx.update, bind again
+                    nnx.update(self.module, new_b)
+                    bound.clear()
+                if synced and isinstance(new_p, list) and isinstance(new_o, list):
+                    b.params.write_values(new_p)
+                    b.opt.write_values(new_o)
+                elif synced:
+                    as_tree = (lambda x, t: jax.tree.unflatten(t.treedef, x)
+                               if isinstance(x, list) else x)
+                    nnx.update(self.module, as_tree(new_p, b.params))
+                    nnx.update(optimizer, as_tree(new_o, b.opt))
+                    bound.clear()
+                return (out["loss"], out["aux"]) if has_aux else out["loss"]
             if b.fast:
                 params, buffers, ostate = b.params.read(), b.buffers.read(), b.opt.read()
             else:

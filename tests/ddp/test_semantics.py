@@ -102,11 +102,28 @@ def test_no_sync_program_has_no_collective_and_train_step_matches_accumulation()
     _, params, buffers = nnx.split(model, nnx.Param, ...)
     from jdist.ddp import _placement
 
+    # train_step programs take the Variables' arrays as flat lists (no State per step)
+    params, buffers = jax.tree.leaves(params), jax.tree.leaves(buffers)
     lowered = eng._programs[key].lower(
         _placement.replicated(params, eng.group), eng.buffers_in(buffers), None, None,
         None, _placement.shard_batch(b1, eng.group), (), None)
     text = lowered.compile().as_text()
     assert not re.search(r"all-reduce|all-gather|collective-permute|all-to-all", text)
+
+
+def test_no_sync_train_step_then_value_and_grad_reduces_the_accumulation():
+    """Gradients accumulated by a train step (flat arrays) feed a value_and_grad step."""
+    b1, b2 = data(seed=1), data(seed=2)
+    ref = MLP(rngs=nnx.Rngs(0))
+    want = jax.tree.map(jnp.add, nnx.grad(mse)(ref, b1), nnx.grad(mse)(ref, b2))
+    model = MLP(rngs=nnx.Rngs(0))
+    ddp = DDP(model)
+    step = ddp.train_step(mse, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param))
+    with ddp.no_sync():
+        step(b1)
+    _, grads = ddp.value_and_grad(mse)(b2)
+    assert max_diff(grads, want) < 1e-5
+    assert ddp._engine.acc is None
 
 
 class BNNet(nnx.Module):
@@ -262,3 +279,26 @@ def test_no_sync_with_find_unused_keeps_grads_of_params_used_only_earlier():
     expect = jax.tree.map(lambda a, b: a + b, g1, g2)
     assert max_diff(grads, expect) < 1e-5
     assert float(jnp.abs(grads["spare"]["kernel"][...]).max()) > 0
+
+
+def test_one_process_steps_block_only_on_cpu(monkeypatch):
+    """XLA:CPU steps wait for their program (in-process collectives can deadlock with
+    many programs in flight); on GPU/TPU a step keeps JAX's asynchronous dispatch."""
+    from jdist.ddp import _engine
+
+    calls = []
+    real = _engine._block_on_one
+    monkeypatch.setattr(_engine, "_block_on_one", lambda out, n: calls.append(n) or real(out, n))
+    b1 = data(seed=1)
+    losses, waits = [], []
+    for platform in ("cpu", "gpu"):
+        monkeypatch.setattr(_engine.Engine, "_platform", property(lambda self, p=platform: p))
+        model = MLP(rngs=nnx.Rngs(0))
+        ddp = DDP(model)
+        step = ddp.train_step(mse, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param))
+        before = len(calls)
+        losses.append([float(step(b1)) for _ in range(3)])
+        waits.append(len(calls) - before)
+        assert all(n == ddp.process_group.num_replicas for n in calls)
+    assert waits == [3, 0]  # one wait per step on CPU, none on "gpu"
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)  # same numbers either way
