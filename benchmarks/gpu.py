@@ -1,8 +1,9 @@
 """GPU checks and timings: what only a GPU machine can show (run where one is lent).
 
-Run: ``PYTHONPATH=. python benchmarks/gpu.py [--out DIR] [--steps 30]``. On a machine
-without a GPU, ``--dry-run`` runs every part on XLA:CPU (8 virtual devices for the
-schedule part, fewer steps) to check the script itself; its numbers mean nothing.
+Run: ``PYTHONPATH=. python benchmarks/gpu.py [--out DIR] [--steps 30]`` (DIR defaults to
+.tmp/gpu-out). On a machine without a GPU, ``--dry-run`` runs every part on XLA:CPU (8
+virtual devices for the schedule part, fewer steps) to check the script itself; its
+numbers mean nothing.
 
 Parts, each in its own subprocess (JAX's backend options are fixed at start):
 
@@ -14,7 +15,10 @@ Parts, each in its own subprocess (JAX's backend options are fixed at start):
    ``all-reduce-start``/``-done``), its bytes, and how many computations the latency
    hiding scheduler placed between its start and its done (work that overlaps the
    reduction), for jdist with ``bucket_cap_mb`` 25 and 4, for jdist with the latency
-   hiding scheduler off, and for a hand-written ``shard_map`` + ``pmean`` step.
+   hiding scheduler off, and for a hand-written ``shard_map`` + ``pmean`` step. Each case
+   compiles in its own process with ``--xla_gpu_autotune_level=0``: under the mock
+   topology XLA:GPU's GEMM autotuner hung (no progress in 200 s on an H200, jax 0.11.2),
+   and autotuning picks kernels, not the schedule's structure.
 2. **timing**: one process, one GPU. jdist ``ddp.train_step`` vs a hand-written jit step
    (the overhead of DDP's machinery where the program itself is tiny: a small MLP) and on a
    compute-bound MLP; torch's DDP (``world_size=1``, NCCL) and plain torch steps on the
@@ -443,6 +447,26 @@ def _free_port():
 
 def _child(part, args):
     env = dict(os.environ, PYTHONPATH=ROOT)
+    if part == "schedule" and args.case is None:  # one process per case (see part 1)
+        cases = [_child_case(i, args, env) for i in range(4)]
+        bad = [c for c in cases if "error" in c]
+        if bad:
+            return bad[0]
+        first = cases[0]
+        first["cases"] = [c["cases"][0] for c in cases]
+        return first
+    return _run_child(part, args, env)
+
+
+def _child_case(i, args, env):
+    env = dict(env)
+    if not args.dry_run:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    args = argparse.Namespace(**{**vars(args), "case": i})
+    return _run_child("schedule", args, env)
+
+
+def _run_child(part, args, env):
     if args.dry_run:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -491,7 +515,7 @@ def run_part(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="gpu-out")
+    ap.add_argument("--out", default=os.path.join(ROOT, ".tmp", "gpu-out"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="XLA:CPU, to check the script")
     ap.add_argument("--part", choices=("schedule", "timing", "nccl"))
