@@ -174,7 +174,8 @@ def headline(res: Result) -> str:
 
 
 def render(results: list[Result], machine: dict, images: dict, *, mode: str,
-           started: str, total_s: float, command: str) -> str:
+           started: str, total_s: float, command: str,
+           gpu_link: str = "gpu.md") -> str:
     """The whole report as Markdown.
 
     Args:
@@ -185,6 +186,7 @@ def render(results: list[Result], machine: dict, images: dict, *, mode: str,
         started: when the run began (UTC, printable).
         total_s: wall time of the whole run.
         command: the command line that produced the report.
+        gpu_link: the path of docs/gpu.md relative to the report.
     """
     v = machine["versions"]
     out = [
@@ -195,6 +197,8 @@ def render(results: list[Result], machine: dict, images: dict, *, mode: str,
         "for benchmarks without one, parsed from its printed table (ratios the benchmark did "
         "not print are computed from its two numbers and marked so). Each benchmark runs "
         "jdist and its baseline in the same run. Its raw output is under its tables.", "",
+        "This machine has no GPU. Results from a GPU machine (`benchmarks/gpu.py`) are in "
+        f"[gpu.md]({gpu_link}).", "",
     ]
     if mode == "quick":
         out += ["Quick mode uses fewer sizes, steps and repetitions than the benchmarks' "

@@ -247,8 +247,9 @@ def write_report(results: list[Result], machine: dict, out: Path, *, mode: str, 
     """Writes the plots under ``<out's folder>/img`` and the Markdown report to ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     images = make_plots(results, out.parent / "img", "img")
+    gpu_link = Path(os.path.relpath(ROOT / "docs" / "gpu.md", out.parent.resolve())).as_posix()
     out.write_text(render(results, machine, images, mode=mode, started=started,
-                          total_s=total_s, command=command))
+                          total_s=total_s, command=command, gpu_link=gpu_link))
     return out
 
 
