@@ -246,17 +246,6 @@ def print_schedule(s):
 
 
 # ----------------------------------------------------------------------------- part 2
-def _median_ms(fn, steps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
 MODELS = {"small": ((784, 1024, 1024, 1024, 10), 128),
           "large": ((4096, 4096, 4096, 4096, 4096, 10), 4096)}
 
@@ -351,6 +340,8 @@ def torch_timing(steps, dry_run=False):
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from benchmarks.ddp import _median_ms
 
     if not torch.cuda.is_available() and not dry_run:
         return {"skipped": "torch sees no CUDA device"}
