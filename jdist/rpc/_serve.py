@@ -3,24 +3,28 @@
 Mixed into :class:`jdist.rpc._agent.RpcAgent` (it uses the agent's executor, codecs
 and hooks). A remote function's exception is sent back with its traceback; a function
 marked ``@async_execution`` frees its thread and the reply goes out when its future
-completes.
+completes. A pool thread that has replied reads the caller's connection for up to
+``POLL_SECONDS`` and runs the next call arriving there itself (still a pool thread: user
+code never runs on the I/O loop, and a nested call it makes waits on another connection).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from jdist.errors import RpcError
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
-from jdist.rpc._futures import Future
+from jdist.rpc._futures import POLL_SECONDS, Future
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc.transport import Comm, CommClosedError
 
 __all__ = ["CallServer", "quiet"]
 
 log = logging.getLogger("jdist.rpc")
+_INLINE = threading.local()  # .slot: [] while a pool thread polls for its next call
 
 
 class CallServer:
@@ -49,6 +53,8 @@ class CallServer:
                 lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn, value=False))
             self._executor.submit(self._run_into, entry.future, func, args, kwargs, msg.fn,
                                   msg.ctx)
+        elif getattr(_INLINE, "slot", None) == []:  # a pool thread polling for its next call
+            _INLINE.slot.append((comm, peer, msg, func, args, kwargs))
         else:
             self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
 
@@ -79,16 +85,38 @@ class CallServer:
             fut.set_result(out)
 
     def _run_call(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> None:
+        """Run a call on this pool thread and reply; then read the caller's connection
+        for a little while and run the next call that arrives here too (no hand-off)."""
+        while self._run_one(comm, peer, msg, func, args, kwargs):
+            nxt = self._poll_next_call(comm)
+            if nxt is None:
+                return
+            comm, peer, msg, func, args, kwargs = nxt
+
+    def _run_one(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> bool:
+        """Run one call and reply; False if the reply waits for an async result."""
         try:
             out = self._invoke(func, args, kwargs, msg.ctx)
             if getattr(func, "_jdist_async_execution", False):
                 _check_async_result(out, msg.fn).add_done_callback(
                     lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn))
-                return
+                return False
         except BaseException as e:  # noqa: BLE001 - sent to the caller
             self._reply_failure(comm, msg.rid, e, peer, msg.fn)
-            return
+            return True
         self._reply(comm, msg.rid, out, peer, msg.fn)
+        return True
+
+    def _poll_next_call(self, comm: Comm) -> tuple | None:
+        """Read ``comm`` in this thread for up to ``POLL_SECONDS``; the first call read
+        (as ``_run_call``'s arguments) is kept for this thread, others go to the pool."""
+        slot: list = []
+        _INLINE.slot = slot
+        try:
+            comm.poll_until(lambda: bool(slot) or self.state != "running", POLL_SECONDS)
+        finally:
+            _INLINE.slot = None
+        return slot[0] if slot else None
 
     def _reply_future(self, comm, rid: int, f: Future, peer: int, fn: str,
                       value: bool = True) -> None:

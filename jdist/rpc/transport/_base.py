@@ -88,6 +88,17 @@ class Comm(abc.ABC):
         """Change the receive cap (the agent raises it once the peer is authenticated)."""
         self.max_message_bytes = int(n)
 
+    def poll_until(self, done: Callable[[], bool], seconds: float) -> None:
+        """Read and deliver (to ``on_message``, in this thread) what arrives, without
+        blocking, until ``done()`` or for at most ``seconds``; then return.
+
+        A thread about to wait for a message polls briefly first: a message that comes
+        soon is then handled without waking any thread. Only comms that
+        :meth:`start_receiving` was called on deliver; this default (transports without
+        polling) returns at once.
+        """
+        del done, seconds
+
     def start_receiving(self, on_message: Callable[[list], None],
                         on_close: Callable[[str], None]) -> None:
         """From now on call ``on_message(frames)`` for each message, then ``on_close(reason)``.

@@ -1,11 +1,16 @@
 """TCP transport on asyncio: length-prefixed frames, zero-copy send and receive.
 
-Receiving runs on the event loop through an :class:`asyncio.BufferedProtocol` whose
-buffers are the ones :class:`FrameDecoder` hands out, so a large array frame is read
-straight into its final buffer. Sending is done by the calling thread with
-``socket.sendmsg`` over the frames' memoryviews (one system call for header and
-buffers, no join, no copy), waiting with ``poll`` when the kernel buffer is full; a lock
-keeps messages whole.
+Receiving: the event loop watches each socket (``add_reader``) and reads straight into
+the buffers :class:`FrameDecoder` hands out, so a large array frame lands in its final
+buffer. Any thread may read too (:meth:`TCPComm.poll_until`): a thread about to wait
+for a message (a caller for its reply, a pool thread for the next call) reads the
+socket itself for a little while, with the socket taken out of the loop's epoll set,
+so a message that comes soon wakes no thread at all. A read lock keeps reads and the
+delivery of their messages in order, whichever thread reads.
+
+Sending is done by the calling thread with ``socket.sendmsg`` over the frames'
+memoryviews (one system call for header and buffers, no join, no copy), waiting with
+``poll`` when the kernel buffer is full; a lock keeps messages whole.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jdist.rpc.transport._registry import register_transport
 __all__ = ["TCPTransport", "TCPComm", "split_host_port"]
 
 _IOV_MAX = 512
+_EOF = -1  # _read_once: the stream ended or failed
 
 
 def split_host_port(loc: str) -> tuple[str, int]:
@@ -58,51 +64,6 @@ def _tune(sock: socket.socket) -> None:
     # buffer sizes are left to the kernel: setting SO_RCVBUF turns off its autotuning
 
 
-class _Reader(asyncio.BufferedProtocol):
-    """The loop receives straight into the decoder's buffers; no future per read."""
-
-    def __init__(self, comm: TCPComm):
-        self.comm = comm
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.comm._decoder.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        comm = self.comm
-        decoder = comm._decoder
-        try:
-            msgs = decoder.buffer_updated(nbytes)
-            # inside a large frame, keep reading while the socket has data: one loop
-            # iteration per readiness event is far too slow for megabytes
-            while decoder.receiving_large_frame:
-                try:
-                    n = comm.sock.recv_into(decoder.get_buffer())
-                except OSError:  # EAGAIN (or an error the transport will see next)
-                    break
-                if n == 0:
-                    break  # end of stream: the transport notices on its next read
-                msgs += decoder.buffer_updated(n)
-        except FrameError as e:
-            comm._fail(CommClosedError(f"bad data from {comm.peer}, connection closed: {e}"))
-            comm.transport.abort()
-            return
-        if not msgs:
-            return
-        if comm._on_message is not None:
-            for m in msgs:
-                comm._on_message(m)
-        else:
-            comm._ready.extend(msgs)
-            comm._wake()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        why = f"dropped: {exc}" if exc else "closed by the peer"
-        self.comm._fail(CommClosedError(f"connection to {self.comm.peer} {why}"))
-
-
 class TCPComm(Comm):
     """A connected non-blocking socket; reads on ``loop``, writes from any thread."""
 
@@ -116,8 +77,14 @@ class TCPComm(Comm):
         self._waiter: asyncio.Future | None = None
         self._error: CommClosedError | None = None
         self._wlock = threading.Lock()
+        self._rlock = threading.Lock()  # held while reading and delivering (any thread)
         self._closed = False
-        self.transport: asyncio.Transport | None = None
+        self._fd_open = True  # the socket is still registered with the loop
+        self._mute_lock = threading.Lock()
+        self._mutes = 0  # threads polling this socket now (see _mute)
+        # the loop's epoll object (asyncio's selector internals; None: no muting)
+        epoll = getattr(getattr(loop, "_selector", None), "_selector", None)
+        self._epoll = epoll if isinstance(epoll, select.epoll) else None
         self._on_message: Callable[[list], None] | None = None
         self._on_close: Callable[[str], None] | None = None
         try:
@@ -126,9 +93,100 @@ class TCPComm(Comm):
             self.peer = "?"
 
     async def _attach(self) -> TCPComm:
-        self.transport, _ = await self.loop.connect_accepted_socket(
-            lambda: _Reader(self), sock=self.sock)
+        self.loop.add_reader(self.sock.fileno(), self._on_readable)
         return self
+
+    def _on_readable(self) -> None:
+        """The loop's read path (level-triggered: called while data is unread)."""
+        status = self._read_once()
+        if status == _EOF:
+            self._close_on_loop()
+
+    def _read_once(self) -> int:
+        """Read what the socket has (one ``recv``, more inside a large frame) and deliver
+        the completed messages, holding the read lock: any thread may call it.
+
+        Returns the number of messages delivered, or ``_EOF`` when the stream ended or
+        failed (then only the loop closes the comm; a polling thread just stops).
+        """
+        with self._rlock:
+            if not self._fd_open or self._closed:
+                return _EOF
+            decoder = self._decoder
+            try:
+                n = self.sock.recv_into(decoder.get_buffer())
+            except (BlockingIOError, InterruptedError):
+                return 0
+            except OSError as e:
+                if self._error is None:
+                    self._error = CommClosedError(f"connection to {self.peer} dropped: {e}")
+                return _EOF
+            if n == 0:
+                if self._error is None:
+                    self._error = CommClosedError(f"connection to {self.peer} closed by the peer")
+                return _EOF
+            try:
+                msgs = decoder.buffer_updated(n)
+                # inside a large frame, keep reading while the socket has data: one loop
+                # iteration per readiness event is far too slow for megabytes
+                while decoder.receiving_large_frame:
+                    try:
+                        n = self.sock.recv_into(decoder.get_buffer())
+                    except OSError:  # EAGAIN (or an error the next read reports)
+                        break
+                    if n == 0:
+                        break  # end of stream: the next read reports it
+                    msgs += decoder.buffer_updated(n)
+            except FrameError as e:
+                if self._error is None:
+                    self._error = CommClosedError(
+                        f"bad data from {self.peer}, connection closed: {e}")
+                return _EOF
+            if not msgs:
+                return 0
+            on_message = self._on_message
+            if on_message is not None:
+                for m in msgs:
+                    on_message(m)
+            else:
+                self._ready.extend(msgs)
+                self.loop.call_soon_threadsafe(self._wake)
+            return len(msgs)
+
+    def poll_until(self, done: Callable[[], bool], seconds: float) -> None:
+        """Read and deliver in this thread until ``done()``, for at most ``seconds``
+        (see :meth:`Comm.poll_until`). Meanwhile the loop is not woken for this socket:
+        the kernel would wake it (an IPI paid by the sender) only to find nothing to read.
+        """
+        if self._on_message is None or self._closed:
+            return
+        deadline = time.perf_counter() + seconds
+        self._mute(True)
+        try:
+            while not done() and time.perf_counter() < deadline:
+                if self._read_once() == _EOF:  # the loop closes the comm (it may never
+                    try:  # see the socket readable again)
+                        self.loop.call_soon_threadsafe(self._close_on_loop)
+                    except RuntimeError:  # the loop is gone already
+                        pass
+                    return
+        finally:
+            self._mute(False)
+
+    def _mute(self, on: bool) -> None:
+        """Take this socket out of the loop's epoll interest set while threads poll it
+        (counted: the first poller mutes, the last one re-arms; re-arming reports data
+        that came in between, epoll being level-triggered)."""
+        with self._mute_lock:
+            self._mutes += 1 if on else -1
+            if self._mutes != (1 if on else 0) or self._epoll is None:
+                return
+            with self._rlock:  # not while the loop closes the socket (fd reuse)
+                if self._fd_open:
+                    try:
+                        self._epoll.modify(self.sock.fileno(), 0 if on else select.EPOLLIN)
+                    except (OSError, ValueError):
+                        pass
 
     def __repr__(self) -> str:
         return f"TCPComm(peer={self.peer}, closed={self._closed})"
@@ -157,10 +215,12 @@ class TCPComm(Comm):
 
     def start_receiving(self, on_message: Callable[[list], None],
                         on_close: Callable[[str], None]) -> None:
-        # straight from the protocol's read path: no future or task step per message
-        self._on_message, self._on_close = on_message, on_close
-        while self._ready:
-            on_message(self._ready.popleft())
+        # straight from the read path: no future or task step per message; under the
+        # read lock, so no polling thread delivers a newer message before these
+        with self._rlock:
+            self._on_message, self._on_close = on_message, on_close
+            while self._ready:
+                on_message(self._ready.popleft())
         if self._error is not None:
             self._fail(self._error)
 
@@ -228,9 +288,15 @@ class TCPComm(Comm):
             pass
 
     def _close_on_loop(self) -> None:
+        with self._rlock:  # no thread is reading the socket while it is closed
+            was_open, self._fd_open = self._fd_open, False
+            if was_open:
+                try:
+                    self.loop.remove_reader(self.sock.fileno())
+                except (ValueError, OSError):
+                    pass
+                self.sock.close()
         self._fail(CommClosedError(f"connection to {self.peer} is closed"))
-        if self.transport is not None:
-            self.transport.close()
 
 
 class TCPListener(Listener):

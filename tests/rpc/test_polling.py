@@ -1,0 +1,116 @@
+"""The poll phase over TCP: callers and pool threads read their connection briefly
+before blocking. Correctness only (no timings): results, the threads user code runs on,
+nested calls, timeouts, a dead peer."""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jdist.errors import RpcTimeoutError, WorkerUnavailableError
+from jdist.rpc import _serve
+from tests.rpc.conftest import make_agents, stop_all
+
+_AGENTS: dict = {}
+
+
+def thread_name():
+    return threading.current_thread().name
+
+
+def echo(x):
+    return x
+
+
+def nested(me, other, x):
+    """Run on a pool thread: calls ``other`` and its own worker, back to back."""
+    agent = _AGENTS[me]
+    a = agent.rpc_async(other, operator.add, (x, 1)).wait()
+    b = agent.rpc_async(me, operator.mul, (a, 2)).wait()
+    return b
+
+
+_RELEASE = threading.Event()
+
+
+def wait_release(timeout):
+    return _RELEASE.wait(timeout)
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+@pytest.fixture
+def tcp3():
+    agents = make_agents(3, transport="tcp", num_worker_threads=4)
+    _AGENTS.clear()
+    _AGENTS.update({a.info.name: a for a in agents})
+    yield agents
+    stop_all(agents, graceful=False)
+
+
+def test_back_to_back_calls_run_on_pool_threads_with_results_in_order(tcp3, monkeypatch):
+    a0 = tcp3[0]
+    polled = []  # calls a pool thread picked up itself while polling
+    real = _serve.CallServer._poll_next_call
+
+    def spy(self, comm):
+        nxt = real(self, comm)
+        polled.append(nxt is not None)
+        return nxt
+
+    monkeypatch.setattr(_serve.CallServer, "_poll_next_call", spy)
+    names = {a0.rpc_async("w1", thread_name).wait() for _ in range(200)}
+    # user code never runs on the I/O thread, polled or not (pool threads: jdist-rpc-w1_N)
+    assert names and all(n.startswith("jdist-rpc-w1_") for n in names), names
+    assert polled  # every synchronous reply was followed by a poll phase
+    xs = [np.arange(i, dtype=np.float32) for i in range(1, 300)]
+    futs = [a0.rpc_async("w1", echo, (x,)) for x in xs]  # many in flight on one socket
+    for x, f in zip(xs, futs, strict=True):
+        np.testing.assert_array_equal(f.wait(), x)
+    big = np.random.default_rng(0).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    np.testing.assert_array_equal(a0.rpc_async("w1", echo, (big,)).wait(), big)
+
+
+def test_nested_calls_from_handlers_do_not_deadlock(tcp3):
+    a0 = tcp3[0]
+    for i in range(30):
+        assert a0.rpc_async("w1", nested, ("w1", "w2", i)).wait(30) == (i + 1) * 2
+    for _ in range(10):  # at most 2 blocked handlers per worker: 2 of 4 threads stay free
+        futs = [a0.rpc_async(r, nested, (f"w{r}", f"w{3 - r}", r)) for r in (1, 2) for _ in "ab"]
+        assert [f.wait(30) for f in futs] == [4, 4, 6, 6]
+
+
+def test_poll_falls_back_to_blocking_and_times_out_naming_the_worker(tcp3):
+    a0 = tcp3[0]
+    assert a0.rpc_async("w1", sleep_then, (0.05, 7)).wait() == 7  # longer than a poll
+    with pytest.raises(RpcTimeoutError, match=r"w1.*sleep_then.*0\.3"):
+        a0.rpc_async("w1", sleep_then, (1.5, 0), timeout=0.3).wait()
+    fut = a0.rpc_async("w2", sleep_then, (1, 5))
+    with pytest.raises(RpcTimeoutError, match="Future.wait timed out after 0.01 s"):
+        fut.wait(0.01)
+    assert fut.wait() == 5
+
+
+def test_dead_peer_fails_a_polled_wait(tcp3):
+    a0, a1 = tcp3[0], tcp3[1]
+    assert a0.rpc_async("w1", echo, (1,)).wait() == 1
+    _RELEASE.clear()
+    fut = a0.rpc_async("w1", wait_release, (30,))  # released below: no thread left behind
+    killer = threading.Timer(0.2, a1.close)  # dies without a graceful shutdown
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerUnavailableError, match="w1"):
+        fut.wait(20)
+    killer.join(20)  # its close has finished before the fixture's teardown
+    _RELEASE.set()
+    assert time.monotonic() - t0 < 20  # failed by the drop, not by the wait's bound
+    with pytest.raises(WorkerUnavailableError, match="w1"):
+        a0.rpc_async("w1", echo, (1,)).wait()
+    assert a0.rpc_async("w2", echo, (2,)).wait() == 2
