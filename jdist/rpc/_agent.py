@@ -11,16 +11,18 @@ calls.
 
 Latency: each hand-off between threads is a wake-up, and waking an idle CPU costs tens
 of microseconds. So a thread about to wait reads its connection itself for up to
-``POLL_SECONDS`` (0.2 ms) first (``Comm.poll_until``): a caller waiting on a reply
-(``Future.wait``), and a pool thread that has just replied, which then runs the next
-call from that connection itself instead of handing it to another pool thread. A
-steady stream of calls then needs no wake-up at all; an isolated call pays two
-bounded polls of CPU time.
+``RpcBackendOptions.busy_poll_us`` (0.2 ms) first (``Comm.poll_until``): a caller
+waiting on a reply (``Future.wait``), and a pool thread that has just replied, which
+then runs the next call from that connection itself instead of handing it to another
+pool thread. A steady stream of calls then needs no wake-up at all. Polling holds the
+GIL between reads, so it is skipped for peers in this process and while other threads
+of the process run RPC functions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -35,7 +37,7 @@ from jdist.errors import RpcAuthError, RpcError, RpcTimeoutError, WorkerUnavaila
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
 from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handshake
-from jdist.rpc._futures import Future
+from jdist.rpc._futures import Future, others_running
 from jdist.rpc._options import RpcBackendOptions, resolve_timeout
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
@@ -47,6 +49,14 @@ __all__ = ["RpcAgent"]
 
 log = logging.getLogger("jdist.rpc")
 _HANDSHAKE_TIMEOUT = 10.0
+
+
+_LOCAL_ADDRESSES: set[str] = set()  # listening addresses of the agents in this process
+
+
+def same_process(address: str | None) -> bool:
+    """Whether ``address`` is an agent of this process (or unknown)."""
+    return address is None or address in _LOCAL_ADDRESSES
 
 
 class _Pending(NamedTuple):
@@ -98,6 +108,7 @@ class RpcAgent(CallServer):
         self.store: Any = None  # the rendezvous store (set by start_agent)
         self.state = "new"
         self._ready = threading.Event()  # set once the worker table is installed
+        self._poll_s = options.busy_poll_us * 1e-6
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)
@@ -125,6 +136,7 @@ class RpcAgent(CallServer):
         self._thread.start()
         self._release_thread.start()
         self.address = self._run(self._start(), 30.0)
+        _LOCAL_ADDRESSES.add(self.address)
         self.state = "running"
         return self.address
 
@@ -331,9 +343,24 @@ class RpcAgent(CallServer):
         fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
         self._send_request(worker, rid, frames, t)
         comm = self._conns.get(worker.id)
-        if comm is not None:
-            fut._poll = comm.poll_until  # its reply comes on this connection
+        if comm is not None and self.polls(worker.id):
+            fut._poll = functools.partial(self._poll_reply, comm)  # the reply's connection
         return fut
+
+    def polls(self, rank: int) -> bool:
+        """Whether a thread waiting for a message from ``rank`` polls first: not for a
+        peer in this process (it needs this process's GIL to answer)."""
+        return self._poll_s > 0 and not same_process(self._addresses.get(rank))
+
+    def _poll_reply(self, comm: Comm, fut: Future, timeout: float | None) -> None:
+        """Before ``fut.wait`` blocks: read the reply's connection in this thread for up
+        to ``busy_poll_us``, so a reply that comes soon wakes no thread. Only for a lone
+        request (with several in flight the I/O thread is busy anyway, and reads in
+        parallel with this thread) and while no other RPC function runs here."""
+        if len(self._pending) > 1 or others_running():
+            return
+        limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
+        comm.poll_until(lambda: fut._done or others_running(), limit)
 
     def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
                       desc: str) -> Future:
@@ -532,6 +559,7 @@ class RpcAgent(CallServer):
         if not self._thread.is_alive():
             self._loop.close()
         self._release_thread.join(5.0)
+        _LOCAL_ADDRESSES.discard(self.address)
         self.state = "closed"
         with self.rrefs.lock:
             owned, self.rrefs.owned = self.rrefs.owned, {}

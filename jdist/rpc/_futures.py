@@ -15,8 +15,21 @@ __all__ = ["Future", "wait_all", "collect_all"]
 T = TypeVar("T")
 log = logging.getLogger("jdist.rpc")
 
-#: how long a waiting thread reads its connection itself before it blocks (seconds)
-POLL_SECONDS = 200e-6
+_busy = [0]  # RPC calls of this process queued on or running in pool threads
+_busy_lock = threading.Lock()
+_in_call = threading.local()  # .depth: RPC functions this thread is running
+
+
+def add_busy(k: int) -> None:
+    """Count ``k`` calls more (queued or running); a waiting thread does not poll then."""
+    with _busy_lock:
+        _busy[0] += k
+
+
+def others_running() -> bool:
+    """Whether calls other than the one this thread runs are queued or running here
+    (their threads need the GIL: a thread polling meanwhile would delay them)."""
+    return _busy[0] > getattr(_in_call, "depth", 0)
 
 
 class Future(Generic[T]):
@@ -36,8 +49,8 @@ class Future(Generic[T]):
         self._callbacks: list[Callable[[Future], Any]] = []
         self._executor = _executor
         self._desc = _desc
-        #: set by the agent: reads the reply's connection without blocking (see wait)
-        self._poll: Callable[[Callable[[], bool], float], None] | None = None
+        #: set by the agent: ``_poll(self, timeout)`` may read the reply in this thread
+        self._poll: Callable[[Future, float | None], None] | None = None
 
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("failed" if self._exc else "done")
@@ -58,7 +71,7 @@ class Future(Generic[T]):
           RpcTimeoutError: not done within ``timeout`` seconds.
         """
         if not self._done and self._poll is not None:
-            self._spin(timeout)
+            self._poll(self, timeout)  # may read the reply in this thread (see the agent)
         with self._cond:
             if not self._done and not self._cond.wait_for(lambda: self._done, timeout):
                 raise RpcTimeoutError(f"Future.wait timed out after {timeout} s waiting for "
@@ -66,14 +79,6 @@ class Future(Generic[T]):
         if self._exc is not None:
             raise self._exc
         return self._value
-
-    def _spin(self, timeout: float | None) -> None:
-        """Read the reply's connection in this thread for a little while before blocking:
-        a reply that comes soon is then picked up without waking any thread (each wake-up
-        of an idle CPU costs tens of microseconds). Bounded by :data:`POLL_SECONDS`; the
-        GIL is released in every (non-blocking) read."""
-        limit = POLL_SECONDS if timeout is None else min(POLL_SECONDS, timeout)
-        self._poll(self.done, limit)
 
     def value(self) -> T:
         """The value of a completed future (raises its error).

@@ -29,6 +29,13 @@ class RpcBackendOptions:
       transport: ``"tcp"`` or ``"inproc"`` (in-process agents, for tests).
       connect_timeout: seconds to connect and authenticate to a peer.
       shutdown_timeout: default bound of ``shutdown(graceful=True)``.
+      busy_poll_us: microseconds a thread about to wait for a message (a caller for its
+        reply, a pool thread for the next call) reads its connection itself first, so a
+        message that comes soon wakes no thread (each wake-up of an idle CPU costs tens
+        of microseconds). It holds the GIL between reads, so it is skipped while other
+        threads of the process run RPC functions and for peers in this process; other
+        Python threads of the process can be delayed by up to this much per wait.
+        0 turns polling off.
     """
 
     init_method: object = "env://"
@@ -40,6 +47,7 @@ class RpcBackendOptions:
     transport: str = "tcp"
     connect_timeout: float = 10.0
     shutdown_timeout: float = 60.0
+    busy_poll_us: float = 200.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rpc_timeout, (int, float)) or self.rpc_timeout < 0:
@@ -59,6 +67,10 @@ class RpcBackendOptions:
                                  f"got {self.transport!r}")
         if self.auth_token is not None and not isinstance(self.auth_token, (str, bytes)):
             raise TypeError(f"auth_token must be str or bytes, got {type(self.auth_token)}")
+        if (not isinstance(self.busy_poll_us, (int, float)) or isinstance(self.busy_poll_us, bool)
+                or not 0 <= self.busy_poll_us <= 1e6):
+            raise ValueError(f"busy_poll_us must be microseconds in 0..1e6 (0 = no polling), "
+                             f"got {self.busy_poll_us!r}")
         for field in ("connect_timeout", "shutdown_timeout"):
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or v <= 0:

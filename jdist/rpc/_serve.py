@@ -4,7 +4,7 @@ Mixed into :class:`jdist.rpc._agent.RpcAgent` (it uses the agent's executor, cod
 and hooks). A remote function's exception is sent back with its traceback; a function
 marked ``@async_execution`` frees its thread and the reply goes out when its future
 completes. A pool thread that has replied reads the caller's connection for up to
-``POLL_SECONDS`` and runs the next call arriving there itself (still a pool thread: user
+``busy_poll_us`` and runs the next call arriving there itself (still a pool thread: user
 code never runs on the I/O loop, and a nested call it makes waits on another connection).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from jdist.errors import RpcError
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
-from jdist.rpc._futures import POLL_SECONDS, Future
+from jdist.rpc._futures import Future, _in_call, add_busy, others_running
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc.transport import Comm, CommClosedError
 
@@ -51,12 +51,18 @@ class CallServer:
         if entry is not None:
             entry.future.add_done_callback(
                 lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn, value=False))
-            self._executor.submit(self._run_into, entry.future, func, args, kwargs, msg.fn,
-                                  msg.ctx)
+            self._submit_counted(self._run_into, entry.future, func, args, kwargs, msg.fn,
+                                 msg.ctx)
         elif getattr(_INLINE, "slot", None) == []:  # a pool thread polling for its next call
+            add_busy(1)
             _INLINE.slot.append((comm, peer, msg, func, args, kwargs))
         else:
-            self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
+            add_busy(1)
+            try:
+                self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
+            except BaseException:
+                add_busy(-1)
+                raise
 
     def _on_call_when_ready(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
         if not self._ready.wait(self.options.connect_timeout):
@@ -68,10 +74,23 @@ class CallServer:
         self._on_call(comm, peer, msg, frames)
 
     def _invoke(self, func, args, kwargs, ctx: int):
-        if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
-            with self.enter_context_hook(ctx):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        _in_call.depth = getattr(_in_call, "depth", 0) + 1  # see others_running
+        try:
+            if self.enter_context_hook is not None and ctx != P.NO_CONTEXT:
+                with self.enter_context_hook(ctx):
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        finally:
+            _in_call.depth -= 1
+
+    def _submit_counted(self, fn, *args) -> None:
+        """Run ``fn(*args)`` (one call) on the pool, counted in ``add_busy`` meanwhile."""
+        add_busy(1)
+        try:
+            self._executor.submit(_counted, fn, *args)
+        except BaseException:
+            add_busy(-1)
+            raise
 
     def _run_into(self, fut: Future, func, args, kwargs, fn: str, ctx: int) -> None:
         try:
@@ -87,8 +106,14 @@ class CallServer:
     def _run_call(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> None:
         """Run a call on this pool thread and reply; then read the caller's connection
         for a little while and run the next call that arrives here too (no hand-off)."""
-        while self._run_one(comm, peer, msg, func, args, kwargs):
-            nxt = self._poll_next_call(comm)
+        while True:  # each call it runs was counted by add_busy(1)
+            try:
+                replied = self._run_one(comm, peer, msg, func, args, kwargs)
+            finally:
+                add_busy(-1)
+            if not replied:
+                return
+            nxt = self._poll_next_call(comm, peer)
             if nxt is None:
                 return
             comm, peer, msg, func, args, kwargs = nxt
@@ -107,13 +132,17 @@ class CallServer:
         self._reply(comm, msg.rid, out, peer, msg.fn)
         return True
 
-    def _poll_next_call(self, comm: Comm) -> tuple | None:
-        """Read ``comm`` in this thread for up to ``POLL_SECONDS``; the first call read
-        (as ``_run_call``'s arguments) is kept for this thread, others go to the pool."""
+    def _poll_next_call(self, comm: Comm, peer: int) -> tuple | None:
+        """Read ``comm`` in this thread for up to ``busy_poll_us``; the first call read
+        (as ``_run_call``'s arguments) is kept for this thread, others go to the pool.
+        Not while other threads of this process run RPC functions (they need the GIL)."""
+        if not self.polls(peer) or others_running():
+            return None
         slot: list = []
         _INLINE.slot = slot
         try:
-            comm.poll_until(lambda: bool(slot) or self.state != "running", POLL_SECONDS)
+            comm.poll_until(lambda: bool(slot) or self.state != "running" or others_running(),
+                            self._poll_s)
         finally:
             _INLINE.slot = None
         return slot[0] if slot else None
@@ -140,6 +169,13 @@ class CallServer:
         del peer, fn
         frames = P.encode(P.Failure(rid), *S.dumps(failure_payload(exc, self.info)))
         quiet(comm.send, frames, self._send_timeout())
+
+
+def _counted(fn, *args) -> None:
+    try:
+        fn(*args)
+    finally:
+        add_busy(-1)
 
 
 def quiet(fn, *args) -> None:

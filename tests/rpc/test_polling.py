@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jdist.errors import RpcTimeoutError, WorkerUnavailableError
-from jdist.rpc import _serve
+from jdist.rpc import _agent, _serve
 from tests.rpc.conftest import make_agents, stop_all
 
 _AGENTS: dict = {}
@@ -47,7 +47,9 @@ def sleep_then(seconds, value):
 
 
 @pytest.fixture
-def tcp3():
+def tcp3(monkeypatch):
+    # these agents share one process, where polling is off; treat them as remote peers
+    monkeypatch.setattr(_agent, "same_process", lambda address: address is None)
     agents = make_agents(3, transport="tcp", num_worker_threads=4)
     _AGENTS.clear()
     _AGENTS.update({a.info.name: a for a in agents})
@@ -60,12 +62,14 @@ def test_back_to_back_calls_run_on_pool_threads_with_results_in_order(tcp3, monk
     polled = []  # calls a pool thread picked up itself while polling
     real = _serve.CallServer._poll_next_call
 
-    def spy(self, comm):
-        nxt = real(self, comm)
+    def spy(self, comm, peer):
+        nxt = real(self, comm, peer)
         polled.append(nxt is not None)
         return nxt
 
     monkeypatch.setattr(_serve.CallServer, "_poll_next_call", spy)
+    fut = a0.rpc_async("w1", echo, (0,))
+    assert fut._poll is not None and fut.wait() == 0  # a remote peer: the wait polls first
     names = {a0.rpc_async("w1", thread_name).wait() for _ in range(200)}
     # user code never runs on the I/O thread, polled or not (pool threads: jdist-rpc-w1_N)
     assert names and all(n.startswith("jdist-rpc-w1_") for n in names), names
@@ -114,3 +118,39 @@ def test_dead_peer_fails_a_polled_wait(tcp3):
     with pytest.raises(WorkerUnavailableError, match="w1"):
         a0.rpc_async("w1", echo, (1,)).wait()
     assert a0.rpc_async("w2", echo, (2,)).wait() == 2
+
+
+def test_when_nothing_polls():
+    """Peers in this process, busy_poll_us=0, and calls running in other threads of the
+    process (they need the GIL) all turn polling off; bad values are refused."""
+    from jdist.rpc import RpcBackendOptions
+    from jdist.rpc._futures import _in_call, add_busy, others_running
+
+    with pytest.raises(ValueError, match=r"busy_poll_us must be .* got -1"):
+        RpcBackendOptions(busy_poll_us=-1)
+    agents = make_agents(2, transport="tcp")  # same process: no polling
+    try:
+        assert agents[0].rpc_async("w1", echo, (1,))._poll is None
+        assert not agents[0].polls(1) and not agents[1].polls(0)
+    finally:
+        stop_all(agents, graceful=False)
+    assert not others_running()
+    add_busy(1)
+    try:
+        assert others_running()
+        _in_call.depth = 1  # the one call counted is this thread's own
+        assert not others_running()
+    finally:
+        _in_call.depth = 0
+        add_busy(-1)
+
+
+def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
+    monkeypatch.setattr(_agent, "same_process", lambda address: address is None)
+    agents = make_agents(2, transport="tcp", busy_poll_us=0)
+    try:
+        fut = agents[0].rpc_async("w1", echo, (2,))
+        assert fut._poll is None and fut.wait() == 2
+        assert not agents[0].polls(1)
+    finally:
+        stop_all(agents, graceful=False)
