@@ -108,6 +108,7 @@ class RpcAgent(CallServer):
         self.store: Any = None  # the rendezvous store (set by start_agent)
         self.state = "new"
         self._ready = threading.Event()  # set once the worker table is installed
+        self._closed = threading.Event()  # set when close() has finished
         self._poll_s = options.busy_poll_us * 1e-6
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
@@ -542,8 +543,19 @@ class RpcAgent(CallServer):
             if self.state in ("closed", "new"):
                 self.state = "closed"
                 return
+            closing = self.state == "closing"
             self.state = "closing"
             pending, self._pending = self._pending, {}
+        if closing:  # another thread is closing: wait for it rather than close twice
+            if not self._closed.wait(30.0):
+                log.warning("jdist.rpc: %s still closing after 30 s", self.info)
+            return
+        try:
+            self._close(pending)
+        finally:
+            self._closed.set()
+
+    def _close(self, pending: dict) -> None:
         for p in pending.values():
             p.future.set_exception(RpcError(
                 f"RPC agent {self.info} shut down while {p.fn} on {p.worker} was pending"))

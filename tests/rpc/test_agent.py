@@ -376,6 +376,37 @@ def test_calls_after_close_fail_clearly():
         f.wait(2)
 
 
+def test_concurrent_close_tears_down_once_and_both_return():
+    """A close() that overlaps a running one waits for it instead of closing again (the
+    second used to wait out a 10 s teardown timeout on the stopped loop)."""
+    agents = make_agents(2)
+    a = agents[0]
+    runs, started, release = [], threading.Event(), threading.Event()
+    real = a._close
+
+    def slow_close(pending):
+        runs.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        real(pending)
+
+    a._close = slow_close
+    first = threading.Thread(target=a.close, name="first")
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=a.close, name="second")
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waiting for the first closer, not tearing down itself
+    release.set()
+    first.join(20)
+    second.join(20)
+    assert not first.is_alive() and not second.is_alive()
+    assert runs == ["first"] and a.state == "closed"
+    a.close()  # closing a closed agent is a no-op
+    assert stop_all(agents[1:], graceful=False) == {}
+
+
 def test_future_api_standalone():
     f: Future = Future()
     with pytest.raises(RuntimeError, match="before it completed"):
