@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -180,11 +179,13 @@ def schedule_part(dry_run, only=None):
     def pure(p, buffers, batch, extra):
         return _mlp_loss(p, batch), (None, None)
 
-    def jdist_text(cap, options):
+    def jdist_text(cap, lhs=True):
         eng = Engine(group, leaf_infos(params), bucket_cap_mb=cap,
-                     find_unused_parameters=False, broadcast_buffers=False,
-                     compiler_options=options)
+                     find_unused_parameters=False, broadcast_buffers=False)
         eng.ensure_layout(pure, p_sds, None, b_sds, ())
+        if not lhs and not dry_run:  # jdist's own options, latency hiding scheduler off
+            eng._user_options = {**eng.compiler_options,
+                                 "xla_gpu_enable_latency_hiding_scheduler": False}
         prog = _program.grad_program(eng._config(), pure, None, sync=True,
                                      sync_buffers=False, has_acc=False)
         text = prog.lower(p_sds, None, None, None, None, b_sds, (), None).compile().as_text()
@@ -200,13 +201,10 @@ def schedule_part(dry_run, only=None):
                                   out_specs=(P(), P()), check_vma=True))
         return f.lower(p_sds, b_sds).compile().as_text(), None, {}
 
-    lhs_off = ({"xla_disable_hlo_passes": "cpu-all-reduce-combiner"} if dry_run else
-               {"xla_gpu_all_reduce_combine_threshold_bytes": 25 * 2**20,
-                "xla_gpu_enable_latency_hiding_scheduler": False})
-    cases = [("jdist, bucket_cap_mb=25 (default)", lambda: jdist_text(None, None)),
-             ("jdist, bucket_cap_mb=4", lambda: jdist_text(4, None)),
+    cases = [("jdist, bucket_cap_mb=25 (default)", lambda: jdist_text(None)),
+             ("jdist, bucket_cap_mb=4", lambda: jdist_text(4)),
              ("jdist, bucket_cap_mb=25, latency hiding scheduler off",
-              lambda: jdist_text(None, lhs_off)),
+              lambda: jdist_text(None, lhs=False)),
              ("hand-written shard_map + pmean, XLA defaults", hand_text)]
     res, texts = [], {}
     for i, (label, fn) in enumerate(cases):
@@ -217,7 +215,7 @@ def schedule_part(dry_run, only=None):
         text, buckets, opts = fn()
         secs = time.perf_counter() - t
         sched = collective_schedule(text)
-        texts[label] = text
+        texts[i] = (label, text)
         big = [c for c in sched if c["bytes"] >= 4096]  # the loss pmean is 4 bytes
         res.append(dict(label=label, compile_s=secs, buckets=buckets,
                         compiler_options={k: str(v) for k, v in (opts or {}).items()},
@@ -346,7 +344,9 @@ def torch_timing(steps, dry_run=False):
     if not torch.cuda.is_available() and not dry_run:
         return {"skipped": "torch sees no CUDA device"}
     dev = torch.device("cpu" if dry_run else "cuda:0")
-    port = _free_port()
+    from jdist.launch import free_port
+
+    port = free_port()
     dist.init_process_group("gloo" if dry_run else "nccl",
                             init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     out = {}
@@ -430,12 +430,6 @@ def nccl_part(out_dir, dry_run):
 
 
 # ----------------------------------------------------------------------------- driver
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(part, args):
     env = dict(os.environ, PYTHONPATH=ROOT)
     if part == "schedule" and args.case is None:  # one process per case (see part 1)
@@ -492,7 +486,7 @@ def run_part(args):
 
             jax.config.update("mock_num_gpu_processes", 8)
         s, texts = schedule_part(args.dry_run, args.case)
-        for i, (label, text) in enumerate(texts.items()):
+        for i, (label, text) in texts.items():  # one file per case, named by its index
             with open(os.path.join(args.out, f"schedule_{i}.hlo.txt"), "w") as f:
                 f.write(f"// {label}\n{text}")
         res = s
