@@ -122,8 +122,7 @@ class _Slots:
         leaves, treedef = jax.tree.flatten(state)
         if treedef != self.treedef:
             return False
-        for v, x in zip(self.variables, leaves, strict=True):
-            v.set_raw_value(x)
+        self.write_values(leaves)
         return True
 
 

@@ -291,21 +291,18 @@ class Engine:
         return _placement.local_rows(out), self.buffers_out(new_buffers)
 
     def _wait(self, out: Any, what: str) -> None:
-        """Block on a program's outputs; across processes name dead peers and time out.
+        """Wait for a program's outputs; across processes name dead peers and time out.
 
         With one process every participant of the step's collectives is one of its own
-        devices, launched by the same call: no peer can be missing, so it blocks directly
-        (XLA's in-process collectives still end a stuck rendezvous by their own timeout).
-        The waiter thread of :func:`~jdist.ddp._wait.wait_ready` costs a thread hand-off
-        per step, 3-5% of a small MLP's step on a busy CPU.
-
-        On one process it waits only on XLA:CPU, whose in-process collectives can
-        deadlock when many programs are in flight, and there it blocks on one output that
-        has a shard on every device (the outputs of one execution are ready together on
-        each device): blocking on every leaf of the step's outputs cost ~20 us a step. On
-        GPU and TPU the step returns at once, keeping JAX's asynchronous dispatch (the
-        host queues the next step while the device runs this one, as a torch training
-        loop does); reading the loss waits for it.
+        devices, launched by the same call: no peer can be missing, so no watchdog is
+        needed (the waiter thread of :func:`~jdist.ddp._wait.wait_ready` costs a thread
+        hand-off per step, 3-5% of a small MLP's step on a busy CPU). There it waits only
+        on XLA:CPU, whose in-process collectives can deadlock when many programs are in
+        flight, and blocks on one output that has a shard on every device (the outputs
+        of one execution are ready together on each device; blocking on every leaf cost
+        ~20 us a step). On GPU and TPU the step returns at once, keeping JAX's
+        asynchronous dispatch (the host queues the next step while the device runs this
+        one, as a torch training loop does); reading the loss waits for it.
         """
         if self.group.size() == 1:
             if self._platform == "cpu":
