@@ -56,13 +56,8 @@ class CallServer:
         elif getattr(_INLINE, "slot", None) == []:  # a pool thread polling for its next call
             add_busy(1)
             _INLINE.slot.append((comm, peer, msg, func, args, kwargs))
-        else:
-            add_busy(1)
-            try:
-                self._executor.submit(self._run_call, comm, peer, msg, func, args, kwargs)
-            except BaseException:
-                add_busy(-1)
-                raise
+        else:  # _run_call counts its calls done itself
+            self._submit_busy(self._run_call, comm, peer, msg, func, args, kwargs)
 
     def _on_call_when_ready(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
         if not self._ready.wait(self.options.connect_timeout):
@@ -85,9 +80,14 @@ class CallServer:
 
     def _submit_counted(self, fn, *args) -> None:
         """Run ``fn(*args)`` (one call) on the pool, counted in ``add_busy`` meanwhile."""
+        self._submit_busy(_counted, fn, *args)
+
+    def _submit_busy(self, fn, *args) -> None:
+        """Count one call in ``add_busy`` and submit ``fn(*args)``, which must uncount it
+        (the count is rolled back if the pool refuses the task)."""
         add_busy(1)
         try:
-            self._executor.submit(_counted, fn, *args)
+            self._executor.submit(fn, *args)
         except BaseException:
             add_busy(-1)
             raise
