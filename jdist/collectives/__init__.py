@@ -42,13 +42,13 @@ from jdist.collectives._p2p import irecv as irecv
 from jdist.collectives._p2p import isend as isend
 from jdist.collectives._p2p import recv as recv
 from jdist.collectives._p2p import send as send
-from jdist.collectives._store import FileStore as FileStore
-from jdist.collectives._store import HashStore as HashStore
-from jdist.collectives._store import PrefixStore as PrefixStore
-from jdist.collectives._store import Store as Store
-from jdist.collectives._store import TCPStore as TCPStore
 from jdist.collectives._types import ReduceOp as ReduceOp
 from jdist.collectives._work import Work as Work
+from jdist.store import FileStore as FileStore
+from jdist.store import HashStore as HashStore
+from jdist.store import PrefixStore as PrefixStore
+from jdist.store import Store as Store
+from jdist.store import TCPStore as TCPStore
 
 __all__ = [
     "functional",

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from jdist.errors import RendezvousError, RendezvousTimeoutError, StoreError
+from jdist.store import free_port
 
 __all__ = ["InitSpec", "parse_init", "parse_timeout", "make_store", "rendezvous",
            "RendezvousResult", "DEFAULT_TIMEOUT"]
@@ -174,10 +175,10 @@ def _checked(spec: InitSpec) -> InitSpec:
 def make_store(spec: InitSpec, timeout: float):
     """Create the store named by ``spec`` (rank 0 hosts the TCPStore)."""
     if spec.kind == "file":
-        from jdist.collectives._store import FileStore
+        from jdist.store import FileStore
 
         return FileStore(spec.path, spec.world_size)
-    from jdist.collectives._store import TCPStore
+    from jdist.store import TCPStore
 
     deadline = time.monotonic() + timeout
     while True:
@@ -200,12 +201,6 @@ class RendezvousResult(NamedTuple):
 
     infos: tuple[dict, ...]
     coordinator: str
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _raise_published(store, prefix: str) -> None:

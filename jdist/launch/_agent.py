@@ -37,14 +37,11 @@ import sys
 import threading
 import time
 
-from jdist.collectives._store_base import Store
-from jdist.collectives._store_local import HashStore, PrefixStore
-from jdist.collectives._store_tcp import TCPStore
 from jdist.errors import StoreError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import JobInfo, worker_command, worker_env
-from jdist.launch._spawn import free_port
 from jdist.launch._workers import Failure, WorkerGroup, describe_exit, exit_code_of
+from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
 
 __all__ = ["run", "LaunchError"]
 

@@ -14,13 +14,14 @@ import pickle
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from jdist.store import free_port
 
 __all__ = ["spawn", "SpawnError", "free_port", "xla_flags_with_devices"]
 
@@ -32,13 +33,6 @@ class SpawnError(RuntimeError):
         super().__init__(message)
         self.exitcodes = exitcodes
         self.stderr = stderr
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:

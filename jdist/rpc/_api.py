@@ -91,7 +91,7 @@ def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
     pg_store = group_state.runtime.get("store") if group_state.runtime else None
     if pg_store is not None and init_method == "env://":
         # torch reuses the process group's store; a per-init prefix keeps old keys apart
-        from jdist.collectives._store import PrefixStore
+        from jdist.store import PrefixStore
 
         _state.generation += 1
         return PrefixStore(f"rpc-{_state.generation}", pg_store), False
@@ -111,7 +111,7 @@ def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
     else:
         raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', "
                          f"got {init_method!r}")
-    from jdist.collectives._store import TCPStore
+    from jdist.store import TCPStore
 
     return TCPStore(host, int(port), world_size, rank == 0, timedelta(seconds=timeout),
                     auth_token=None if key is None else key), True

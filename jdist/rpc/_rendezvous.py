@@ -1,7 +1,7 @@
 """Rendezvous of worker names -> addresses through a key-value store, and store barriers.
 
 Only ``set``, ``get``, ``add`` and ``compare_set`` of the store are used (TCPStore,
-HashStore, or :class:`MemoryStore` for in-process agents), and waits poll with ``add(key,
+or :class:`jdist.store.HashStore` for in-process agents), and waits poll with ``add(key,
 0)`` so every wait is bounded and can name the ranks that did not arrive.
 """
 
@@ -9,64 +9,17 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from jdist.errors import RendezvousError, RendezvousTimeoutError
 
-__all__ = ["MemoryStore", "rendezvous", "store_barrier", "check_name", "PREFIX"]
+__all__ = ["rendezvous", "store_barrier", "check_name", "PREFIX"]
 
 PREFIX = "jdist/rpc"
 _NAME = re.compile(r"^[A-Za-z0-9_\-:.]{1,128}$")
 _POLL = 0.01
-
-
-class MemoryStore:
-    """A thread-safe in-memory store with TCPStore's ``set/get/add/compare_set/wait``."""
-
-    def __init__(self, timeout: float = 60.0):
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-        self.timeout = timeout
-
-    def set(self, key: str, value: str | bytes) -> None:
-        with self._cond:
-            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])
-        with self._cond:
-            return self._data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        with self._cond:
-            v = int(self._data.get(key, b"0")) + int(amount)
-            self._data[key] = str(v).encode()
-            self._cond.notify_all()
-            return v
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        exp = expected.encode() if isinstance(expected, str) else bytes(expected)
-        des = desired.encode() if isinstance(desired, str) else bytes(desired)
-        with self._cond:
-            cur = self._data.get(key)
-            if (cur is None and exp == b"") or cur == exp:
-                self._data[key] = des
-                self._cond.notify_all()
-                return des
-            return cur if cur is not None else exp
-
-    def wait(self, keys: list[str], timeout: float | timedelta | None = None) -> None:
-        t = self.timeout if timeout is None else timeout
-        t = t.total_seconds() if isinstance(t, timedelta) else t
-        with self._cond:
-            if not self._cond.wait_for(lambda: all(k in self._data for k in keys), t):
-                missing = [k for k in keys if k not in self._data]
-                raise TimeoutError(f"MemoryStore.wait timed out after {t} s for keys {missing}")
 
 
 def check_name(name: Any) -> str:

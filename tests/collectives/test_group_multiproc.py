@@ -96,7 +96,7 @@ def _rendezvous_failures(port_missing: int, port_ws: int, port_dup: int,
                                  world_size=2 + r, rank=r, timeout=10)
     except RendezvousError as e:
         out["world_size"] = str(e)
-    from jdist.collectives._store import TCPStore
+    from jdist.store import TCPStore
 
     store = TCPStore("127.0.0.1", port_dup, 2, r == 0, timedelta(seconds=10),
                      wait_for_workers=False)

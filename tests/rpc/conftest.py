@@ -8,14 +8,14 @@ import pytest
 
 from jdist.rpc._api import start_agent, stop_agent
 from jdist.rpc._options import RpcBackendOptions
-from jdist.rpc._rendezvous import MemoryStore
+from jdist.store import HashStore
 
 SECRET = b"test-secret"
 
 
 def make_agents(n, transport="inproc", **opts):
-    """Start ``n`` agents named w0..w{n-1} that rendezvous through one MemoryStore."""
-    store = MemoryStore()
+    """Start ``n`` agents named w0..w{n-1} that rendezvous through one HashStore."""
+    store = HashStore()
     options = RpcBackendOptions(transport=transport, rpc_timeout=opts.pop("rpc_timeout", 20),
                                 **opts)
     agents = [None] * n

@@ -297,9 +297,9 @@ def fetch_counter_n(rref):
 def test_unique_names_enforced():
     from jdist.rpc._api import start_agent
     from jdist.rpc._options import RpcBackendOptions
-    from jdist.rpc._rendezvous import MemoryStore
+    from jdist.store import HashStore
 
-    store = MemoryStore()
+    store = HashStore()
     opts = RpcBackendOptions(transport="inproc", rpc_timeout=2)
     store.compare_set("jdist/rpc/name/dup", "", "0")
     with pytest.raises(RendezvousError, match="'dup' is already taken by rank 0"):

@@ -10,11 +10,11 @@ import pytest
 from jdist import rpc
 from jdist.errors import AlreadyInitializedError, NotInitializedError, RpcTimeoutError
 from jdist.rpc._options import resolve_timeout
-from jdist.rpc._rendezvous import MemoryStore
+from jdist.store import HashStore
 
 
 def options(**kw):
-    return rpc.RpcBackendOptions(init_method=MemoryStore(), transport="inproc",
+    return rpc.RpcBackendOptions(init_method=HashStore(), transport="inproc",
                                  auth_token="t", rpc_timeout=10, **kw)
 
 
@@ -110,7 +110,7 @@ def test_no_secret_anywhere_shares_one_through_the_store(monkeypatch):
     from jdist.rpc._api import start_agent, stop_agent
 
     monkeypatch.delenv("JDIST_AUTH_TOKEN", raising=False)
-    store = MemoryStore()
+    store = HashStore()
     opts = rpc.RpcBackendOptions(transport="inproc", rpc_timeout=10)
     agents = [None, None]
 

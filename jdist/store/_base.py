@@ -1,8 +1,8 @@
 """The store contract shared by every store kind, and its pure key-value core.
 
-:class:`Store` is the base class of :class:`~jdist.collectives.TCPStore`,
-:class:`~jdist.collectives.FileStore`, :class:`~jdist.collectives.HashStore` and
-:class:`~jdist.collectives.PrefixStore`. It normalises arguments (keys are ``str``;
+:class:`Store` is the base class of :class:`~jdist.store.TCPStore`,
+:class:`~jdist.store.FileStore`, :class:`~jdist.store.HashStore` and
+:class:`~jdist.store.PrefixStore`. It normalises arguments (keys are ``str``;
 values are ``bytes``, and ``str`` values are encoded as UTF-8, as torch does) and turns
 timeouts into :class:`jdist.errors.StoreTimeoutError`.
 

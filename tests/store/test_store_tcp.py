@@ -10,15 +10,14 @@ import time
 import msgpack
 import pytest
 
-from jdist.collectives import TCPStore
-from jdist.collectives import _store_wire as wire
 from jdist.errors import (
     StoreAuthError,
     StoreError,
     StoreTimeoutError,
     StoreValueTooLargeError,
 )
-from jdist.launch import free_port
+from jdist.store import TCPStore, free_port
+from jdist.store import _wire as wire
 
 TOKEN = "secret-1"
 

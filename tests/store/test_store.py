@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from jdist.collectives import FileStore, HashStore, PrefixStore, TCPStore
 from jdist.errors import StoreError, StoreTimeoutError
+from jdist.store import FileStore, HashStore, PrefixStore, TCPStore
 from tests.helpers import run_procs
 
 KINDS = ["hash", "file", "tcp", "prefix"]

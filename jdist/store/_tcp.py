@@ -1,6 +1,6 @@
 """``TCPStore``: a store served over TCP by the master process, with a shared secret.
 
-The master (``is_master=True``) starts a :class:`~jdist.collectives._store_server.StoreServer`
+The master (``is_master=True``) starts a :class:`~jdist.store._server.StoreServer`
 thread and is also a client of it; the other processes connect as clients. Every
 connection authenticates with a mutual HMAC challenge-response on the job's secret
 (``auth_token=``, else ``$JDIST_AUTH_TOKEN``, which ``jdist-run`` sets per job).
@@ -38,8 +38,9 @@ from collections.abc import Sequence
 
 import msgpack
 
-from jdist.collectives import _store_wire as wire
-from jdist.collectives._store_base import (
+from jdist.errors import StoreAuthError, StoreError, StoreTimeoutError, StoreValueTooLargeError
+from jdist.store import _wire as wire
+from jdist.store._base import (
     DEFAULT_TIMEOUT,
     Store,
     Timeout,
@@ -50,9 +51,8 @@ from jdist.collectives._store_base import (
     to_seconds,
     to_value,
 )
-from jdist.collectives._store_server import StoreServer
-from jdist.collectives._store_wire import Op
-from jdist.errors import StoreAuthError, StoreError, StoreTimeoutError, StoreValueTooLargeError
+from jdist.store._server import StoreServer
+from jdist.store._wire import Op
 
 __all__ = ["TCPStore"]
 

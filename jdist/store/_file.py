@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import msgpack
 
-from jdist.collectives._store_base import (
+from jdist.errors import StoreError
+from jdist.store._base import (
     DEFAULT_TIMEOUT,
     Store,
     Timeout,
@@ -39,7 +40,6 @@ from jdist.collectives._store_base import (
     to_keys,
     to_value,
 )
-from jdist.errors import StoreError
 
 __all__ = ["FileStore"]
 

@@ -3,10 +3,10 @@
 Every socket is non-blocking, so a slow, silent or malicious client never stalls the
 others: a blocking ``get``/``wait`` is parked as a *waiter* and answered when its keys
 appear or its deadline passes. A connection must pass the handshake of
-:mod:`jdist.collectives._store_wire` within ``HANDSHAKE_TIMEOUT_S`` before any frame of
+:mod:`jdist.store._wire` within ``HANDSHAKE_TIMEOUT_S`` before any frame of
 it is read; bad magic, a wrong secret, an oversized frame or a malformed request closes
 that connection only. Served state lives in one ``dict[str, bytes]`` changed only by
-this thread through the ``kv_*`` functions of :mod:`jdist.collectives._store_base`.
+this thread through the ``kv_*`` functions of :mod:`jdist.store._base`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections import deque
 
 import msgpack
 
-from jdist.collectives import _store_wire as wire
-from jdist.collectives._store_base import kv_add, kv_append, kv_compare_set, kv_delete
-from jdist.collectives._store_wire import Op
+from jdist.store import _wire as wire
+from jdist.store._base import kv_add, kv_append, kv_compare_set, kv_delete
+from jdist.store._wire import Op
 
 __all__ = ["StoreServer", "bind_listener"]
 
