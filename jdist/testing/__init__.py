@@ -19,23 +19,23 @@ from jdist.testing._convert import paired_layers as paired_layers
 from jdist.testing._convert import state_dict_to_nnx as state_dict_to_nnx
 from jdist.testing._convert import torch_to_flax_momentum as torch_to_flax_momentum
 from jdist.testing._convert import torch_to_nnx as torch_to_nnx
-from jdist.testing._parity import LOSSES as LOSSES
-from jdist.testing._parity import OPTIMIZERS as OPTIMIZERS
-from jdist.testing._parity import ArrayDiff as ArrayDiff
-from jdist.testing._parity import Case as Case
-from jdist.testing._parity import LossPair as LossPair
-from jdist.testing._parity import OptimizerSpec as OptimizerSpec
-from jdist.testing._parity import ParityReport as ParityReport
-from jdist.testing._parity import StepResult as StepResult
-from jdist.testing._parity import batch_schedule as batch_schedule
-from jdist.testing._parity import compare_models as compare_models
-from jdist.testing._parity import loss_pair as loss_pair
-from jdist.testing._parity import make_optax as make_optax
-from jdist.testing._parity import make_torch_optimizer as make_torch_optimizer
-from jdist.testing._parity import optimizer_spec as optimizer_spec
 from jdist.testing._parity import run_parity as run_parity
 from jdist.testing._parity import run_parity_cases as run_parity_cases
+from jdist.testing._parity_case import Case as Case
+from jdist.testing._parity_case import batch_schedule as batch_schedule
 from jdist.testing._parity_models import TorchBatchNorm as TorchBatchNorm
+from jdist.testing._parity_pairs import LOSSES as LOSSES
+from jdist.testing._parity_pairs import OPTIMIZERS as OPTIMIZERS
+from jdist.testing._parity_pairs import LossPair as LossPair
+from jdist.testing._parity_pairs import OptimizerSpec as OptimizerSpec
+from jdist.testing._parity_pairs import loss_pair as loss_pair
+from jdist.testing._parity_pairs import make_optax as make_optax
+from jdist.testing._parity_pairs import make_torch_optimizer as make_torch_optimizer
+from jdist.testing._parity_pairs import optimizer_spec as optimizer_spec
+from jdist.testing._parity_report import ArrayDiff as ArrayDiff
+from jdist.testing._parity_report import ParityReport as ParityReport
+from jdist.testing._parity_report import StepResult as StepResult
+from jdist.testing._parity_report import compare_models as compare_models
 
 __all__ = [
     "flax_to_torch_momentum",

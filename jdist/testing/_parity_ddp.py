@@ -26,7 +26,18 @@ import numpy as np
 from flax import nnx
 
 from jdist.testing import _convert
-from jdist.testing import _parity as P
+from jdist.testing._parity_case import (
+    Case,
+    as_jax,
+    as_torch,
+    batch_schedule,
+    check_models,
+    input_transform,
+    jax_schedule,
+    set_train,
+)
+from jdist.testing._parity_pairs import make_optax, make_torch_optimizer
+from jdist.testing._parity_report import ParityReport, StepResult, compare_models
 
 __all__ = ["run_ddp_parity"]
 
@@ -56,7 +67,7 @@ def _load_nnx_state(model, pure: dict) -> None:
     nnx.update(model, state)
 
 
-def _torch_worker(cases: list[P.Case], timeout: float) -> list[dict]:
+def _torch_worker(cases: list[Case], timeout: float) -> list[dict]:
     """One torch DDP process: each case's losses, indices and (process 0) snapshots."""
     from datetime import timedelta
 
@@ -78,21 +89,21 @@ def _torch_worker(cases: list[P.Case], timeout: float) -> list[dict]:
         dist.destroy_process_group()
 
 
-def _torch_case(c: P.Case, rank: int, world: int) -> dict:
+def _torch_case(c: Case, rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     model = c.torch_model()
     model.train(c.train)
     ddp = DistributedDataParallel(model)  # broadcasts process 0's parameters and buffers
     init = _torch_state(model) if rank == 0 else None
-    opt = P.make_torch_optimizer(c.spec, ddp.parameters())
+    opt = make_torch_optimizer(c.spec, ddp.parameters())
     x, y = c.data
-    idx = P.batch_schedule(len(x), c.steps, c.batch_size, num_replicas=world, rank=rank,
+    idx = batch_schedule(len(x), c.steps, c.batch_size, num_replicas=world, rank=rank,
                            source="torch", **c.schedule)
     losses, snaps = [], []
     for b in idx:
         opt.zero_grad(set_to_none=True)
-        loss = c.loss.torch_fn(ddp(P._as_torch(x[b])), P._as_torch(y[b]))
+        loss = c.loss.torch_fn(ddp(as_torch(x[b])), as_torch(y[b]))
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -101,7 +112,7 @@ def _torch_case(c: P.Case, rank: int, world: int) -> dict:
     return {"losses": losses, "indices": idx, "init": init, "snaps": snaps}
 
 
-def _jax_worker(cases: list[P.Case], torch_out: list[list[dict]]) -> list[dict]:
+def _jax_worker(cases: list[Case], torch_out: list[list[dict]]) -> list[dict]:
     """One jdist DDP process; ``torch_out[rank][case]`` is what the torch run gave."""
     import jdist
 
@@ -116,7 +127,7 @@ def _jax_worker(cases: list[P.Case], torch_out: list[list[dict]]) -> list[dict]:
         jdist.destroy_process_group()
 
 
-def _jax_case(c: P.Case, rank: int, world: int, torch_init, torch_indices) -> dict:
+def _jax_case(c: Case, rank: int, world: int, torch_init, torch_indices) -> dict:
     from jdist.ddp import DistributedDataParallel
 
     nnx_model = c.nnx_model()
@@ -125,18 +136,18 @@ def _jax_case(c: P.Case, rank: int, world: int, torch_init, torch_indices) -> di
         _load_torch_state(torch_model, torch_init)
         _convert.torch_to_nnx(torch_model, nnx_model, strict=c.strict,
                               check_config=c.check_config)
-    P._set_train(None, nnx_model, c.train)
+    set_train(None, nnx_model, c.train)
     ddp = DistributedDataParallel(nnx_model)
-    opt = nnx.Optimizer(nnx_model, P.make_optax(c.spec), wrt=nnx.Param)
-    jax_fn, transform = c.loss.jax_fn, P._input_transform(c.jax_input)
+    opt = nnx.Optimizer(nnx_model, make_optax(c.spec), wrt=nnx.Param)
+    jax_fn, transform = c.loss.jax_fn, input_transform(c.jax_input)
     step = ddp.train_step(lambda m, batch: jax_fn(m(batch[0]), batch[1]), opt)
     x, y = c.data
     config: dict = {"sampler": ""}
-    idx = P._jax_schedule(len(x), c.steps, c.batch_size, torch_indices, c.schedule, config,
+    idx = jax_schedule(len(x), c.steps, c.batch_size, torch_indices, c.schedule, config,
                           num_replicas=world, rank=rank)
     losses, snaps = [], []
     for b in idx:
-        batch = (np.asarray(P._as_jax(transform(x[b]))), np.asarray(P._as_jax(y[b])))
+        batch = (np.asarray(as_jax(transform(x[b]))), np.asarray(as_jax(y[b])))
         losses.append(float(jax.block_until_ready(step(batch))))
         if rank == 0 and (c.every_step or len(losses) == c.steps):
             snaps.append(_nnx_state(ddp.module))
@@ -152,7 +163,7 @@ def _check_factory(f, what: str, i: int) -> None:
                         f"functools.partial(build, ...)), got {type(f).__name__}")
 
 
-def _check_picklable(c: P.Case, i: int) -> None:
+def _check_picklable(c: Case, i: int) -> None:
     for what, v in (("torch_model", c.torch_model), ("nnx_model", c.nnx_model),
                     ("loss", c.loss), ("jax_input", c.jax_input)):
         try:
@@ -163,8 +174,8 @@ def _check_picklable(c: P.Case, i: int) -> None:
                             f"{v!r}: {e}") from e
 
 
-def run_ddp_parity(cases: list[P.Case], *, nprocs: int, timeout: float
-                   ) -> list[P.ParityReport]:
+def run_ddp_parity(cases: list[Case], *, nprocs: int, timeout: float
+                   ) -> list[ParityReport]:
     """:func:`~jdist.testing.run_parity_cases` for ``nprocs > 1`` (see the module doc)."""
     from jdist.launch import spawn
 
@@ -174,8 +185,8 @@ def run_ddp_parity(cases: list[P.Case], *, nprocs: int, timeout: float
         _check_factory(c.nnx_model, "nnx_model", i)
         _check_picklable(c, i)
         t_ref, n_ref = c.torch_model(), c.nnx_model()
-        P._check_models(t_ref, n_ref)
-        P.compare_models(t_ref, n_ref, strict=c.strict)  # pairing errors before launching
+        check_models(t_ref, n_ref)
+        compare_models(t_ref, n_ref, strict=c.strict)  # pairing errors before launching
         refs.append((t_ref, n_ref))
     tres = spawn(_torch_worker, args=(cases, float(timeout)), nprocs=nprocs, timeout=timeout)
     jres = spawn(_jax_worker, args=(cases, tres), nprocs=nprocs, timeout=timeout)
@@ -183,18 +194,18 @@ def run_ddp_parity(cases: list[P.Case], *, nprocs: int, timeout: float
             for i, c in enumerate(cases)]
 
 
-def _report(c: P.Case, tres: list[dict], jres: list[dict], t_ref, n_ref,
-            nprocs: int) -> P.ParityReport:
+def _report(c: Case, tres: list[dict], jres: list[dict], t_ref, n_ref,
+            nprocs: int) -> ParityReport:
     steps = tuple(
-        P.StepResult(k, float(np.mean([r["losses"][k] for r in tres])),
+        StepResult(k, float(np.mean([r["losses"][k] for r in tres])),
                      float(np.mean([r["losses"][k] for r in jres])))
         for k in range(c.steps))
     per_step = []
     for ts, js in zip(tres[0]["snaps"], jres[0]["snaps"], strict=True):
         _load_torch_state(t_ref, ts)
         _load_nnx_state(n_ref, js)
-        per_step.append(P.compare_models(t_ref, n_ref, strict=c.strict))
+        per_step.append(compare_models(t_ref, n_ref, strict=c.strict))
     config = dict(c.config, sampler=c.config["sampler"] + jres[0]["sampler"],
                   nprocs=f"{nprocs} (torch DDP over gloo vs jdist DDP)")
-    return P.ParityReport(steps, per_step[-1], tuple(per_step) if c.every_step else None,
+    return ParityReport(steps, per_step[-1], tuple(per_step) if c.every_step else None,
                           config)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 
 __all__ = ["LOSSES", "OPTIMIZERS", "LossPair", "OptimizerSpec", "loss_pair", "make_optax",
-           "make_torch_optimizer", "optimizer_spec"]
+           "make_torch_optimizer", "optimizer_spec", "spec_str"]
 
 #: Named losses (mean over the batch in both frameworks).
 LOSSES = ("cross_entropy", "mse")
@@ -209,7 +209,7 @@ def make_torch_optimizer(spec, params):
     return cls(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
 
 
-def _spec_str(s: OptimizerSpec) -> str:
+def spec_str(s: OptimizerSpec) -> str:
     extra = []
     if s.name == "sgd":
         if s.momentum:

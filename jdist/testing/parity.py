@@ -18,15 +18,15 @@ import argparse
 import functools
 import sys
 
-from jdist.testing._parity import OPTIMIZERS as OPTIMIZERS
-from jdist.testing._parity import ParityReport as ParityReport
-from jdist.testing._parity import optimizer_spec as optimizer_spec
 from jdist.testing._parity import run_parity as run_parity
 from jdist.testing._parity_models import EXAMPLES as EXAMPLES
 from jdist.testing._parity_models import TorchBatchNorm as TorchBatchNorm
 from jdist.testing._parity_models import build_nnx_model as build_nnx_model
 from jdist.testing._parity_models import build_torch_model as build_torch_model
 from jdist.testing._parity_models import example as example
+from jdist.testing._parity_pairs import OPTIMIZERS as OPTIMIZERS
+from jdist.testing._parity_pairs import optimizer_spec as optimizer_spec
+from jdist.testing._parity_report import ParityReport as ParityReport
 
 __all__ = ["EXAMPLES", "OPTIMIZERS", "ParityReport", "TorchBatchNorm", "build_nnx_model",
            "build_torch_model", "example", "main", "optimizer_spec", "parser",
