@@ -257,8 +257,8 @@ class Engine:
             self._programs[pkey] = prog
         active = None if js is None else _placement.per_replica(
             jax.numpy.float32(1.0 if js.active else 0.0), g)
-        out = prog(params, buffers, self.hook_state, self.acc, opt_state, batch, extra, active)
-        self._wait(out, "DDP step")
+        out = self._run(prog, "DDP step", params, buffers, self.hook_state, self.acc,
+                        opt_state, batch, extra, active)
         value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
         self.hook_state = hstate
         self.acc = acc
@@ -285,10 +285,26 @@ class Engine:
             prog = _program.forward_program(self._config(), apply,
                                             sync_buffers=self.sync_buffers)
             self._programs[pkey] = prog
-        out, new_buffers = prog(params, buffers, inputs)
-        self._wait((out, new_buffers), "DDP forward")
+        out, new_buffers = self._run(prog, "DDP forward", params, buffers, inputs)
         self.last_synced = self.require_backward_grad_sync
         return _placement.local_rows(out), self.buffers_out(new_buffers)
+
+    def _run(self, prog: Callable, what: str, *args: Any) -> Any:
+        """Run ``prog(*args)`` and wait for it (:meth:`_wait`); across processes a runtime
+        failure raised when the program is launched names the dead peer too."""
+        try:
+            out = prog(*args)
+        except Exception as exc:
+            if self.group.size() == 1:
+                raise
+            from jdist.ddp._wait import runtime_failure
+
+            err = runtime_failure(self.group, f"{what} #{self.steps + 1}", exc)
+            if err is exc:
+                raise
+            raise err from exc
+        self._wait(out, what)
+        return out
 
     def _wait(self, out: Any, what: str) -> None:
         """Wait for a program's outputs; across processes name dead peers and time out.

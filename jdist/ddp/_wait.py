@@ -45,8 +45,9 @@ class _Waiter:
                 if isinstance(x, jax.Array):
                     try:
                         x.block_until_ready()
-                    except Exception:  # noqa: BLE001 - it surfaces where the outputs are used
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - re-raised by wait_ready
+                        done.error = exc
+                        break
                 else:  # anything else with is_ready(): poll it
                     while not self.abandoned and not x.is_ready():
                         time.sleep(1e-3)
@@ -54,6 +55,7 @@ class _Waiter:
 
     def submit(self, leaves) -> threading.Event:
         done = threading.Event()
+        done.error = None  # the runtime error the wait ended with, if any
         self.requests.put((leaves, done))
         return done
 
@@ -88,12 +90,21 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
       timeout: seconds before giving up (default ``group.timeout``).
 
     Raises:
-      PeerFailedError: the watchdog found member processes dead (named, with reasons).
+      PeerFailedError: the watchdog found member processes dead (named, with reasons),
+        also when the runtime failed the step's collectives first (see
+        :func:`runtime_failure`).
       CollectiveTimeoutError: not done after ``timeout`` seconds.
     """
     leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "is_ready")]
-    if _ready(leaves):
-        return
+    try:
+        if _ready(leaves):
+            jax.block_until_ready(leaves)  # raises the runtime error of a failed step
+            return
+    except Exception as exc:
+        err = runtime_failure(group, what, exc)
+        if err is exc:
+            raise
+        raise err from exc
     limit = float(group.timeout if timeout is None else timeout)
     start = time.monotonic()
     next_check = start + check_every
@@ -117,3 +128,31 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
                 f"{list(group.ranks)}); some process is not running the same step. Give "
                 "every process the same number of steps (or use ddp.join() for uneven "
                 "inputs), or raise init_process_group(timeout=...)")
+    if done.error is not None:
+        err = runtime_failure(group, what, done.error)
+        if err is done.error:
+            raise err
+        raise err from done.error
+
+
+def runtime_failure(group: Any, what: str, exc: BaseException) -> BaseException:
+    """The error to raise for ``exc``, raised by the runtime while running a step.
+
+    A failed collective (gloo's "Connection closed by peer", a reset connection) becomes
+    :class:`~jdist.errors.PeerFailedError` naming the dead rank, found by the
+    process-group watchdog as for the eager collectives (or
+    :class:`~jdist.errors.CollectiveTimeoutError` for a gloo timeout); any other error
+    is returned unchanged.
+    """
+    from jdist.collectives._engine import is_runtime_failure, peer_failure
+    from jdist.collectives._group import group_state
+
+    if not is_runtime_failure(exc):
+        return exc
+    if (group_state.runtime or {}).get("watchdog") is None:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return PeerFailedError(
+            f"{what} on group {group.name!r} failed in the runtime: {first}. A peer process "
+            "probably died; without init_process_group's watchdog it cannot be named. "
+            "Look at the other ranks' own errors first")
+    return peer_failure(group, what, exc)
