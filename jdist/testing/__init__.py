@@ -19,6 +19,7 @@ from jdist.testing._convert import paired_layers as paired_layers
 from jdist.testing._convert import state_dict_to_nnx as state_dict_to_nnx
 from jdist.testing._convert import torch_to_flax_momentum as torch_to_flax_momentum
 from jdist.testing._convert import torch_to_nnx as torch_to_nnx
+from jdist.testing._embedding_bag import EmbeddingBag as EmbeddingBag
 from jdist.testing._parity import run_parity as run_parity
 from jdist.testing._parity import run_parity_cases as run_parity_cases
 from jdist.testing._parity_case import Case as Case
@@ -38,6 +39,7 @@ from jdist.testing._parity_report import StepResult as StepResult
 from jdist.testing._parity_report import compare_models as compare_models
 
 __all__ = [
+    "EmbeddingBag",
     "flax_to_torch_momentum",
     "nnx_state_to_torch_state_dict",
     "nnx_to_torch",

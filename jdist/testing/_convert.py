@@ -24,7 +24,14 @@ torch                                      flax.nnx            arrays
 ``BatchNorm1d/2d/3d``, ``SyncBatchNorm``   ``BatchNorm``       scale, bias, mean, var
 ``LayerNorm``                              ``LayerNorm``       scale, bias
 ``Embedding``                              ``Embed``           embedding = weight
+``EmbeddingBag``                           ``EmbeddingBag``    embedding = weight
 =========================================  ==================  =========================
+
+The NNX ``EmbeddingBag`` is jdist's (:class:`jdist.testing.EmbeddingBag`; Flax has none);
+its ``mode``, ``include_last_offset`` and ``padding_idx`` must match torch's.
+
+The pairing lives in :mod:`jdist.testing._convert_layers`, the hyperparameter checks in
+:mod:`jdist.testing._convert_config`; this module moves the arrays.
 
 Other layers that hold parameters (or buffers) are *unsupported*: an error with
 ``strict=True``, skipped with ``strict=False``. Layers without parameters (activations,
@@ -55,17 +62,21 @@ silently shift weights); so do shape mismatches. A parameter present on one side
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jdist.errors import WeightConversionError
+from jdist.testing._convert_config import _check_configs
+from jdist.testing._convert_config import flax_to_torch_momentum as flax_to_torch_momentum
+from jdist.testing._convert_config import torch_to_flax_momentum as torch_to_flax_momentum
+from jdist.testing._convert_layers import _ARRAYS, _LAYOUT, Layer, _pair
+from jdist.testing._convert_layers import nnx_layers as nnx_layers
+from jdist.testing._convert_layers import paired_layers as paired_layers
+from jdist.testing._convert_layers import torch_layers as torch_layers
 
 __all__ = [
     "torch_to_nnx",
@@ -76,277 +87,6 @@ __all__ = [
     "torch_to_flax_momentum",
     "flax_to_torch_momentum",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    """One convertible (or unsupported, ``kind=None``) layer of a model."""
-
-    path: str
-    kind: str | None
-    module: Any
-    type_name: str
-
-    def describe(self) -> str:
-        return f"{self.path or '<root>'!r} ({self.type_name})"
-
-
-# (torch name, nnx attribute, transform to nnx, transform to torch)
-def _same(a):
-    return a
-
-
-def _transpose(a):
-    return np.ascontiguousarray(np.transpose(a))
-
-
-def _conv_maps(nd: int):
-    to_nnx = tuple(range(2, nd + 2)) + (1, 0)  # O I *S -> *S I O
-    to_torch = tuple(int(i) for i in np.argsort(to_nnx))
-    return (lambda a: np.ascontiguousarray(np.transpose(a, to_nnx)),
-            lambda a: np.ascontiguousarray(np.transpose(a, to_torch)))
-
-
-_CONV = {nd: _conv_maps(nd) for nd in (1, 2, 3)}
-_ARRAYS = {
-    "linear": [("weight", "kernel", _transpose, _transpose), ("bias", "bias", _same, _same)],
-    "batchnorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same),
-                  ("running_mean", "mean", _same, _same), ("running_var", "var", _same, _same)],
-    "layernorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same)],
-    "embedding": [("weight", "embedding", _same, _same)],
-}
-for _nd, (_to_nnx, _to_torch) in _CONV.items():
-    _ARRAYS[f"conv{_nd}d"] = [("weight", "kernel", _to_nnx, _to_torch),
-                              ("bias", "bias", _same, _same)]
-_LAYOUT = {"linear": "torch (out, in) <-> nnx (in, out)",
-           "conv1d": "torch (O, I, W) <-> nnx (W, I, O)",
-           "conv2d": "torch (O, I, H, W) <-> nnx (H, W, I, O)",
-           "conv3d": "torch (O, I, D, H, W) <-> nnx (D, H, W, I, O)"}
-
-
-# ------------------------------------------------------------------------ traversal
-
-
-def _nnx_kind(m) -> str | None:
-    if isinstance(m, nnx.Linear):
-        return "linear"
-    if isinstance(m, nnx.Conv) and len(m.kernel_size) in _CONV:
-        return f"conv{len(m.kernel_size)}d"
-    if isinstance(m, nnx.BatchNorm):
-        return "batchnorm"
-    if isinstance(m, nnx.LayerNorm):
-        return "layernorm"
-    if isinstance(m, nnx.Embed):
-        return "embedding"
-    return None
-
-
-def _attributes_in_definition_order(node) -> list[tuple[str, Any]]:
-    """A module's attributes in assignment order.
-
-    ``vars()`` order is not enough: ``nnx.jit``/``nnx.update`` rewrite ``__dict__`` in
-    sorted order. Flax records the assignment order of a Pytree's attributes in
-    ``_pytree__nodes`` (kept through split/merge and transforms); use it when present.
-    """
-    attrs = vars(node)
-    order = list(getattr(node, "_pytree__nodes", None) or ())
-    names = [k for k in order if k in attrs] + [k for k in attrs if k not in set(order)]
-    return [(k, attrs[k]) for k in names]
-
-
-def nnx_layers(module) -> list[Layer]:
-    """The convertible layers of an NNX module in definition order (see module doc)."""
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"expected a flax.nnx.Module, got {type(module).__name__}: {module!r}")
-    out: list[Layer] = []
-    seen: set[int] = set()
-
-    def join(path, name):
-        return f"{path}.{name}" if path else str(name)
-
-    def visit(node, path):
-        if isinstance(node, (list, tuple)) or (isinstance(node, nnx.List)):
-            for i, v in enumerate(node):
-                visit(v, join(path, i))
-            return
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                visit(v, join(path, k))
-            return
-        if not isinstance(node, nnx.Module) or id(node) in seen:
-            return
-        seen.add(id(node))
-        kind = _nnx_kind(node)
-        if kind is not None:
-            out.append(Layer(path, kind, node, type(node).__name__))
-            return
-        children = [(k, v) for k, v in _attributes_in_definition_order(node)
-                    if not k.startswith("_pytree__")]
-        if any(isinstance(v, nnx.Variable) for _, v in children):
-            out.append(Layer(path, None, node, type(node).__name__))
-        for k, v in children:
-            if not isinstance(v, nnx.Variable):
-                visit(v, join(path, k))
-
-    visit(module, "")
-    return out
-
-
-def _torch_kind(m) -> str | None:
-    from torch import nn
-
-    if isinstance(m, nn.Linear):
-        return "linear"
-    for nd, cls in ((1, nn.Conv1d), (2, nn.Conv2d), (3, nn.Conv3d)):
-        if isinstance(m, cls):
-            return f"conv{nd}d"
-    if isinstance(m, nn.modules.batchnorm._BatchNorm):
-        return "batchnorm"
-    if isinstance(m, nn.LayerNorm):
-        return "layernorm"
-    if isinstance(m, nn.Embedding):
-        return "embedding"
-    return None
-
-
-def torch_layers(module) -> list[Layer]:
-    """The convertible layers of a torch module in ``named_modules()`` order."""
-    from torch import nn
-
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}: {module!r}")
-    out = []
-    for path, m in module.named_modules():
-        kind = _torch_kind(m)
-        if kind is not None:
-            out.append(Layer(path, kind, m, type(m).__name__))
-        elif any(True for _ in m.parameters(recurse=False)) or \
-                any(True for _ in m.buffers(recurse=False)):
-            out.append(Layer(path, None, m, type(m).__name__))
-    return out
-
-
-def _pair(src: list[Layer], dst: list[Layer], src_name: str, dst_name: str, strict: bool):
-    """Pair the i-th supported layer of each side; raise on unsupported, count, kind."""
-    for side, layers in ((src_name, src), (dst_name, dst)):
-        bad = [lay.describe() for lay in layers if lay.kind is None]
-        if bad and strict:
-            raise WeightConversionError(
-                f"{side} model has layers holding parameters that cannot be converted: "
-                f"{', '.join(bad)}. Supported: Linear, Conv1d/2d/3d, BatchNorm, LayerNorm, "
-                f"Embedding. Pass strict=False to skip them (their weights are not copied)"
-            )
-    src = [lay for lay in src if lay.kind is not None]
-    dst = [lay for lay in dst if lay.kind is not None]
-
-    def listing(layers):
-        return ", ".join(f"#{i} {lay.describe()}" for i, lay in enumerate(layers)) or "none"
-
-    if len(src) != len(dst):
-        raise WeightConversionError(
-            f"{src_name} model has {len(src)} convertible layers but {dst_name} model has "
-            f"{len(dst)}; layers are paired in definition order.\n  {src_name}: "
-            f"{listing(src)}\n  {dst_name}: {listing(dst)}"
-        )
-    for i, (a, b) in enumerate(zip(src, dst, strict=True)):
-        if a.kind != b.kind:
-            raise WeightConversionError(
-                f"layer #{i}: {src_name} {a.describe()} is a {a.kind} but {dst_name} "
-                f"{b.describe()} is a {b.kind}; both models must define the same kinds of "
-                f"layers in the same order.\n  {src_name}: {listing(src)}\n  {dst_name}: "
-                f"{listing(dst)}"
-            )
-    return list(zip(src, dst, strict=True))
-
-
-def paired_layers(torch_module, nnx_module, *, strict: bool = True) -> list[tuple[str, str, str]]:
-    """``(torch path, nnx path, kind)`` for each layer pair the converters would use."""
-    pairs = _pair(torch_layers(torch_module), nnx_layers(nnx_module), "torch", "nnx", strict)
-    return [(t.path, n.path, t.kind) for t, n in pairs]
-
-
-# ------------------------------------------------------------------ hyperparameters
-
-
-def torch_to_flax_momentum(momentum: float) -> float:
-    """torch BatchNorm ``momentum`` (weight of the new batch) -> Flax's (of the old mean).
-
-    >>> torch_to_flax_momentum(0.1)
-    0.9
-    """
-    return _one_minus(momentum)
-
-
-def flax_to_torch_momentum(momentum: float) -> float:
-    """Flax BatchNorm ``momentum`` -> torch's. ``flax_to_torch_momentum(0.99) == 0.01``."""
-    return _one_minus(momentum)
-
-
-def _one_minus(m) -> float:
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m <= 1.0:
-        raise ValueError(f"momentum must be a number in [0, 1], got {m!r}")
-    return round(1.0 - float(m), 12)  # 0.99 -> 0.01, not 0.010000000000000009
-
-
-def _tuple(v, nd):
-    return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
-
-
-def _torch_padding(m, nd):
-    p = m.padding
-    if isinstance(p, str):
-        return "SAME" if p == "same" else ((0, 0),) * nd
-    return tuple((int(x), int(x)) for x in _tuple(p, nd))
-
-
-def _nnx_padding(m, nd):
-    p = m.padding
-    if isinstance(p, str):
-        return "SAME" if p.upper() == "SAME" else (((0, 0),) * nd if p.upper() == "VALID"
-                                                  else p.upper())
-    if isinstance(p, int):
-        return ((p, p),) * nd
-    return tuple((int(x), int(x)) if isinstance(x, int) else (int(x[0]), int(x[1])) for x in p)
-
-
-def _config_diffs(kind: str, t, n) -> list[str]:
-    """Hyperparameters that make the two layers compute different things."""
-    diffs = []
-
-    def cmp(what, tv, nv, fix):
-        if tv != nv:
-            diffs.append(f"{what}: torch {tv!r} vs nnx {nv!r} ({fix})")
-
-    if kind.startswith("conv"):
-        nd = int(kind[4])
-        cmp("stride", _tuple(t.stride, nd), _tuple(n.strides or 1, nd), "pass strides=")
-        cmp("padding", _torch_padding(t, nd), _nnx_padding(n, nd),
-            "pass padding= as an int or ((lo, hi), ...) pairs; torch's default is 0")
-        cmp("dilation", _tuple(t.dilation, nd), _tuple(n.kernel_dilation or 1, nd),
-            "pass kernel_dilation=")
-        cmp("groups", int(t.groups), int(n.feature_group_count), "pass feature_group_count=")
-        cmp("padding_mode", t.padding_mode, "zeros", "only zero padding converts")
-        cmp("input_dilation", 1, max(_tuple(n.input_dilation or 1, nd)), "use 1")
-    elif kind in ("batchnorm", "layernorm"):
-        if not math.isclose(float(t.eps), float(n.epsilon), rel_tol=1e-9):
-            diffs.append(f"epsilon: torch eps={t.eps!r} vs nnx epsilon={n.epsilon!r} "
-                         f"(pass epsilon={t.eps!r} to the nnx layer)")
-        if kind == "batchnorm":
-            if t.momentum is None:
-                diffs.append("momentum: torch momentum=None (cumulative average) has no "
-                             "Flax equivalent; give torch a float momentum")
-            elif not math.isclose(1.0 - float(t.momentum), float(n.momentum), abs_tol=1e-9):
-                diffs.append(
-                    f"momentum: torch momentum={t.momentum!r} means nnx momentum="
-                    f"{torch_to_flax_momentum(t.momentum)!r}, got {n.momentum!r} (see "
-                    f"jdist.testing.torch_to_flax_momentum)")
-            if not t.track_running_stats:
-                diffs.append("track_running_stats=False: torch then normalises with batch "
-                             "statistics even in eval mode; Flax has no such mode")
-    elif kind == "embedding" and t.max_norm is not None:
-        diffs.append(f"max_norm: torch renormalises rows to max_norm={t.max_norm!r}; Flax "
-                     f"has no equivalent")
-    return diffs
 
 
 # ------------------------------------------------------------------- array movement
@@ -506,17 +246,6 @@ def nnx_to_torch(nnx_module, torch_module, *, strict: bool = True, check_config:
     return torch_module
 
 
-def _check_configs(pairs, check_config: bool) -> None:
-    if not check_config:
-        return
-    for t, n in pairs:
-        diffs = _config_diffs(t.kind, t.module, n.module)
-        if diffs:
-            raise WeightConversionError(
-                f"torch {t.describe()} and nnx {n.describe()} compute different things: "
-                f"{'; '.join(diffs)}. Pass check_config=False to copy the weights anyway")
-
-
 def _state_dict_groups(state_dict: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     groups: OrderedDict[str, dict[str, Any]] = OrderedDict()
     for key, value in state_dict.items():
@@ -533,7 +262,8 @@ def _group_kind_ok(kind: str, arrays: Mapping[str, Any]) -> bool:
         return False
     if kind == "batchnorm":
         return {"running_mean", "running_var"} <= names
-    ndim = {"linear": 2, "embedding": 2, "layernorm": 1}.get(kind) or int(kind[4]) + 2
+    ndim = ({"linear": 2, "embedding": 2, "embeddingbag": 2, "layernorm": 1}.get(kind)
+            or int(kind[4]) + 2)
     return np.ndim(_to_numpy(arrays["weight"])) == ndim
 
 

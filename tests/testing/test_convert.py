@@ -399,3 +399,97 @@ def test_converted_arrays_do_not_alias_torch_parameters():
     np.testing.assert_array_equal(np.asarray(nl.bias.get_value()), before)
     np.testing.assert_allclose(np.asarray(nl.kernel.get_value()).T * 2.0,
                                tl.weight.detach().numpy(), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ EmbeddingBag
+
+
+def _bag_inputs():
+    """1-D indices with offsets (an empty bag in the middle) and a 2-D batch."""
+    rs = np.random.RandomState(3)
+    idx = rs.randint(0, 9, size=13).astype(np.int64)
+    off = np.array([0, 4, 4, 9], np.int64)  # bag 1 is empty
+    psw = rs.rand(13).astype(np.float32)
+    return idx, off, psw, rs.randint(0, 9, size=(3, 5)).astype(np.int64)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_matches_torch_forward_and_gradient(mode):
+    from jdist.testing import EmbeddingBag
+
+    idx, off, psw, idx2 = _bag_inputs()
+    t = nn.EmbeddingBag(9, 4, mode=mode)
+    n = torch_to_nnx(t, EmbeddingBag(9, 4, mode=mode, rngs=nnx.Rngs(0)))
+    close(n.embedding[...], tnp(t.weight), 0)
+    cases = [((idx, off), {}), ((idx2,), {})]
+    if mode == "sum":
+        cases.append(((idx, off), {"per_sample_weights": psw}))
+    for args, kw in cases:
+        t.zero_grad()
+        out_t = t(*[torch.from_numpy(a) for a in args],
+                  **{k: torch.from_numpy(v) for k, v in kw.items()})
+        (out_t * torch.arange(out_t.numel()).reshape(out_t.shape)).sum().backward()
+
+        def f(model, args=args, kw=kw):
+            out = model(*args, **kw)
+            return (out * jnp.arange(out.size).reshape(out.shape)).sum(), out
+
+        (_, out_n), g = nnx.value_and_grad(f, has_aux=True)(n)
+        close(out_n, tnp(out_t))
+        close(g.embedding[...], tnp(t.weight.grad))
+    if mode != "max":
+        assert np.abs(tnp(t(torch.from_numpy(idx), torch.from_numpy(off)))[1]).max() == 0
+
+
+def test_embedding_bag_last_offset_padding_idx_jit_and_round_trip():
+    from jdist.testing import EmbeddingBag
+
+    idx, off, _, _ = _bag_inputs()
+    t = nn.EmbeddingBag(9, 4, mode="mean", include_last_offset=True, padding_idx=2)
+    n = EmbeddingBag(9, 4, mode="mean", include_last_offset=True, padding_idx=2,
+                     rngs=nnx.Rngs(1))
+    assert float(jnp.abs(n.embedding[2]).max()) == 0  # torch zeroes the padding row too
+    torch_to_nnx(t, n)
+    last = np.append(off, 11)  # indices 11, 12 lie past the end: ignored (padding)
+    want = tnp(t(torch.from_numpy(idx[:11]), torch.from_numpy(last)))
+    close(n(idx, last), want)
+    close(nnx.jit(lambda m, i, o: m(i, o))(n, idx, last), want)  # one compiled program
+    back = nn.EmbeddingBag(9, 4, mode="mean", include_last_offset=True, padding_idx=2)
+    nnx_to_torch(n, back)
+    state_equal(t, back)
+    fresh = EmbeddingBag(9, 4, mode="mean", include_last_offset=True, padding_idx=2,
+                         rngs=nnx.Rngs(5))
+    state_dict_to_nnx({k: tnp(v) for k, v in t.state_dict().items()}, fresh)
+    close(fresh.embedding[...], tnp(t.weight), 0)
+    assert list(nnx_state_to_torch_state_dict(n)) == ["weight"]
+    assert paired_layers(t, n) == [("", "", "embeddingbag")]
+
+
+def test_embedding_bag_mismatches_and_bad_inputs_raise():
+    from jdist.testing import EmbeddingBag
+
+    n = EmbeddingBag(9, 4, mode="sum", rngs=nnx.Rngs(0))
+    with pytest.raises(WeightConversionError, match="mode: torch 'max' vs nnx 'sum'"):
+        torch_to_nnx(nn.EmbeddingBag(9, 4, mode="max"), n)
+    with pytest.raises(WeightConversionError, match="padding_idx"):
+        torch_to_nnx(nn.EmbeddingBag(9, 4, mode="sum", padding_idx=0), n)
+    with pytest.raises(WeightConversionError, match="max_norm"):
+        torch_to_nnx(nn.EmbeddingBag(9, 4, mode="sum", max_norm=1.0), n)
+    with pytest.raises(WeightConversionError, match=r"\(9, 4\)"):
+        torch_to_nnx(nn.EmbeddingBag(8, 4, mode="sum"), n)
+    with pytest.raises(WeightConversionError, match="embeddingbag"):
+        torch_to_nnx(nn.Embedding(9, 4), n)
+    idx = np.arange(6)
+    with pytest.raises(ValueError, match="'median'"):
+        EmbeddingBag(9, 4, mode="median", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs offsets"):
+        n(idx)
+    with pytest.raises(ValueError, match="offsets must be None"):
+        n(idx.reshape(2, 3), np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"\[0, 4, 2\]"):
+        n(idx, np.array([0, 4, 2]))
+    with pytest.raises(ValueError, match="mode='sum', got mode='mean'"):
+        EmbeddingBag(9, 4, rngs=nnx.Rngs(0))(idx, np.array([0]),
+                                             per_sample_weights=np.ones(6))
+    with pytest.raises(ValueError, match="padding_idx must be within"):
+        EmbeddingBag(9, 4, padding_idx=9, rngs=nnx.Rngs(0))

@@ -1,0 +1,210 @@
+"""Which layers of a torch model and an NNX model pair up (see :mod:`jdist.testing._convert`).
+
+The tables of convertible kinds and their arrays, each side's layers in definition
+order, and the pairing with its count and kind checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from jdist.errors import WeightConversionError
+from jdist.testing._embedding_bag import EmbeddingBag
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One convertible (or unsupported, ``kind=None``) layer of a model."""
+
+    path: str
+    kind: str | None
+    module: Any
+    type_name: str
+
+    def describe(self) -> str:
+        return f"{self.path or '<root>'!r} ({self.type_name})"
+
+
+# (torch name, nnx attribute, transform to nnx, transform to torch)
+def _same(a):
+    return a
+
+
+def _transpose(a):
+    return np.ascontiguousarray(np.transpose(a))
+
+
+def _conv_maps(nd: int):
+    to_nnx = tuple(range(2, nd + 2)) + (1, 0)  # O I *S -> *S I O
+    to_torch = tuple(int(i) for i in np.argsort(to_nnx))
+    return (lambda a: np.ascontiguousarray(np.transpose(a, to_nnx)),
+            lambda a: np.ascontiguousarray(np.transpose(a, to_torch)))
+
+
+_CONV = {nd: _conv_maps(nd) for nd in (1, 2, 3)}
+_ARRAYS = {
+    "linear": [("weight", "kernel", _transpose, _transpose), ("bias", "bias", _same, _same)],
+    "batchnorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same),
+                  ("running_mean", "mean", _same, _same), ("running_var", "var", _same, _same)],
+    "layernorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same)],
+    "embedding": [("weight", "embedding", _same, _same)],
+    "embeddingbag": [("weight", "embedding", _same, _same)],
+}
+for _nd, (_to_nnx, _to_torch) in _CONV.items():
+    _ARRAYS[f"conv{_nd}d"] = [("weight", "kernel", _to_nnx, _to_torch),
+                              ("bias", "bias", _same, _same)]
+_LAYOUT = {"linear": "torch (out, in) <-> nnx (in, out)",
+           "conv1d": "torch (O, I, W) <-> nnx (W, I, O)",
+           "conv2d": "torch (O, I, H, W) <-> nnx (H, W, I, O)",
+           "conv3d": "torch (O, I, D, H, W) <-> nnx (D, H, W, I, O)"}
+
+
+# ------------------------------------------------------------------------ traversal
+
+
+def _nnx_kind(m) -> str | None:
+    if isinstance(m, nnx.Linear):
+        return "linear"
+    if isinstance(m, nnx.Conv) and len(m.kernel_size) in _CONV:
+        return f"conv{len(m.kernel_size)}d"
+    if isinstance(m, nnx.BatchNorm):
+        return "batchnorm"
+    if isinstance(m, nnx.LayerNorm):
+        return "layernorm"
+    if isinstance(m, nnx.Embed):
+        return "embedding"
+    if isinstance(m, EmbeddingBag):
+        return "embeddingbag"
+    return None
+
+
+def _attributes_in_definition_order(node) -> list[tuple[str, Any]]:
+    """A module's attributes in assignment order.
+
+    ``vars()`` order is not enough: ``nnx.jit``/``nnx.update`` rewrite ``__dict__`` in
+    sorted order. Flax records the assignment order of a Pytree's attributes in
+    ``_pytree__nodes`` (kept through split/merge and transforms); use it when present.
+    """
+    attrs = vars(node)
+    order = list(getattr(node, "_pytree__nodes", None) or ())
+    names = [k for k in order if k in attrs] + [k for k in attrs if k not in set(order)]
+    return [(k, attrs[k]) for k in names]
+
+
+def nnx_layers(module) -> list[Layer]:
+    """The convertible layers of an NNX module in definition order (see module doc)."""
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"expected a flax.nnx.Module, got {type(module).__name__}: {module!r}")
+    out: list[Layer] = []
+    seen: set[int] = set()
+
+    def join(path, name):
+        return f"{path}.{name}" if path else str(name)
+
+    def visit(node, path):
+        if isinstance(node, (list, tuple)) or (isinstance(node, nnx.List)):
+            for i, v in enumerate(node):
+                visit(v, join(path, i))
+            return
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                visit(v, join(path, k))
+            return
+        if not isinstance(node, nnx.Module) or id(node) in seen:
+            return
+        seen.add(id(node))
+        kind = _nnx_kind(node)
+        if kind is not None:
+            out.append(Layer(path, kind, node, type(node).__name__))
+            return
+        children = [(k, v) for k, v in _attributes_in_definition_order(node)
+                    if not k.startswith("_pytree__")]
+        if any(isinstance(v, nnx.Variable) for _, v in children):
+            out.append(Layer(path, None, node, type(node).__name__))
+        for k, v in children:
+            if not isinstance(v, nnx.Variable):
+                visit(v, join(path, k))
+
+    visit(module, "")
+    return out
+
+
+def _torch_kind(m) -> str | None:
+    from torch import nn
+
+    if isinstance(m, nn.Linear):
+        return "linear"
+    for nd, cls in ((1, nn.Conv1d), (2, nn.Conv2d), (3, nn.Conv3d)):
+        if isinstance(m, cls):
+            return f"conv{nd}d"
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return "batchnorm"
+    if isinstance(m, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(m, nn.Embedding):
+        return "embedding"
+    if isinstance(m, nn.EmbeddingBag):
+        return "embeddingbag"
+    return None
+
+
+def torch_layers(module) -> list[Layer]:
+    """The convertible layers of a torch module in ``named_modules()`` order."""
+    from torch import nn
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}: {module!r}")
+    out = []
+    for path, m in module.named_modules():
+        kind = _torch_kind(m)
+        if kind is not None:
+            out.append(Layer(path, kind, m, type(m).__name__))
+        elif any(True for _ in m.parameters(recurse=False)) or \
+                any(True for _ in m.buffers(recurse=False)):
+            out.append(Layer(path, None, m, type(m).__name__))
+    return out
+
+
+def _pair(src: list[Layer], dst: list[Layer], src_name: str, dst_name: str, strict: bool):
+    """Pair the i-th supported layer of each side; raise on unsupported, count, kind."""
+    for side, layers in ((src_name, src), (dst_name, dst)):
+        bad = [lay.describe() for lay in layers if lay.kind is None]
+        if bad and strict:
+            raise WeightConversionError(
+                f"{side} model has layers holding parameters that cannot be converted: "
+                f"{', '.join(bad)}. Supported: Linear, Conv1d/2d/3d, BatchNorm, LayerNorm, "
+                f"Embedding, EmbeddingBag. Pass strict=False to skip them (their weights are not "
+                f"copied)"
+            )
+    src = [lay for lay in src if lay.kind is not None]
+    dst = [lay for lay in dst if lay.kind is not None]
+
+    def listing(layers):
+        return ", ".join(f"#{i} {lay.describe()}" for i, lay in enumerate(layers)) or "none"
+
+    if len(src) != len(dst):
+        raise WeightConversionError(
+            f"{src_name} model has {len(src)} convertible layers but {dst_name} model has "
+            f"{len(dst)}; layers are paired in definition order.\n  {src_name}: "
+            f"{listing(src)}\n  {dst_name}: {listing(dst)}"
+        )
+    for i, (a, b) in enumerate(zip(src, dst, strict=True)):
+        if a.kind != b.kind:
+            raise WeightConversionError(
+                f"layer #{i}: {src_name} {a.describe()} is a {a.kind} but {dst_name} "
+                f"{b.describe()} is a {b.kind}; both models must define the same kinds of "
+                f"layers in the same order.\n  {src_name}: {listing(src)}\n  {dst_name}: "
+                f"{listing(dst)}"
+            )
+    return list(zip(src, dst, strict=True))
+
+
+def paired_layers(torch_module, nnx_module, *, strict: bool = True) -> list[tuple[str, str, str]]:
+    """``(torch path, nnx path, kind)`` for each layer pair the converters would use."""
+    pairs = _pair(torch_layers(torch_module), nnx_layers(nnx_module), "torch", "nnx", strict)
+    return [(t.path, n.path, t.kind) for t, n in pairs]
