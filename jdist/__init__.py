@@ -1,9 +1,9 @@
 """jdist: PyTorch's distributed training semantics on JAX, Flax and Optax.
 
 Process groups and collectives are re-exported here (as ``torch.distributed`` does);
-they and the subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``,
-``jdist.optim``, ``jdist.rpc``, ``jdist.launch``, ``jdist.testing``) load on first use,
-so ``import jdist`` stays cheap and the launcher never imports JAX.
+they and the subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``, ``jdist.optim``,
+``jdist.rpc``, ``jdist.launch``, ``jdist.store``, ``jdist.testing``) load on first use, so
+``import jdist`` stays cheap and the launcher never imports JAX.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ from jdist import errors as errors
 
 if TYPE_CHECKING:  # explicit re-exports for type checkers; loaded lazily at run time
     from jdist.collectives import NON_GROUP_MEMBER as NON_GROUP_MEMBER
-    from jdist.collectives import FileStore as FileStore
-    from jdist.collectives import HashStore as HashStore
     from jdist.collectives import P2POp as P2POp
-    from jdist.collectives import PrefixStore as PrefixStore
     from jdist.collectives import ProcessGroup as ProcessGroup
     from jdist.collectives import ReduceOp as ReduceOp
-    from jdist.collectives import Store as Store
-    from jdist.collectives import TCPStore as TCPStore
     from jdist.collectives import Work as Work
     from jdist.collectives import all_gather as all_gather
     from jdist.collectives import all_gather_into_tensor as all_gather_into_tensor
@@ -60,68 +55,43 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; loaded lazily at run
     from jdist.collectives import scatter as scatter
     from jdist.collectives import scatter_object_list as scatter_object_list
     from jdist.collectives import send as send
+    from jdist.store import FileStore as FileStore
+    from jdist.store import HashStore as HashStore
+    from jdist.store import PrefixStore as PrefixStore
+    from jdist.store import Store as Store
+    from jdist.store import TCPStore as TCPStore
 
 # Loaded on first use, so that `import jdist` (and the jdist-run launcher) does not
-# import JAX until a collective name is touched.
-_COLLECTIVE_NAMES = frozenset({
-    "NON_GROUP_MEMBER",
-    "FileStore",
-    "HashStore",
-    "P2POp",
-    "PrefixStore",
-    "ProcessGroup",
-    "ReduceOp",
-    "Store",
-    "TCPStore",
-    "Work",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "broadcast",
-    "broadcast_object_list",
-    "destroy_process_group",
-    "gather",
-    "gather_object",
-    "get_backend",
-    "get_default_group",
-    "get_global_rank",
-    "get_group_rank",
-    "get_process_group_ranks",
-    "get_rank",
-    "get_world_size",
-    "init_process_group",
-    "irecv",
-    "is_initialized",
-    "isend",
-    "monitored_barrier",
-    "new_group",
-    "recv",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-})
+# import JAX until a collective name is touched; the store names come from the
+# JAX-free jdist.store. One table: __all__ and the TYPE_CHECKING block above list the
+# same names (tests/test_public_api.py checks it).
+_LAZY: dict[str, tuple[str, ...]] = {
+    "jdist.store": ("FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"),
+    "jdist.collectives": (
+        "NON_GROUP_MEMBER", "P2POp", "ProcessGroup", "ReduceOp", "Work", "all_gather",
+        "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce",
+        "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+        "broadcast_object_list", "destroy_process_group", "gather", "gather_object", "get_backend",
+        "get_default_group", "get_global_rank", "get_group_rank", "get_process_group_ranks",
+        "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
+        "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter",
+        "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+    ),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 try:
     __version__ = version("jdist")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-_SUBPACKAGES = ("collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler", "testing")
+_SUBPACKAGES = ("collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler", "store",
+                "testing")
 
 
 def __getattr__(name: str):
-    if name in _COLLECTIVE_NAMES:
-        value = getattr(importlib.import_module("jdist.collectives"), name)
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
         globals()[name] = value
         return value
     if name in _SUBPACKAGES:

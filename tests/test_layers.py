@@ -1,0 +1,177 @@
+"""The import contract of ``jdist/``: no import circles, and floor 0 never reaches JAX.
+
+The graph is read from the source (every ``import`` statement, also those inside
+functions, which are import edges all the same once they run), so a circle that only
+closes at run time is caught too. An import of a package's submodule counts as an edge
+to that submodule only; the implicit import of the parent package does not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "jdist"
+FLOOR0 = ("jdist.errors", "jdist.store", "jdist.launch")
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "torch", "grain")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, Path()).name == "__init__.py"
+
+
+def _in_type_checking(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def _imports(name: str) -> set[str]:
+    """What module ``name`` imports: jdist modules by full name, others by top package."""
+    tree = ast.parse(MODULES[name].read_text())
+    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if _in_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(node.args[0].value)
+    return {m if m.startswith("jdist") else m.split(".")[0] for m in found}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {d for d in _imports(m) if d in MODULES or not d.startswith("jdist")}
+            for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), plus self-loops."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module reachable from ``start``, each with the module that imports it."""
+    seen = {start: ""}
+    todo = [start]
+    while todo:
+        v = todo.pop()
+        for w in graph.get(v, ()):
+            if w not in seen:
+                seen[w] = v
+                todo.append(w)
+    return seen
+
+
+def _path(seen: dict[str, str], end: str) -> str:
+    chain = [end]
+    while seen[chain[-1]]:
+        chain.append(seen[chain[-1]])
+    return " -> ".join(reversed(chain))
+
+
+def test_graph_sees_the_package():
+    graph = _graph()
+    assert {"jdist", "jdist.collectives", "jdist.store", "jdist.launch", "jdist.rpc"} <= set(graph)
+    assert "jax" in graph["jdist.collectives._traced"]  # the reader finds real imports
+
+
+def test_no_import_circle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles in jdist/:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_floor0_never_reaches_jax():
+    graph = _graph()
+    bad = []
+    for start in [m for m in MODULES if m.startswith(FLOOR0)]:
+        seen = _reach(graph, start)
+        bad += [_path(seen, h) for h in HEAVY if h in seen]
+    assert not bad, "floor-0 modules reach a heavy import:\n" + "\n".join(sorted(set(bad)))
+
+
+_NO_JAX = """
+import sys
+for name in {heavy!r}:
+    sys.modules[name] = None          # any import of them now raises ImportError
+import jdist, jdist.errors, jdist.store, jdist.launch, jdist.launch.__main__
+store = jdist.HashStore()
+store.set("k", b"v")
+assert store.get("k") == b"v"
+assert jdist.TCPStore is jdist.store.TCPStore
+print("ok")
+"""
+
+
+def test_launcher_and_store_run_without_jax():
+    code = _NO_JAX.format(heavy=HEAVY)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_import_jdist_does_not_import_jax():
+    code = ("import sys, jdist; jdist.__version__; jdist.errors.JdistError\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
