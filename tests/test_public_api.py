@@ -1,4 +1,4 @@
-"""The public names that DESIGN.md fixes exist where it says, and the lists of them agree."""
+"""The public API contract's names exist where it says, and the lists of them agree."""
 
 import ast
 import importlib
