@@ -29,6 +29,7 @@ from jdist.collectives._group import get_rank as get_rank
 from jdist.collectives._group import get_world_size as get_world_size
 from jdist.collectives._group import is_initialized as is_initialized
 from jdist.collectives._group import new_group as new_group
+from jdist.collectives._init import describe_job as describe_job
 from jdist.collectives._init import destroy_process_group as destroy_process_group
 from jdist.collectives._init import init_process_group as init_process_group
 from jdist.collectives._monitored import monitored_barrier as monitored_barrier
@@ -77,6 +78,7 @@ __all__ = [
     "new_group",
     "init_process_group",
     "destroy_process_group",
+    "describe_job",
     "monitored_barrier",
     "all_gather_object",
     "broadcast_object_list",

@@ -39,8 +39,9 @@ from jdist.collectives._group import (
 )
 from jdist.collectives._watchdog import Watchdog
 from jdist.errors import AlreadyInitializedError, RendezvousError, StoreError
+from jdist.launch._cluster import JobSpec, detect_job, local_device_ids
 
-__all__ = ["init_process_group", "destroy_process_group"]
+__all__ = ["init_process_group", "destroy_process_group", "describe_job"]
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -112,7 +113,8 @@ def _set_collective_timeout(timeout: float) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_collective_timeout_seconds={seconds}".strip()
 
 
-def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> bool:
+def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float,
+               device_ids: tuple[int, ...] | None = None) -> bool:
     """Start JAX's multi-process runtime; False if the user had already started it."""
     if jax.distributed.is_initialized():
         if (jax.process_count(), jax.process_index()) != (spec.world_size, spec.rank):
@@ -147,6 +149,7 @@ def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float) -> bool:
             initialization_timeout=seconds,
             shutdown_timeout_seconds=min(seconds, 300),
             coordinator_bind_address=coordinator if spec.rank == 0 else None,
+            local_device_ids=list(device_ids) if device_ids is not None else None,
         )
     except Exception as exc:
         raise RendezvousError(
@@ -185,7 +188,8 @@ def _make_world(rank: int, devices_per_rank, backend: str, timeout: float) -> Pr
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        world_size: int = -1, rank: int = -1, timeout=None, store=None,
-                       group_name: str = "", pg_options=None, device_id=None) -> None:
+                       group_name: str = "", pg_options=None, device_id=None,
+                       local_devices=None) -> None:
     """Start the default process group (torch's ``init_process_group``).
 
     Args:
@@ -200,7 +204,17 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         the group (default 30 minutes, as torch's gloo).
       store: a store to rendezvous through instead of ``init_method`` (needs explicit
         ``world_size`` and ``rank``).
-      group_name, pg_options, device_id: accepted for torch compatibility; unused.
+      device_id: torch's one device bound to this process: an int index (or an object
+        with ``.index``) means ``local_devices=[index]``.
+      local_devices: the accelerators this process drives: ``"all"`` it sees, ``"one"``
+        per process (the local rank's, as SLURM's ``--gpus-per-task=1`` implies), a
+        count per process, or a list of ids; None reads ``JDIST_LOCAL_DEVICES``, then
+        ``SLURM_GPUS_PER_TASK``, else all. CPU devices are not affected.
+      group_name, pg_options: accepted for torch compatibility; unused.
+
+    With ``init_method=None`` and no ``rank``/``world_size``, the job is detected from
+    the environment: torchrun/jdist-run variables, Open MPI, SLURM (``srun``), PMI,
+    a Kubernetes indexed Job, else one process; :func:`describe_job` says which and why.
 
     Raises:
       AlreadyInitializedError: called twice without ``destroy_process_group``.
@@ -208,7 +222,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
       RendezvousError: world sizes disagree, a rank is claimed twice, or JAX failed.
       RendezvousTimeoutError: ranks missing after ``timeout`` (named).
     """
-    del group_name, pg_options, device_id
+    del group_name, pg_options
     if group_state.is_initialized():
         raise AlreadyInitializedError(
             "trying to initialize the default process group twice! (call "
@@ -217,12 +231,20 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     seconds = rdzv.parse_timeout(timeout)
     requested = _check_backend(backend)
     spec = rdzv.parse_init(init_method, world_size, rank, store)
+    job = rdzv.describe(init_method, world_size, rank, store, spec)
+    if local_devices is None and device_id is not None:
+        index = getattr(device_id, "index", device_id)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"device_id={device_id!r} must be a device index >= 0 (or None)")
+        local_devices = [index]
+    device_ids, why = local_device_ids(local_devices, job, os.environ)
+    job = job._replace(devices=why)
     group_state.generation += 1
     if spec.world_size == 1:
         devices = (tuple(jax.local_devices()),)
         world = _make_world(0, devices, _platform_backend(requested), seconds)
         group_state.runtime = {"store": store, "watchdog": None, "jax": False,
-                               "owns_store": False}
+                               "owns_store": False, "job": job}
         group_state.default_group = world
         return
     own_store, owns_jax = store is None, False
@@ -244,7 +266,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                 _close_store(store)
                 time.sleep(0.05)
                 store = rdzv.make_store(spec, max(deadline - time.monotonic(), 0.1))
-        owns_jax = _start_jax(spec, res.coordinator, seconds)
+        owns_jax = _start_jax(spec, res.coordinator, seconds, device_ids)
         world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
                             _platform_backend(requested), seconds)
     except BaseException:
@@ -261,7 +283,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                         group_state.generation, interval, store_host_rank=hosted)
     watchdog.start()
     group_state.runtime = {"store": store, "watchdog": watchdog, "jax": owns_jax,
-                           "owns_store": own_store, "spec": spec}
+                           "owns_store": own_store, "spec": spec, "job": job}
     group_state.default_group = world
     _install_exit_teardown()
 
@@ -396,3 +418,23 @@ def destroy_process_group(group: ProcessGroup | None = None, *,
     if store is not None and rt.get("owns_store"):
         _close_store(store)
     group_state.reset()
+
+
+def describe_job() -> JobSpec:
+    """The job of this process and how jdist found it.
+
+    After :func:`init_process_group`, the job it used (with the devices it drives);
+    before, what ``init_process_group()`` with no arguments would detect now. The result
+    prints as a few lines (source, ranks, coordinator, job id, restart, devices, why);
+    its fields (``source``, ``rank``, ``world_size``, ``local_rank``, ``master_addr``,
+    ``master_port``, ``reason``, ...) are there for programs.
+
+    Raises:
+      ValueError: the environment is malformed (the variable and its value are quoted).
+    """
+    if group_state.is_initialized():
+        job = group_state.runtime.get("job")
+        if job is not None:
+            return job
+    job = detect_job()
+    return job._replace(devices=local_device_ids(None, job, os.environ)[1])

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from jdist.errors import RendezvousError, RendezvousTimeoutError, StoreError
+from jdist.launch._cluster import JobSpec, detect_job
 from jdist.store import free_port
 
 __all__ = ["InitSpec", "parse_init", "parse_timeout", "make_store", "rendezvous",
@@ -124,17 +125,7 @@ def parse_init(init_method: str | None, world_size: int, rank: int, store: Any,
     rank = _merge(rank, query, "rank")
     world_size = _merge(world_size, query, "world_size")
     if url.scheme == "env":
-        if world_size == -1:
-            ws_env = _env("WORLD_SIZE", False, env)
-            world_size = 1 if ws_env in (None, "") else _int(ws_env, "WORLD_SIZE")
-        if rank == -1:
-            rank_env = _env("RANK", world_size > 1, env)
-            rank = 0 if rank_env in (None, "") else _int(rank_env, "RANK")
-        if world_size == 1:
-            return _checked(InitSpec("env", rank, 1))
-        host = _env("MASTER_ADDR", True, env)
-        port = _int(_env("MASTER_PORT", True, env), "MASTER_PORT")
-        return _checked(InitSpec("env", rank, world_size, host, port))
+        return _from_env(rank, world_size, env)
     if url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {method!r} must look like tcp://host:port")
@@ -158,6 +149,62 @@ def parse_init(init_method: str | None, world_size: int, rank: int, store: Any,
         f"init_method {method!r} is not supported; use env://, tcp://host:port or "
         f"file:///path"
     )
+
+
+def _with_args(env, rank: int, world_size: int):
+    """``env`` with an explicit rank / world size filling a torchrun pair's other half."""
+    if (rank == -1) == (world_size == -1):
+        return env
+    name, other, value = (("RANK", "WORLD_SIZE", rank) if rank != -1
+                          else ("WORLD_SIZE", "RANK", world_size))
+    if env.get(other) and not env.get(name):
+        return {**env, name: str(value)}
+    return env
+
+
+def describe(init_method: str | None, world_size: int, rank: int, store: Any,
+             spec: InitSpec, env=None) -> JobSpec:
+    """The :class:`JobSpec` behind ``spec``: what was detected, or the explicit arguments."""
+    env = os.environ if env is None else env
+    explicit = store is not None or (init_method not in (None, "env://")) or (
+        rank != -1 and world_size != -1)
+    if not explicit:
+        job = detect_job(_with_args(env, rank, world_size))
+        if (job.rank, job.world_size) == (spec.rank, spec.world_size):
+            return job
+        why = f"{job.reason}; overridden by init_process_group(rank={rank}, " \
+              f"world_size={world_size})"
+        return job._replace(rank=spec.rank, world_size=spec.world_size, reason=why)
+    how = (f"init_process_group(store={type(store).__name__})" if store is not None else
+           f"init_process_group(init_method={init_method!r}, rank={rank}, "
+           f"world_size={world_size})")
+    single = spec.world_size == 1
+    return JobSpec("explicit", spec.rank, spec.world_size, 0, 1, 0, 1,
+                   None if single else spec.host or spec.path, None if single else spec.port,
+                   None, 0, f"arguments: {how}")
+
+
+def _from_env(rank: int, world_size: int, env) -> InitSpec:
+    """``env://``: explicit arguments first, then the job :func:`detect_job` finds."""
+    if rank != -1 and world_size != -1:  # both given: only the address comes from env
+        if world_size == 1:
+            return _checked(InitSpec("env", rank, 1))
+        host = _env("MASTER_ADDR", True, env)
+        port = _int(_env("MASTER_PORT", True, env), "MASTER_PORT")
+        return _checked(InitSpec("env", rank, world_size, host, port))
+    job = detect_job(_with_args(env, rank, world_size))
+    if world_size == -1:
+        world_size = job.world_size
+    if rank == -1:
+        rank = job.rank
+    if world_size == 1:
+        return _checked(InitSpec("env", rank, 1))
+    if job.master_addr is None:  # world_size given, nothing detected
+        _env("RANK", rank == -1, env)
+        host = _env("MASTER_ADDR", True, env)
+        port = _int(_env("MASTER_PORT", True, env), "MASTER_PORT")
+        return _checked(InitSpec("env", rank, world_size, host, port))
+    return _checked(InitSpec("env", rank, world_size, job.master_addr, job.master_port))
 
 
 def _checked(spec: InitSpec) -> InitSpec:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from jdist.launch._hostlist import expand_hostlist, expand_tasks_per_node
 
-__all__ = ["JobSpec", "detect_job", "derived_port", "PORT_BASE", "PORT_SPAN",
+__all__ = ["JobSpec", "detect_job", "derived_port", "local_device_ids", "PORT_BASE", "PORT_SPAN",
            "RESTART_SLOTS"]
 
 PORT_BASE = 12000  # below Linux's ephemeral range (32768-60999)
@@ -62,6 +62,10 @@ class JobSpec(NamedTuple):
     job_id: str | None
     restart_count: int
     reason: str
+    devices: str = "every local device this process sees"
+
+    def __str__(self) -> str:
+        return self.describe()
 
     def describe(self) -> str:
         """A few lines for people: the detected job and why."""
@@ -72,6 +76,7 @@ class JobSpec(NamedTuple):
                 f"{self.local_world_size}, node {self.node_rank} of {self.nnodes})\n"
                 f"coordinator: {where}\n"
                 f"job id: {self.job_id or '-'}, restart {self.restart_count}\n"
+                f"devices: {self.devices}\n"
                 f"why: {self.reason}")
 
 
@@ -144,11 +149,15 @@ def _check(source: str, rank: int, world: int, local: int, local_world: int,
                          f"({source})")
 
 
+_EXPECTED = "Error initializing jdist using env:// rendezvous: environment variable"
+
+
 def _torchrun(env: _Env) -> JobSpec | None:
     if not env.has("RANK"):
         return None
     if not env.has("WORLD_SIZE"):
-        raise ValueError(f"RANK={env.env['RANK']!r} is set but WORLD_SIZE is not; set both "
+        raise ValueError(f"{_EXPECTED} WORLD_SIZE expected, but not set: RANK="
+                         f"{env.env['RANK']!r} is set but WORLD_SIZE is not; set both "
                          f"(jdist-run and torchrun do), or neither")
     rank = env.int("RANK")
     world = env.int("WORLD_SIZE", low=1)
@@ -167,7 +176,8 @@ def _torchrun(env: _Env) -> JobSpec | None:
     if world > 1:
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.has(n)]
         if missing:
-            raise ValueError(f"RANK={rank} WORLD_SIZE={world} are set but "
+            raise ValueError(f"{_EXPECTED} {missing[0]} expected, but not set: "
+                             f"RANK={rank} WORLD_SIZE={world} are set but "
                              f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'}"
                              f" not; set the address and port of rank 0's host")
         addr, port = env.env["MASTER_ADDR"].strip(), _port(env)
@@ -362,8 +372,9 @@ def _kubernetes(env: _Env, fqdn: Callable[[], str]) -> JobSpec | None:
 
 def _single(env: _Env) -> JobSpec:
     if env.has("WORLD_SIZE") and env.env["WORLD_SIZE"].strip() != "1":
-        raise ValueError(f"WORLD_SIZE={env.env['WORLD_SIZE']!r} is set but RANK is not; set "
-                         f"both (jdist-run and torchrun do), or neither")
+        raise ValueError(f"{_EXPECTED} RANK expected, but not set: WORLD_SIZE="
+                         f"{env.env['WORLD_SIZE']!r} is set but RANK is not; set both "
+                         f"(jdist-run and torchrun do), or neither")
     if env.has("SLURM_JOB_ID"):
         why = (f"SLURM_JOB_ID={env.env['SLURM_JOB_ID']} without an srun step "
                f"(no SLURM_STEP_ID/SLURM_PROCID): the batch script itself, one process; "
@@ -402,3 +413,65 @@ def detect_job(env: Mapping[str, str] | None = None, *,
             return spec
     spec = _kubernetes(e, fqdn or _default_fqdn)
     return spec if spec is not None else _single(e)
+
+
+def _visible(env: Mapping[str, str]) -> int | None:
+    for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        value = env.get(name)
+        if value:
+            return len([v for v in value.split(",") if v.strip()])
+    return None
+
+
+def local_device_ids(policy, job: JobSpec,
+                     env: Mapping[str, str]) -> tuple[tuple[int, ...] | None, str]:
+    """Which local accelerators this process drives: ``(ids or None for all, why)``.
+
+    ``policy``: ``None``/``"auto"`` (``JDIST_LOCAL_DEVICES`` if set, else one slice per
+    task when SLURM says ``--gpus-per-task``, else all), ``"all"``, ``"one"`` (one per
+    process, the local rank's), an int ``k`` (``k`` per process: ids ``[local_rank*k,
+    local_rank*k + k)``) or a list of device ids. When the scheduler already made only
+    ``k`` devices visible (``CUDA_VISIBLE_DEVICES``), the process takes all it sees.
+    CPU devices are not affected (JAX applies the ids to GPUs only).
+
+    Raises:
+      ValueError: an unknown policy, quoting it (and ``JDIST_LOCAL_DEVICES`` if it
+        came from there).
+    """
+    source = "local_devices"
+    if policy is None or policy == "auto":
+        if env.get("JDIST_LOCAL_DEVICES"):
+            policy, source = env["JDIST_LOCAL_DEVICES"].strip(), "JDIST_LOCAL_DEVICES"
+        elif job.source == "slurm" and env.get("SLURM_GPUS_PER_TASK"):
+            policy, source = env["SLURM_GPUS_PER_TASK"].strip(), "SLURM_GPUS_PER_TASK"
+        else:
+            return None, "every local device this process sees (local_devices='all')"
+    if isinstance(policy, str):
+        text = policy.strip().lower()
+        if text == "all":
+            return None, f"every local device this process sees ({source}='all')"
+        if text == "one":
+            policy = 1
+        elif re.fullmatch(r"\d+", text):
+            policy = int(text)
+        elif re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
+            policy = [int(v) for v in text.split(",")]
+        else:
+            raise ValueError(f"{source}={policy!r} is not 'all', 'one', a count or a list "
+                             f"of device ids like '0,1'")
+    if isinstance(policy, bool) or not isinstance(policy, (int, list, tuple)):
+        raise ValueError(f"{source}={policy!r} is not 'all', 'one', a count or a list of ids")
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"{source}={policy!r} must be >= 1 device per process")
+        if _visible(env) == policy:
+            return None, (f"{policy} per process ({source}={policy}); the scheduler made "
+                          f"exactly those visible")
+        first = job.local_rank * policy
+        ids = tuple(range(first, first + policy))
+        return ids, f"{policy} per process ({source}): ids {list(ids)} for local rank " \
+                    f"{job.local_rank}"
+    ids = tuple(int(v) for v in policy)
+    if not ids or any(i < 0 for i in ids):
+        raise ValueError(f"{source}={policy!r}: give at least one device id >= 0")
+    return ids, f"device ids {list(ids)} ({source})"
