@@ -6,6 +6,7 @@ epoch and the progress through the current epoch.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
 
@@ -22,6 +23,9 @@ from jdist.sampler._indices import (
 
 __all__ = ["DistributedSampler", "RepeatedEpochWarning"]
 
+_FIRST_CHUNK = 8  # a pass checks for a newer pass every chunk; chunks double up to
+_MAX_CHUNK = 1024  # this, so sharing is caught within a batch or two and costs ~nothing
+
 _NO_GROUP = (
     "Default process group has not been initialized, please make sure to call "
     "init_process_group."
@@ -29,11 +33,14 @@ _NO_GROUP = (
 
 
 class RepeatedEpochWarning(UserWarning):
-    """A shuffled sampler was iterated again with the same epoch.
+    """A shuffled sampler ran through the same epoch twice, so both passes had one order.
 
-    Cause: ``set_epoch`` was not called (or was called with the same value) between two
-    passes, so both passes see the same order (torch issue #31771). Fix: call
-    ``sampler.set_epoch(epoch)`` at the start of every epoch.
+    Cause: two complete passes over the sampler with no ``set_epoch`` to a new value in
+    between (torch issue #31771): for example ``set_epoch`` is never called, or is
+    called with a constant. A partial pass (a peek such as ``next(iter(loader))``, or a
+    loop that breaks early) is not a pass and never warns. Fix: call
+    ``sampler.set_epoch(epoch)`` with each epoch's own number before that epoch's loop;
+    to replay an epoch on purpose, set another epoch in between or filter this warning.
     """
 
 
@@ -69,8 +76,13 @@ class DistributedSampler:
       with no padding duplicates, so metrics summed over ranks are exact. Ranks' lengths
       then differ by at most one: run any collective once after the loop (for example
       ``all_reduce`` of metric sums and counts), not once per batch.
-    * Iterating a shuffled sampler a second time without ``set_epoch`` changing the
-      epoch warns (:class:`RepeatedEpochWarning`): both passes would be identical.
+    * Running through a shuffled epoch a second time without ``set_epoch`` changing
+      the epoch warns (:class:`RepeatedEpochWarning`) when the second pass ends: both
+      passes were identical. Partial passes (``next(iter(loader))`` to peek at a batch)
+      do not count.
+    * One sampler serves one loader: a pass that is read again after a newer
+      ``iter(sampler)`` started (two loaders sharing the sampler, interleaved) raises
+      ``RuntimeError`` instead of silently splitting the epoch between them.
 
     Args:
       dataset: an int (the dataset length) or anything with ``__len__``.
@@ -113,9 +125,10 @@ class DistributedSampler:
             self.num_samples * self.num_replicas if self.even_split else self._n
         )
         self._start = 0  # where the next __iter__ begins (set by load_state_dict)
-        self._base = 0  # offset of the current iterator in the epoch
-        self._iterator = None  # the live list iterator of this epoch
-        self._iterated_epoch = None  # epoch of the last pass from 0 since the epoch changed
+        self._base = 0  # offset of the current pass in the epoch
+        self._iterator = None  # the current pass's list iterator (None before its start)
+        self._pass = 0  # number of the newest pass; an older pass read again raises
+        self._completed = False  # a pass ran to the end of this epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch; with shuffling, each epoch has its own order (seed + epoch).
@@ -128,7 +141,7 @@ class DistributedSampler:
             self._start = 0
             self._base = 0
             self._iterator = None
-            self._iterated_epoch = None
+            self._completed = False
         self.epoch = epoch
 
     def indices(self) -> np.ndarray:
@@ -150,20 +163,60 @@ class DistributedSampler:
     def __iter__(self):
         start = self._start
         order = self.indices()  # raises before any state changes
-        if start == 0 and self.shuffle and self._iterated_epoch == self.epoch:
+        self._start = 0
+        self._base = start
+        self._iterator = None
+        self._pass += 1
+        return self._walk(order[start:].tolist(), self._pass)
+
+    def _walk(self, order: list, token: int):
+        """One pass: ``order`` in chunks; before each chunk, check no newer pass began."""
+        it = iter(order)
+        if self._pass == token:
+            self._iterator = it
+        size = _FIRST_CHUNK
+        left = len(order)
+        while left > 0:
+            if self._pass != token:
+                self._shared(token, len(order) - left)
+            yield from itertools.islice(it, size)
+            left -= size
+            size = min(2 * size, _MAX_CHUNK)
+        if self._pass != token:
+            return
+        if self._completed and self.shuffle:
             warnings.warn(
-                f"DistributedSampler iterated again with epoch {self.epoch}: this pass "
-                "repeats the previous pass's order; call sampler.set_epoch(epoch) at the "
-                "start of every epoch",
+                f"DistributedSampler ran through epoch {self.epoch} a second time, in the "
+                "same order as the first pass: set_epoch was not called with a new epoch "
+                "between the two passes (a constant, or no call at all). Call "
+                "sampler.set_epoch(epoch) with each epoch's own number before the epoch's "
+                "loop; to replay an epoch on purpose, set another epoch in between",
                 RepeatedEpochWarning,
                 stacklevel=2,
             )
-        if start == 0:
-            self._iterated_epoch = self.epoch
-        self._start = 0
-        self._base = start
-        self._iterator = iter(order[start:].tolist())
-        return self._iterator
+        self._completed = True
+
+    def _shared(self, token: int, done: int) -> None:
+        raise RuntimeError(
+            f"{self!r} is read by two consumers: pass {token} ({done} of its indices "
+            f"handed out) was read again after a newer iter(sampler) began pass "
+            f"{self._pass}. A sampler tracks one pass (state_dict() records its "
+            "progress), so two loaders cannot share one: give each DataLoader its own "
+            "DistributedSampler (the same arguments give the same order)"
+        )
+
+    def _state_at(self, consumed: int) -> dict:
+        """``state_dict()`` with ``consumed`` set: the position a loop really reached."""
+        consumed = _as_int(consumed, "consumed")
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(
+                f"a loader reports {consumed} samples of epoch {self.epoch} used, outside "
+                f"[0, {self.num_samples}] for this rank; its batches do not come from this "
+                "sampler (pass the sampler the loader was built with)"
+            )
+        state = self.state_dict()
+        state["consumed"] = consumed
+        return state
 
     def __len__(self) -> int:
         """Indices per epoch for this rank (torch's ``num_samples``)."""
@@ -174,7 +227,7 @@ class DistributedSampler:
         if self._start:
             return self._start
         if self._iterator is None:
-            return self._base
+            return self._base  # no pass yet, or a pass not started
         return self._base + (
             self.num_samples - self._base - operator.length_hint(self._iterator)
         )
@@ -236,7 +289,7 @@ class DistributedSampler:
         self._start = consumed
         self._base = consumed
         self._iterator = None
-        self._iterated_epoch = self.epoch if consumed else None
+        self._completed = False
 
     def __repr__(self) -> str:
         return (

@@ -112,10 +112,11 @@ def test_state_dict_checks_configuration():
 def test_second_pass_without_set_epoch_warns():
     sampler = DistributedSampler(20, 2, 0)
     list(sampler)
-    with pytest.warns(RepeatedEpochWarning, match="call sampler.set_epoch"):
+    with pytest.warns(RepeatedEpochWarning, match="ran through epoch 0 a second time"):
         list(sampler)
     sampler.set_epoch(0)  # same epoch again: still a repeat
-    with pytest.warns(RepeatedEpochWarning, match="iterated again with epoch 0"):
+    with pytest.warns(RepeatedEpochWarning, match=r"Call sampler.set_epoch\(epoch\) with "
+                                                   "each epoch's own number"):
         list(sampler)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -131,6 +132,53 @@ def test_second_pass_without_set_epoch_warns():
         resumed = DistributedSampler(20, 2, 0)
         resumed.load_state_dict({"epoch": 0, "consumed": 3})
         list(resumed)  # finishing a loaded epoch is not a repeat
+
+
+def test_a_peek_before_set_epoch_is_not_a_repeat():
+    """pytorch/examples ddp-tutorial-series: ``len(next(iter(loader))[0])`` before
+    ``set_epoch(epoch)``, every epoch (issue #15 item 9: this used to warn)."""
+    import torch
+
+    data = torch.utils.data.TensorDataset(torch.arange(64.0), torch.arange(64))
+    sampler = DistributedSampler(data, 2, 1, seed=5)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    theirs = TorchSampler(data, 2, 1, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for epoch in range(3):
+            assert len(next(iter(loader))[0]) == 4  # the tutorial's peek
+            sampler.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            got = torch.cat([y for _, y in loader]).tolist()
+            assert got == list(theirs)
+    # a loop without set_epoch at all warns once its second full pass ends
+    with pytest.warns(RepeatedEpochWarning, match="epoch 2 a second time"):
+        next(iter(loader))
+        list(loader)
+
+
+def test_a_sampler_shared_by_two_loaders_raises():
+    sampler = DistributedSampler(100, 2, 0)
+    first, second = iter(sampler), iter(sampler)
+    with pytest.raises(RuntimeError, match=r"read by two consumers: pass 1 \(0 of its "
+                                           r"indices handed out\).*pass 2.*give each "
+                                           "DataLoader its own DistributedSampler"):
+        next(first)
+    assert next(second) == sampler.indices()[0]  # the newest pass works
+    import torch
+
+    sampler = DistributedSampler(100, 2, 0)
+    a = torch.utils.data.DataLoader(range(100), batch_size=5, sampler=sampler)
+    b = torch.utils.data.DataLoader(range(100), batch_size=5, sampler=sampler)
+    with pytest.raises(RuntimeError, match="read by two consumers"):
+        for _ in zip(a, b, strict=True):
+            pass
+    sampler = DistributedSampler(100, 2, 0)
+    order = sampler.indices().tolist()
+    it = iter(sampler)
+    assert [next(it) for _ in range(30)] == order[:30]
+    assert sampler.consumed() == 30  # progress stays exact across the chunked pass
+    assert list(it) == order[30:] and sampler.consumed() == 50
 
 
 def test_exact_eval_mode_lengths_and_cover():
