@@ -108,6 +108,12 @@ class RpcAgent(CallServer):
         self.store: Any = None  # the rendezvous store (set by start_agent)
         self.state = "new"
         self._ready = threading.Event()  # set once the worker table is installed
+        # Messages that arrive before our rendezvous finished wait here, in arrival
+        # order, and are dispatched in that order once it has (before any later one):
+        # decoding needs the worker table, and a use of an RRef must not overtake the
+        # message that creates it.
+        self._backlog: list[tuple[Comm, int, list]] = []
+        self._backlog_lock = threading.Lock()
         self._closed = threading.Event()  # set when close() has finished
         self._poll_s = options.busy_poll_us * 1e-6
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
@@ -155,7 +161,14 @@ class RpcAgent(CallServer):
             self._by_name[name] = info
             self._addresses[rank] = address
             self._conn_locks[rank] = threading.Lock()
-        self._ready.set()
+        with self._backlog_lock:  # later messages wait for the lock, then go in order
+            self._ready.set()
+            backlog, self._backlog = self._backlog, []
+            for comm, peer, frames in backlog:
+                try:
+                    self._dispatch_now(comm, peer, frames)
+                except Exception:
+                    log.exception("jdist.rpc: %s failed to handle a message", self.info)
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -401,8 +414,7 @@ class RpcAgent(CallServer):
         return rref
 
     def _remote_local(self, rref_id, func, args, kwargs, fn: str) -> RRef:
-        value: Future = Future(_executor=self._executor, _desc=f"value of RRef {rref_id}")
-        self.rrefs.create_owned(rref_id, value)
+        value = self.rrefs.create_owned(rref_id).future
         rref = RRef._make(self, self.info, rref_id, None, True)
         self._executor.submit(self._run_into, value, func, tuple(args or ()),
                               dict(kwargs or {}), fn, P.NO_CONTEXT)
@@ -450,6 +462,14 @@ class RpcAgent(CallServer):
 
     # ------------------------------------------------------------------ receiving
     def _dispatch(self, comm: Comm, peer: int, frames: list) -> None:
+        if not self._ready.is_set():
+            with self._backlog_lock:
+                if not self._ready.is_set():  # a peer was faster than our rendezvous
+                    self._backlog.append((comm, peer, frames))
+                    return
+        self._dispatch_now(comm, peer, frames)
+
+    def _dispatch_now(self, comm: Comm, peer: int, frames: list) -> None:
         try:
             msg = P.decode_header(frames)
         except P.ProtocolError as e:
@@ -546,6 +566,8 @@ class RpcAgent(CallServer):
             closing = self.state == "closing"
             self.state = "closing"
             pending, self._pending = self._pending, {}
+        with self._backlog_lock:
+            self._backlog.clear()  # their senders see the connection close
         if closing:  # another thread is closing: wait for it rather than close twice
             if not self._closed.wait(30.0):
                 log.warning("jdist.rpc: %s still closing after 30 s", self.info)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -27,6 +27,7 @@ from jdist.rpc._options import RpcBackendOptions
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._rendezvous import PREFIX, check_name, rendezvous, store_barrier
 from jdist.rpc._rref import RRef
+from jdist.rpc._state import current_agent, state
 
 __all__ = [
     "init_rpc",
@@ -41,29 +42,7 @@ __all__ = [
 ]
 
 
-class _RpcState:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.agent: RpcAgent | None = None
-        self.store: Any = None
-        self.owns_store = False
-        self.generation = 0
-
-
-_state = _RpcState()
-
-
-def current_agent() -> RpcAgent:
-    """This process's agent.
-
-    Raises:
-      NotInitializedError: ``init_rpc`` has not run (or ``shutdown`` has).
-    """
-    agent = _state.agent
-    if agent is None:
-        raise NotInitializedError("RPC is not initialized: call jdist.rpc.init_rpc(name, rank=, "
-                                  "world_size=) first")
-    return agent
+_state = state
 
 
 def _env_int(value: int | None, var: str, what: str) -> int:
@@ -86,9 +65,10 @@ def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
     """The rendezvous store and whether we own it (and must close it at shutdown)."""
     if all(hasattr(init_method, m) for m in ("set", "get", "add", "compare_set")):
         return init_method, False
-    from jdist.collectives._group import group_state
-
-    pg_store = group_state.runtime.get("store") if group_state.runtime else None
+    # the process group's store, if jdist.collectives is in use (importing it loads jax)
+    group = sys.modules.get("jdist.collectives._group")
+    runtime = group.group_state.runtime if group is not None else None
+    pg_store = runtime.get("store") if runtime else None
     if pg_store is not None and init_method == "env://":
         # torch reuses the process group's store; a per-init prefix keeps old keys apart
         from jdist.store import PrefixStore

@@ -201,12 +201,8 @@ def _owner_create(tx: Any, args: tuple, kwargs: dict, rrefs: list[RRef]) -> RRef
 
 
 def owned_rref(agent: Any, value: Any) -> RRef:
-    """``RRef(value)`` owned by ``agent`` (works with several agents in one process)."""
-    rref_id = agent.rrefs.new_id()
-    fut: Future = Future(_desc=f"value of RRef {rref_id}")
-    fut.set_result(value)
-    agent.rrefs.create_owned(rref_id, fut)
-    return RRef._make(agent, agent.info, rref_id, None, True)
+    """``RRef(value)`` owned by ``agent`` (kept for callers: :meth:`RRef.owned_by`)."""
+    return RRef.owned_by(agent, value)
 
 
 def _check_picklable(tx: Any, args: tuple, kwargs: dict) -> None:

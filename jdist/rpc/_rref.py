@@ -42,12 +42,16 @@ _PINNED = -2  # RRefPid.parent: the owner sent its own RRef to itself and pinned
 
 
 class _Owned:
-    __slots__ = ("future", "forks", "handles")
+    __slots__ = ("future", "forks", "handles", "created", "deleted_early")
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, created: bool = True):
         self.future = future
         self.forks: dict[Id, int] = {}  # fork id -> worker holding it
         self.handles = 0  # live owner-side RRef objects
+        #: False for a placeholder: a message used the RRef before the ``Remote`` that
+        #: creates it arrived (they travel on different connections); never deleted
+        self.created = created
+        self.deleted_early: set[Id] = set()  # USER_DELETEs seen before their fork
 
 
 class RRefPid(NamedTuple):
@@ -57,6 +61,9 @@ class RRefPid(NamedTuple):
     rref: Id
     fork: Id
     parent: int
+
+
+_TOMBSTONES = 1 << 16  # ids of deleted values remembered (to name a use after delete)
 
 
 class RRefContext:
@@ -70,30 +77,63 @@ class RRefContext:
         # child fork -> (our RRef kept alive until the owner knows the child, receiver)
         self.holds: dict[Id, tuple[RRef, int]] = {}
         self._ids = itertools.count()
+        self._deleted: dict[Id, None] = {}  # insertion-ordered, at most _TOMBSTONES
 
     def new_id(self) -> Id:
         return (self.agent.info.id, next(self._ids))
 
+    def _new_future(self, rref_id: Id) -> Future:
+        return Future(_executor=getattr(self.agent, "_executor", None),
+                      _desc=f"value of RRef {rref_id}")
+
     # ---- owner side ----
-    def create_owned(self, rref_id: Id, future: Future, fork: Id | None = None,
-                     holder: int = -1) -> _Owned:
-        entry = _Owned(future)
-        if fork is not None:
-            entry.forks[fork] = holder
-        with self.lock:
-            self.owned[rref_id] = entry
-        return entry
-
-    def _maybe_delete(self, rref_id: Id, entry: _Owned) -> None:
-        if not entry.forks and entry.handles <= 0:
-            self.owned.pop(rref_id, None)
-
-    def handle_acquired(self, rref_id: Id) -> _Owned:
+    def create_owned(self, rref_id: Id, fork: Id | None = None, holder: int = -1) -> _Owned:
+        """The entry of a value this worker starts to own (a ``Remote`` call, or
+        ``RRef(value)``); takes over a placeholder made by an earlier use of the id."""
         with self.lock:
             entry = self.owned.get(rref_id)
             if entry is None:
-                raise RRefError(f"RRef {rref_id} no longer exists on its owner "
-                                f"{self.agent.info}: every reference to it was dropped")
+                entry = self.owned[rref_id] = _Owned(self._new_future(rref_id))
+            entry.created = True
+            if fork is None:
+                return entry  # the caller takes a local handle at once
+            if fork in entry.deleted_early:  # the user dropped it before it got here
+                entry.deleted_early.discard(fork)
+                self._maybe_delete(rref_id, entry)
+            else:
+                entry.forks[fork] = holder
+        return entry
+
+    def _entry_for_use(self, rref_id: Id, what: str) -> _Owned:
+        """The entry of ``rref_id`` for a message that uses it (under ``self.lock``).
+
+        torch's getOrCreateOwnerRRef: a use can overtake the ``Remote`` that creates the
+        value when the two come from different workers (the creator sent the RRef on
+        before its ``Remote`` was read here), so an unknown id made elsewhere gets a
+        placeholder whose value the ``Remote`` fills in later.
+
+        Raises:
+          RRefError: the value was deleted already, or was made here and is gone.
+        """
+        entry = self.owned.get(rref_id)
+        if entry is not None:
+            return entry
+        if rref_id in self._deleted or rref_id[0] == self.agent.info.id:
+            raise RRefError(f"RRef {rref_id} no longer exists on its owner "
+                            f"{self.agent.info}: every reference to it was dropped ({what})")
+        entry = self.owned[rref_id] = _Owned(self._new_future(rref_id), created=False)
+        return entry
+
+    def _maybe_delete(self, rref_id: Id, entry: _Owned) -> None:
+        if entry.created and not entry.forks and entry.handles <= 0:
+            if self.owned.pop(rref_id, None) is not None:
+                self._deleted[rref_id] = None
+                if len(self._deleted) > _TOMBSTONES:
+                    del self._deleted[next(iter(self._deleted))]
+
+    def handle_acquired(self, rref_id: Id) -> _Owned:
+        with self.lock:
+            entry = self._entry_for_use(rref_id, "local handle")
             entry.handles += 1
             return entry
 
@@ -108,14 +148,23 @@ class RRefContext:
         """A worker is gone: forget every fork it held (its RRefs died with it), and
         the holds waiting for it (as receiver or as owner)."""
         with self.lock:
+            orphans = []
             for rref_id, entry in list(self.owned.items()):
                 for fork in [f for f, h in entry.forks.items() if h == worker]:
                     del entry.forks[fork]
+                if not entry.created and rref_id[0] == worker:  # its Remote never came
+                    entry.created = True
+                    orphans.append(entry.future)
                 self._maybe_delete(rref_id, entry)
             gone = [c for c, (r, dest) in self.holds.items()
                     if dest == worker or r._owner.id == worker]
             dropped = [self.holds.pop(c) for c in gone]
         del dropped
+        for fut in orphans:
+            if not fut.done():
+                fut.set_exception(RRefError(
+                    f"worker {worker} died before the remote() call that makes this RRef "
+                    "reached its owner"))
 
     def handle_control(self, op: int, rref_id: Id, fork: Id, parent: int, peer: int) -> None:
         """Apply a control message from ``peer`` (called on the I/O thread).
@@ -131,14 +180,20 @@ class RRefContext:
             del held  # may send our own USER_DELETE (queued, in order)
             return
         with self.lock:
-            entry = self.owned.get(rref_id)
-            if entry is None:
-                raise RRefError(f"{self.agent.info} does not own RRef {rref_id} (op {op})")
             if op == ControlOp.FORK_REQUEST:
-                entry.forks[fork] = peer
+                entry = self._entry_for_use(rref_id, "fork request")
+                if fork in entry.deleted_early:
+                    entry.deleted_early.discard(fork)
+                else:
+                    entry.forks[fork] = peer
             elif op == ControlOp.USER_DELETE:
-                entry.forks.pop(fork, None)
-                self._maybe_delete(rref_id, entry)
+                entry = self.owned.get(rref_id)
+                if entry is None and rref_id not in self._deleted:
+                    entry = self._entry_for_use(rref_id, "user delete")
+                if entry is not None:
+                    if entry.forks.pop(fork, None) is None:
+                        entry.deleted_early.add(fork)  # its fork request comes later
+                    self._maybe_delete(rref_id, entry)
             else:
                 raise RRefError(f"unknown RRef control op {op}")
         if op == ControlOp.FORK_REQUEST and parent >= 0:
@@ -195,13 +250,21 @@ class RRef:
 
     def __init__(self, value: Any, type_hint: Any = None):
         del type_hint
-        from jdist.rpc._api import current_agent
+        from jdist.rpc._state import current_agent
 
-        agent = current_agent()
+        self._init_owned(current_agent(), value)
+
+    @classmethod
+    def owned_by(cls, agent: RpcAgent, value: Any) -> RRef:
+        """``RRef(value)`` owned by ``agent`` (for code that has an agent in hand, e.g.
+        several agents in one process)."""
+        self = cls.__new__(cls)
+        self._init_owned(agent, value)
+        return self
+
+    def _init_owned(self, agent: RpcAgent, value: Any) -> None:
         rref_id = agent.rrefs.new_id()
-        fut: Future = Future(_desc=f"value of RRef {rref_id}")
-        fut.set_result(value)
-        agent.rrefs.create_owned(rref_id, fut)
+        agent.rrefs.create_owned(rref_id).future.set_result(value)
         self._init(agent, agent.info, rref_id, None, True)
 
     @classmethod

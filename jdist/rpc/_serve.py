@@ -31,15 +31,9 @@ class CallServer:
     """Callee half of :class:`RpcAgent` (see there for the attributes it uses)."""
 
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
-        if not self._ready.is_set():
-            # A peer was faster than our own rendezvous. Decoding RRef arguments needs the
-            # worker table, so wait for it on a worker thread, never on the receive loop.
-            self._executor.submit(self._on_call_when_ready, comm, peer, msg, frames)
-            return
         entry = None
         if isinstance(msg, P.Remote):
-            value: Future = Future(_executor=self._executor, _desc=f"value of RRef {msg.rref}")
-            entry = self.rrefs.create_owned(msg.rref, value, msg.fork, peer)
+            entry = self.rrefs.create_owned(msg.rref, msg.fork, peer)
         try:
             func, args, kwargs = self._loads(frames)
         except Exception as e:
@@ -58,15 +52,6 @@ class CallServer:
             _INLINE.slot.append((comm, peer, msg, func, args, kwargs))
         else:  # _run_call counts its calls done itself
             self._submit_busy(self._run_call, comm, peer, msg, func, args, kwargs)
-
-    def _on_call_when_ready(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
-        if not self._ready.wait(self.options.connect_timeout):
-            err = RpcError(f"{self.info} got a call of {msg.fn} from worker {peer} before its "
-                           f"own rendezvous finished, and it did not finish within "
-                           f"{self.options.connect_timeout} s")
-            self._reply_failure(comm, msg.rid, err, peer, msg.fn)
-            return
-        self._on_call(comm, peer, msg, frames)
 
     def _invoke(self, func, args, kwargs, ctx: int):
         _in_call.depth = getattr(_in_call, "depth", 0) + 1  # see others_running

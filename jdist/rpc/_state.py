@@ -1,0 +1,42 @@
+"""This process's RPC agent: the one global that ``init_rpc`` sets and ``shutdown`` clears.
+
+Kept apart from ``_api`` so that lower modules (``_rref``'s ``RRef(value)``) can find the
+agent without importing the public functions (which import the agent: a circle).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from jdist.errors import NotInitializedError
+
+if TYPE_CHECKING:
+    from jdist.rpc._agent import RpcAgent
+
+__all__ = ["state", "current_agent"]
+
+
+class _RpcState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.agent: RpcAgent | None = None
+        self.store: Any = None
+        self.owns_store = False
+        self.generation = 0
+
+
+state = _RpcState()
+
+
+def current_agent() -> RpcAgent:
+    """This process's agent.
+
+    Raises:
+      NotInitializedError: ``init_rpc`` has not run (or ``shutdown`` has).
+    """
+    agent = state.agent
+    if agent is None:
+        raise NotInitializedError("RPC is not initialized: call jdist.rpc.init_rpc(name, rank=, "
+                                  "world_size=) first")
+    return agent
