@@ -20,6 +20,7 @@ __all__ = [
     "StoreTimeoutError",
     "StoreAuthError",
     "StoreValueTooLargeError",
+    "StoreListenError",
     "GroupMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -43,8 +44,11 @@ class JdistError(Exception):
     """Base class of every error that jdist raises on purpose."""
 
 
-class NotInitializedError(JdistError, RuntimeError):
+class NotInitializedError(JdistError, RuntimeError, ValueError):
     """A runtime was used before it was started.
+
+    torch raises ``ValueError`` ("Default process group has not been initialized") for
+    process groups and ``RuntimeError`` for RPC; this error is both.
 
     Cause: a process-group or RPC function was called before
     ``jdist.init_process_group()`` (or ``jdist.rpc.init_rpc()``), or after it was torn down.
@@ -52,8 +56,12 @@ class NotInitializedError(JdistError, RuntimeError):
     """
 
 
-class AlreadyInitializedError(JdistError, ValueError):
+class AlreadyInitializedError(JdistError, RuntimeError, ValueError):
     """An init function was called twice.
+
+    torch raises ``ValueError`` ("trying to initialize the default process group
+    twice!") for process groups and ``RuntimeError`` ("RPC is already initialized") for
+    RPC; this error is both.
 
     Cause: ``init_process_group`` / ``init_rpc`` ran while a runtime was active.
     Fix: call ``destroy_process_group()`` / ``rpc.shutdown()`` first, or init once.
@@ -104,8 +112,26 @@ class StoreValueTooLargeError(StoreError, ValueError):
     """
 
 
-class GroupMismatchError(JdistError, ValueError):
-    """A collective was given a group that this rank is not a member of, or a bad rank."""
+class StoreListenError(StoreError, OSError):
+    """A ``TCPStore`` master could not listen on its address (usually: the port is taken).
+
+    torch raises ``DistNetworkError`` (a ``RuntimeError``) with "The server socket has
+    failed to listen on any local network address"; this is a ``RuntimeError`` with that
+    text, and an ``OSError`` (``errno`` set) as Python's own ``bind`` failure is. Fix:
+    pick another port (``port=0`` takes a free one; read it from ``TCPStore.port``) or
+    stop the process that holds it.
+    """
+
+
+class GroupMismatchError(JdistError, ValueError, RuntimeError):
+    """A group query was given ``NON_GROUP_MEMBER``, or a rank that is not in the group.
+
+    torch raises ``ValueError`` ("Invalid process group specified", "is not part of
+    group") for queries and ``RuntimeError`` ("invalid root rank") for a bad ``src`` or
+    ``dst``; this error is both. A *collective* called with ``NON_GROUP_MEMBER`` is not
+    an error: as in torch it warns and returns None. Fix: check
+    ``group is not jdist.NON_GROUP_MEMBER`` first, or pass a member's global rank.
+    """
 
 
 class CollectiveMismatchError(JdistError, RuntimeError):
@@ -118,10 +144,13 @@ class CollectiveMismatchError(JdistError, RuntimeError):
     """
 
 
-class CollectiveTimeoutError(JdistError, TimeoutError):
+class CollectiveTimeoutError(JdistError, RuntimeError, TimeoutError):
     """A collective or barrier did not complete within the group timeout.
 
-    The message names the ranks that did not arrive.
+    The message names the ranks that did not arrive. torch raises ``RuntimeError``
+    (gloo's timeout, ``monitored_barrier``'s "Rank 1 failed to pass monitoredBarrier");
+    this error is a ``RuntimeError`` and a ``TimeoutError``. Fix: make every member call
+    the same collectives, or raise the group's timeout.
     """
 
 
@@ -188,9 +217,11 @@ class DistAutogradError(JdistError, RuntimeError):
     """Distributed autograd misuse: nested contexts, unknown context id, second backward."""
 
 
-class WeightConversionError(JdistError, ValueError):
+class WeightConversionError(JdistError, ValueError, RuntimeError):
     """Weights could not be copied between a torch module and a Flax NNX module.
 
+    torch's ``load_state_dict`` raises ``RuntimeError`` on such mismatches; this error
+    is a ``RuntimeError`` and a ``ValueError``.
     Cause: the two models' convertible layers differ in number, kind, shape or
     hyperparameters (epsilon, momentum, stride, padding, ...), or a layer holding
     parameters is not supported. The message names both layer paths. Fix: define the

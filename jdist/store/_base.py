@@ -227,6 +227,10 @@ class Store:
         """The values of several keys, waiting (store timeout) until all are set."""
         raise NotImplementedError
 
+    def clone(self) -> Store:
+        """Another handle on the same store, for use from another thread (as torch's)."""
+        raise NotImplementedError
+
     def has_extended_api(self) -> bool:
         """True: every jdist store supports ``append``/``multi_get``/``multi_set``."""
         return True

@@ -7,9 +7,10 @@ exclusive ``flock`` on the file, readers a shared one, so read-modify-write oper
 (``add``, ``compare_set``, ``append``) are atomic across processes. A record left half
 written by a crashed writer is cut off by the next writer.
 
-As in torch, the processes count themselves in the file; when the last one closes its
-store (``close()`` or garbage collection) the file is deleted, and with
-``world_size > 0`` more users than ``world_size`` is an error.
+As in torch, the store objects count themselves in the file; when the last one closes
+(``close()`` or garbage collection) the file is deleted, and the next ``FileStore`` on
+that path starts a fresh, empty store. ``world_size`` is recorded but, as in torch, not
+enforced.
 
 Differences from torch: the user count is hidden from ``num_keys``/``list_keys`` (torch
 lists it), ``delete_key`` of a missing key returns False (torch: True), the file format
@@ -57,7 +58,7 @@ class FileStore(Store):
       file_name: path of the store file (created if missing). Use a fresh path per job:
         a file left by an earlier job still holds that job's keys.
       world_size: number of processes that will use the file; ``-1`` (default) means
-        not fixed. With a positive value, opening it more often raises ``StoreError``.
+        not fixed. Kept for torch's signature; like torch, more users are not refused.
       timeout: default timeout of ``get``/``wait`` (torch's FileStore takes it from
         ``set_timeout`` only; the argument is a jdist convenience).
     """
@@ -67,8 +68,6 @@ class FileStore(Store):
         super().__init__(timeout)
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {world_size!r}")
-        if world_size == 0 or world_size < -1:
-            raise ValueError(f"world_size must be positive or -1 (not fixed), got {world_size}")
         self._path = os.fspath(file_name)
         self._world_size = world_size
         self._lock = threading.RLock()
@@ -81,14 +80,7 @@ class FileStore(Store):
             raise StoreError(f"FileStore cannot open {self._path!r}: {e}; pass a path in a "
                              f"writable directory") from e
         self._closed = False
-        users = self._mutate(lambda d: kv_add(d, _REFCOUNT, 1))
-        if world_size > 0 and users > world_size:
-            self._mutate(lambda d: kv_add(d, _REFCOUNT, -1))
-            os.close(self._fd)
-            self._closed = True
-            raise StoreError(f"FileStore {self._path!r} is already used by {users - 1} "
-                             f"processes, but world_size={world_size}; use a fresh file per "
-                             f"job or raise world_size")
+        self._mutate(lambda d: kv_add(d, _REFCOUNT, 1))
 
     @property
     def path(self) -> str:
@@ -222,6 +214,11 @@ class FileStore(Store):
         return self._read(lambda d: [d[k] for k in keys])
 
     # --- lifetime ------------------------------------------------------------------------
+    def clone(self) -> FileStore:
+        """Another store object on the same file (one more user until it is closed)."""
+        self._check_open()
+        return FileStore(self._path, self._world_size, self.timeout)
+
     def close(self) -> None:
         """Stop using the file; the last user to close it deletes it (as torch does)."""
         with self._lock:

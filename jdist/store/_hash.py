@@ -111,5 +111,16 @@ class HashStore(Store):
             self._wait_locked(keys, None)
             return [self._data[k] for k in keys]
 
+    def clone(self) -> HashStore:
+        """Another handle on the same keys (torch's per-thread ``clone()``).
+
+        The clone shares this store's data; it starts with this store's timeout and has
+        its own ``set_timeout``.
+        """
+        other = object.__new__(HashStore)
+        other._timeout_s = self._timeout_s
+        other._data, other._cond = self._data, self._cond
+        return other
+
     def __repr__(self) -> str:
         return f"HashStore(num_keys={len(self._data)})"

@@ -22,6 +22,9 @@ class PrefixStore(Store):
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__} "
                             f"{prefix!r}")
+        if store is None:
+            raise ValueError("PrefixStore: store argument cannot be None; pass the store to "
+                             "wrap (TCPStore, FileStore, HashStore or PrefixStore)")
         if not isinstance(store, Store):
             raise TypeError(f"PrefixStore needs a jdist store (TCPStore, FileStore, "
                             f"HashStore, PrefixStore), got {type(store).__name__}")
@@ -87,8 +90,7 @@ class PrefixStore(Store):
 
     def clone(self) -> PrefixStore:
         """A PrefixStore over a clone of the underlying store (for use in another thread)."""
-        inner = self._store.clone() if hasattr(self._store, "clone") else self._store
-        return PrefixStore(self._prefix, inner)
+        return PrefixStore(self._prefix, self._store.clone())
 
     def __repr__(self) -> str:
         return f"PrefixStore({self._prefix!r}, {self._store!r})"

@@ -22,6 +22,7 @@ from collections import deque
 
 import msgpack
 
+from jdist.errors import StoreListenError
 from jdist.store import _wire as wire
 from jdist.store._base import kv_add, kv_append, kv_compare_set, kv_delete
 from jdist.store._wire import Op
@@ -52,8 +53,12 @@ def bind_listener(host: str, port: int) -> socket.socket:
         except OSError as e:
             sock.close()
             last = e
-    raise OSError(f"TCPStore server cannot listen on {host}:{port}: {last}; pick another "
-                  f"port (0 = any free one) or stop the process that holds it") from last
+    err = StoreListenError(
+        f"The server socket has failed to listen on any local network address. port: {port}: "
+        f"the TCPStore server cannot listen on {host}:{port}: {last}; pick another port "
+        f"(0 = any free one) or stop the process that holds it")
+    err.errno = getattr(last, "errno", None)
+    raise err from last
 
 
 class _Conn:
@@ -114,6 +119,11 @@ class StoreServer:
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"jdist-TCPStore-server:{self.port}")
         self._thread.start()
+
+    @property
+    def joined(self) -> int:
+        """How many store clients have connected and joined so far."""
+        return self._joined
 
     # --- lifetime ------------------------------------------------------------------------
     def stop(self) -> None:

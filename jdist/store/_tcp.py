@@ -292,14 +292,19 @@ class TCPStore(Store):
                 f"is_master=True with the port to listen on (0 = a free one)")
         if not isinstance(host_name, str) or not host_name and not is_master:
             raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
+        if world_size is not None and (isinstance(world_size, bool)
+                                       or not isinstance(world_size, int)):
+            raise TypeError(f"TCPStore world_size must be an int or None, got {world_size!r}")
+        if world_size == 0:
+            raise ValueError("TCPStore world size cannot be 0: pass the number of processes "
+                             "that use the store, or None (or -1) if it is not fixed")
+        if world_size is not None and world_size < 0:  # torch: any negative = not fixed
+            world_size = None
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
         if port == 0 and not is_master:
             raise ValueError("port=0 (pick a free port) works only with is_master=True; "
                              "clients need the master's actual port (TCPStore.port)")
-        if world_size is not None and (isinstance(world_size, bool)
-                                       or not isinstance(world_size, int) or world_size < 1):
-            raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
         if isinstance(max_value_bytes, bool) or not isinstance(max_value_bytes, int) \
                 or max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be a positive int, got {max_value_bytes!r}")
@@ -320,10 +325,14 @@ class TCPStore(Store):
             try:
                 self._call([Op.WAIT_WORKERS, world_size, self._timeout_s], wait=self._timeout_s)
             except _ServerTimeout:
+                waited = time.monotonic() - start
+                joined = self._server.server.joined
+                self.close()
                 raise StoreTimeoutError(
-                    f"TCPStore master at {host_name}:{port} waited "
-                    f"{time.monotonic() - start:.1f}s for {world_size} store users; fewer "
-                    f"connected. Start every process (or pass wait_for_workers=False)") from None
+                    f"Timed out after {waited:.0f} seconds waiting for clients. "
+                    f"{joined}/{world_size} clients joined. (TCPStore master at "
+                    f"{host_name}:{port} waited {waited:.1f}s for {world_size} store users; "
+                    f"start every process, or pass wait_for_workers=False)") from None
 
     # --- plumbing ------------------------------------------------------------------------
     @property
