@@ -19,6 +19,7 @@ Run it on 2 processes with 2 virtual CPU devices each, or as one process::
     jdist-run --nproc-per-node 2 --devices-per-proc 2 examples/train_ddp.py
     python examples/train_ddp.py --devices 4
     python examples/train_ddp.py --smoke          # a few steps (tests)
+    srun -n 2 python examples/train_ddp.py --devices 2   # or mpirun -n 2 (docs/cluster.md)
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main(argv=None) -> dict:
     from jdist.sampler import DistributedSampler
 
     started = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not jdist.collectives.is_initialized():
+    if not jdist.collectives.is_initialized():  # finds its job: jdist-run, srun, mpirun...
         jdist.collectives.init_process_group()
         started = True
     if jdist.collectives.is_initialized():
