@@ -106,6 +106,21 @@ class Engine:
         arrays, self._hook_static = split_static(state)
         self.hook_state = _placement.per_replica(arrays, self.group)
         self._hook_ready = True
+        loader, self._hook_loader = getattr(self, "_hook_loader", None), None
+        if loader is not None:  # a checkpoint's state (jdist.checkpoint), checked by loader
+            self.hook_state = loader(self.hook_state)
+
+    def load_hook_state(self, loader: Callable[[Any], Any]) -> None:
+        """Replace the per-replica hook state with ``loader(state)``: now if it is ready,
+        else right after it is prepared at the first step (the bucket layout is final
+        only then). Used by :mod:`jdist.checkpoint` to restore a hook's memories."""
+        if self.hook is None:
+            raise RuntimeError("no comm hook is registered: register the hook the "
+                               "checkpoint was saved with before restoring")
+        if self._hook_ready:
+            self.hook_state = loader(self.hook_state)
+        else:
+            self._hook_loader = loader
 
     def _traced_hook(self) -> Callable:
         """The registered hook with its static state leaves put back (or the default)."""

@@ -1,0 +1,347 @@
+"""``CheckpointManager``: save a training state every few steps, resume it after a restart.
+
+See :mod:`jdist.checkpoint` for what is saved and the guarantees; the pieces are
+:mod:`~jdist.checkpoint._layout` (directories and agreement), ``_items`` (kinds of
+values), ``_leaves`` (arrays), ``_orbax`` (the writes) and ``_restore``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jdist.checkpoint import _items, _layout, _leaves
+from jdist.checkpoint._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
+from jdist.checkpoint._orbax import Writer
+from jdist.checkpoint._restore import StepReader, restore_items
+
+__all__ = ["CheckpointManager", "restart_count"]
+
+FORMAT = 1
+_OK, _CORRUPT, _MISMATCH = 0, 1, 2
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this job (0 on the first attempt).
+
+    Read from ``JDIST_RESTART_COUNT`` (``jdist-run``) or ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    for var in ("JDIST_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _rank_world() -> tuple[int, int]:
+    import jax
+
+    from jdist.collectives import get_rank, get_world_size, is_initialized
+
+    if is_initialized():
+        return get_rank(), get_world_size()
+    return jax.process_index(), jax.process_count()
+
+
+class CheckpointManager:
+    """Saves and restores one training state; every rank of the job makes one.
+
+    Args:
+      directory: where the steps go; every rank must see the same directory (a local
+        disk for one node, a shared file system for several).
+      save_interval_steps: :meth:`save` writes at steps that are multiples of it.
+      max_to_keep: how many complete steps to keep (``None``: all). Older steps are
+        deleted by rank 0 once a newer one is complete on every rank.
+      async_save: write in a background thread; :meth:`save` returns once the values
+        are copied to host memory. At most one save is in flight: the next one (and
+        :meth:`restore`, :meth:`wait`, :meth:`close`) waits for it first.
+      elastic: allow restoring a checkpoint written by another number of processes
+        (replicated state as is, samplers re-split, ZeRO shards re-partitioned).
+        Without it such a directory is refused with :class:`CheckpointError`.
+      reset_hook_state_on_resize: with ``elastic``, start per-replica comm-hook state
+        (PowerSGD error feedback) afresh when the number of replicas changed, instead of
+        raising :class:`CheckpointMismatchError`.
+      timeout: seconds to wait for a write in flight before raising ``TimeoutError``.
+
+    Example::
+
+      manager = CheckpointManager("/ckpt/run1", save_interval_steps=50, max_to_keep=2)
+      state = manager.restore_or_init(lambda: make_training_state())
+      for step in range(state["step"], total_steps):
+          ...                                  # one training step
+          state["step"] = step + 1
+          manager.save(step + 1, state)
+      manager.close()
+    """
+
+    def __init__(self, directory: str | os.PathLike, save_interval_steps: int = 1,
+                 max_to_keep: int | None = None, async_save: bool = True, *,
+                 elastic: bool = False, reset_hook_state_on_resize: bool = False,
+                 timeout: float = 600.0):
+        if isinstance(save_interval_steps, bool) or not isinstance(
+                save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be an int >= 1, got "
+                             f"{save_interval_steps!r}; pass e.g. save_interval_steps=50")
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(
+                max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be None or an int >= 1, got {max_to_keep!r}; "
+                             "a checkpoint must survive until the next one is complete")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.save_interval_steps = save_interval_steps
+        self.max_to_keep = max_to_keep
+        self.elastic = bool(elastic)
+        self.reset_hook_state_on_resize = bool(reset_hook_state_on_resize)
+        self.timeout = float(timeout)
+        self.rank, self.world = _rank_world()
+        self.restart_count = restart_count()
+        self.restored_step: int | None = None
+        os.makedirs(self.directory, exist_ok=True)
+        self._writer = Writer(async_save)
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        """Steps that every rank finished (of whichever world size wrote them)."""
+        return [s.step for s in _layout.scan(self.directory)
+                if s.complete_world() is not None]
+
+    def latest_step(self) -> int | None:
+        """The newest step every rank finished, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, state: dict, *, force: bool = False) -> bool:
+        """Save ``state`` at ``step`` if ``step`` is on the interval (or ``force``).
+
+        Returns whether a save started. Every rank must call it with the same steps.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
+        if not isinstance(state, dict) or not state:
+            raise TypeError(f"state must be a non-empty dict of named values, got "
+                            f"{type(state).__name__}")
+        if not (force or self.should_save(step)):
+            return False
+        self.wait()
+        self._retain()
+        existing = next((s for s in _layout.scan(self.directory) if s.step == step), None)
+        if existing is not None and existing.complete_world() == self.world:
+            return False  # the step this job resumed from: already complete
+        arrays, meta = self._part(step, state)
+        _layout.remove_own(self.directory, step, self.rank, self.world)
+        path = os.path.join(_layout.step_dir(self.directory, step),
+                            _layout.part_name(self.rank, self.world))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._writer.save(path, arrays, meta)
+        return True
+
+    def _part(self, step: int, state: dict) -> tuple[dict, dict]:
+        arrays: dict = {}
+        items = {}
+
+        def leaf_entry(path, x, local):
+            place, pieces = _leaves.host_pieces(x, self.rank, local)
+            recs = []
+            for index, a in pieces:
+                name = f"a{len(arrays)}"
+                a = np.array(a, copy=True)  # the training step may reuse device buffers
+                arrays[name] = a
+                recs.append({"name": name, "index": index, "crc": _leaves.crc(a)})
+            return {"path": path, **_leaves.describe(x), "place": place, "pieces": recs}
+
+        for name, value in state.items():
+            if not isinstance(name, str):
+                raise TypeError(f"state keys must be strings, got {name!r}")
+            kind = _items.kind_of(name, value)
+            entry: dict[str, Any] = {"kind": kind}
+            if kind in ("sampler", "np_rng", "json"):
+                entry["json"] = _items.json_value(kind, value)
+                _items.check_json(name, entry["json"])
+            entry["leaves"] = [leaf_entry(p, x, kind == "per_rank")
+                               for p, x in _items.array_leaves(kind, value)]
+            if kind == "ddp":
+                entry["num_replicas"] = value.process_group.num_replicas
+                entry["hook"] = [leaf_entry(p, x, False) for p, x in _items.hook_leaves(value)]
+            items[name] = entry
+        meta = {"format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
+                "time": time.time(), "items": items, "arrays": sorted(arrays)}
+        json.dumps(meta)
+        return arrays, meta
+
+    def _retain(self) -> None:
+        """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones."""
+        if self.rank != 0:
+            return
+        steps = _layout.scan(self.directory)
+        complete = [s.step for s in steps if s.complete_world() is not None]
+        if not complete:
+            return
+        keep = set(complete[-self.max_to_keep:]) if self.max_to_keep else set(complete)
+        newest = complete[-1]
+        for s in steps:
+            if s.step < newest and s.step not in keep:
+                _layout.remove_step(self.directory, s.step)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk."""
+        self._writer.wait(self.timeout)
+
+    # ------------------------------------------------------------------ restoring
+    def _agree(self, code: int) -> int:
+        """The largest ``code`` of all ranks (every rank calls it the same times)."""
+        if self.world == 1:
+            return code
+        from jdist.collectives import ReduceOp, all_reduce
+
+        return int(np.asarray(all_reduce(np.array([code], np.int32), op=ReduceOp.MAX))[0])
+
+    def _candidates(self) -> list:
+        steps = _layout.scan(self.directory)
+        complete = [s for s in steps if s.complete_world() is not None]
+        if not complete:
+            started = [s for s in steps if s.parts]
+            if len(started) > 1:
+                raise CheckpointError(
+                    f"{self.directory} holds no step that every rank finished: "
+                    + _layout.Step.missing(started[-1]) + "; "
+                    + "; ".join(s.missing() for s in started[-4:-1])
+                    + ". It was written by another job or parts were deleted; use another "
+                    "directory or remove this one to start over")
+            return []
+        newest = complete[-1]
+        w = newest.complete_world()
+        if w != self.world and not self.elastic:
+            raise CheckpointError(
+                f"{self.directory} holds checkpoints of a {w}-process job (newest complete "
+                f"step {newest.step}, parts rank_*_of_{w:05d}) and this job has "
+                f"{self.world} processes; pass elastic=True to resume on another world size, "
+                "or use another directory")
+        return list(reversed(complete))
+
+    def restore(self, state: dict, step: int | None = None) -> dict:
+        """``state`` restored from the newest step every rank finished (or ``step``).
+
+        ``state`` is the template: NNX nodes, DDP wrappers and numpy Generators in it
+        are restored in place; the returned dict holds those same objects, restored
+        samplers and new values for pytrees and JSON data.
+
+        Raises:
+          CheckpointError: no usable step (nothing saved, ranks missing, another
+            world size without ``elastic``).
+          CheckpointMismatchError: the state does not fit the checkpoint (names the
+            first differing path and both shapes).
+          CheckpointCorruptError: no complete step could be read (each broken one is
+            reported with a warning and skipped for the previous one).
+        """
+        self._check_open()
+        self.wait()
+        cands = self._candidates()
+        if step is not None:
+            cands = [s for s in cands if s.step == step]
+        if not cands:
+            raise CheckpointError(
+                f"{self.directory} has no complete checkpoint"
+                + ("" if step is None else f" of step {step} (complete steps: "
+                   f"{self.all_steps()})"))
+        errors = []
+        for cand in cands:
+            reader = StepReader(cand, cand.complete_world(), self.rank)
+            code, err, result = _OK, None, None
+            try:
+                reader.load_all()
+                result = restore_items(reader, state, elastic=self.elastic,
+                                       reset_hook_state_on_resize=
+                                       self.reset_hook_state_on_resize)
+            except CheckpointMismatchError as e:
+                code, err = _MISMATCH, e
+            except CheckpointCorruptError as e:
+                code, err = _CORRUPT, e
+            agreed = self._agree(code)
+            if agreed == _MISMATCH:
+                raise err if err is not None else CheckpointMismatchError(
+                    f"another rank found that the state does not fit step {cand.step} of "
+                    f"{self.directory} (see its error)")
+            if agreed == _CORRUPT:
+                msg = str(err) if err is not None else (
+                    f"another rank could not read its parts of step {cand.step}")
+                warnings.warn(f"skipping checkpoint step {cand.step}: {msg}; trying the "
+                              "previous complete step", stacklevel=2)
+                errors.append(msg)
+                continue
+            out, actions = result
+            for act in actions:
+                act()
+            self.restored_step = cand.step
+            self._drop_newer(cand.step)
+            return out
+        raise CheckpointCorruptError(
+            f"no complete checkpoint in {self.directory} could be read: "
+            + " | ".join(errors))
+
+    def _drop_newer(self, step: int | None) -> None:
+        """Rank 0 removes steps newer than the one resumed (parts of a killed attempt)."""
+        if self.rank != 0:
+            return
+        for s in _layout.scan(self.directory):
+            if step is None or s.step > step:
+                _layout.remove_step(self.directory, s.step)
+
+    def restore_or_init(self, init: Callable[[], dict]) -> dict:
+        """``init()``'s state, restored from the newest complete checkpoint if any.
+
+        On the first launch this is ``init()``; after a restart (``jdist-run
+        --max-restarts``) it is the state of the newest step every rank finished. The
+        one line a training script needs.
+        """
+        state = init()
+        if not isinstance(state, dict):
+            raise TypeError(f"init must return a dict of named values, got "
+                            f"{type(state).__name__}")
+        cands = self._candidates()
+        found = self._agree(1 if cands else 0)
+        if not found:
+            self._drop_newer(None)  # leftovers of a first save that never completed
+            return state
+        return self.restore(state)
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed; make a new one")
+
+    def close(self) -> None:
+        """Wait for the save in flight and release the writer."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            self._retain()
+        finally:
+            self._writer.close()
+            self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, save_interval_steps="
+                f"{self.save_interval_steps}, max_to_keep={self.max_to_keep}, "
+                f"async_save={self._writer.async_save}, rank={self.rank}/{self.world})")

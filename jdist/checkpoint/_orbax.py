@@ -1,0 +1,102 @@
+"""Each rank's part as one Orbax checkpoint: a PyTree of host arrays and a JSON record.
+
+Every rank is its own Orbax "primary host" with only itself as an active process, so
+Orbax never waits on other ranks (the ranks agree through the directory layout,
+:mod:`jdist.checkpoint._layout`). Orbax writes a part under a temporary name and
+renames it once complete (its atomic finalize).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Writer", "read_part"]
+
+
+def _handler(rank: int):
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.handlers.composite_checkpoint_handler import CompositeOptions
+
+    mp = ocp.options.MultiprocessingOptions(primary_host=rank, active_processes={rank})
+    handler = ocp.CompositeCheckpointHandler(
+        arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp),
+        meta=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        composite_options=CompositeOptions(multiprocessing_options=mp))
+    return handler, mp
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+class Writer:
+    """Saves this rank's parts, asynchronously or not, at most one in flight."""
+
+    def __init__(self, async_save: bool):
+        import orbax.checkpoint as ocp
+
+        rank = _process_index()
+        handler, mp = _handler(rank)
+        self.async_save = bool(async_save)
+        self._ck = (ocp.AsyncCheckpointer(handler, multiprocessing_options=mp)
+                    if self.async_save else ocp.Checkpointer(handler,
+                                                             multiprocessing_options=mp))
+        self.in_flight: str | None = None
+
+    def save(self, path: str, arrays: dict, meta: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        items = {"meta": ocp.args.JsonSave(meta)}
+        if arrays:
+            items["arrays"] = ocp.args.PyTreeSave(arrays)
+        self._ck.save(path, args=ocp.args.Composite(**items))
+        self.in_flight = path if self.async_save else None
+
+    def wait(self, timeout: float) -> None:
+        """Wait until the save in flight is on disk (raises TimeoutError naming it)."""
+        if self.in_flight is None:
+            return
+        if not self.async_save:
+            self.in_flight = None
+            return
+        err: list = []
+
+        def run():
+            try:
+                self._ck.wait_until_finished()
+            except BaseException as e:  # surfaced in the caller's thread
+                err.append(e)
+
+        t = threading.Thread(target=run, name="jdist-checkpoint-wait", daemon=True)
+        t.start()
+        t.join(timeout)
+        path, self.in_flight = self.in_flight, None
+        if t.is_alive():
+            raise TimeoutError(
+                f"the checkpoint write of {path} did not finish within {timeout:g} s "
+                "(a slow or hung file system?); pass a larger timeout to CheckpointManager")
+        if err:
+            raise err[0]
+
+    def close(self) -> None:
+        self._ck.close()
+
+
+def read_part(path: str, with_arrays: bool, names: list[str] | None = None) -> tuple:
+    """``(arrays, meta)`` of one finished part (``arrays`` is ``{}`` if not asked)."""
+    import orbax.checkpoint as ocp
+
+    handler, mp = _handler(_process_index())
+    ck = ocp.Checkpointer(handler, multiprocessing_options=mp)
+    items: dict[str, Any] = {"meta": ocp.args.JsonRestore()}
+    if with_arrays and names:
+        restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in names}
+        items["arrays"] = ocp.args.PyTreeRestore(restore_args=restore_args)
+    out = ck.restore(path, args=ocp.args.Composite(**items))
+    arrays = dict(out["arrays"]) if "arrays" in items else {}
+    return arrays, out["meta"]
