@@ -205,6 +205,10 @@ class DistributedSampler:
             "DistributedSampler (the same arguments give the same order)"
         )
 
+    def _pass_start(self) -> int:
+        """Where the next ``__iter__`` begins in the epoch (for ResumableLoader)."""
+        return self._start
+
     def _state_at(self, consumed: int) -> dict:
         """``state_dict()`` with ``consumed`` set: the position a loop really reached."""
         consumed = _as_int(consumed, "consumed")
