@@ -161,8 +161,12 @@ class PeerFailedError(JdistError, RuntimeError):
     """
 
 
-class BucketLayoutError(JdistError, ValueError):
-    """DDP gradient buckets do not match the parameters (wrong cap, tree changed)."""
+class BucketLayoutError(JdistError, ValueError, RuntimeError):
+    """DDP gradient buckets do not match the parameters (wrong cap, tree changed).
+
+    torch's reducer raises ``RuntimeError`` when buckets and parameters disagree; this
+    error is a ``RuntimeError`` and a ``ValueError``.
+    """
 
 
 class UnusedParametersError(JdistError, RuntimeError):

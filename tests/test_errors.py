@@ -1,0 +1,146 @@
+"""Every public jdist error is an instance of the builtin class torch raises there.
+
+``TORCH`` maps each class of ``jdist.errors`` to the builtin exception classes that
+torch raises in the same situation (the situation is in the comment; torch's own
+classes such as ``DistStoreError`` derive from ``RuntimeError``). A new error class
+must be added to the table, so the rule cannot be skipped. Where torch can be run here
+in one process, the builtin class is read from torch itself instead of written down.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import pytest
+
+import jdist.errors as errors
+
+TORCH: dict[str, tuple[type[BaseException], ...]] = {
+    # the base of everything jdist raises on purpose
+    "JdistError": (Exception,),
+    # dist.get_rank() before init_process_group: ValueError("Default process group has
+    # not been initialized"); rpc.rpc_sync before init_rpc: RuntimeError
+    "NotInitializedError": (ValueError, RuntimeError),
+    # init_process_group twice: ValueError("trying to initialize the default process
+    # group twice!"); init_rpc twice: RuntimeError("RPC is already initialized")
+    "AlreadyInitializedError": (ValueError, RuntimeError),
+    # rendezvous disagreements (world size, duplicate rank): RuntimeError / DistError
+    "RendezvousError": (RuntimeError,),
+    # "Timed out initializing process group in store based barrier": DistStoreError
+    "RendezvousTimeoutError": (RuntimeError, TimeoutError),
+    # any store failure: DistStoreError (a RuntimeError)
+    "StoreError": (RuntimeError,),
+    # store.get/wait past the timeout: DistStoreError("wait timeout after ...")
+    "StoreTimeoutError": (RuntimeError, TimeoutError),
+    # (jdist only: a refused secret) a failing store call: DistStoreError
+    "StoreAuthError": (RuntimeError,),
+    # (jdist only: the size cap) a failing store call: DistStoreError
+    "StoreValueTooLargeError": (RuntimeError,),
+    # TCPStore on a busy port: DistNetworkError("The server socket has failed to listen")
+    "StoreListenError": (RuntimeError, OSError),
+    # get_backend(non-member group): ValueError("Invalid process group specified");
+    # broadcast(src=not a member): RuntimeError("invalid root rank")
+    "GroupMismatchError": (ValueError, RuntimeError),
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: RuntimeError("Detected mismatch between collectives")
+    "CollectiveMismatchError": (RuntimeError,),
+    # gloo collective timeout, monitored_barrier: RuntimeError / DistBackendError
+    "CollectiveTimeoutError": (RuntimeError, TimeoutError),
+    # a peer died inside a collective: DistBackendError("Connection closed by peer")
+    "PeerFailedError": (RuntimeError,),
+    # DDP's reducer when buckets and parameters disagree: RuntimeError
+    "BucketLayoutError": (RuntimeError,),
+    # "Expected to have finished reduction in the prior iteration": RuntimeError
+    "UnusedParametersError": (RuntimeError,),
+    # "DDP expects same model across all ranks": RuntimeError
+    "ModelMismatchError": (RuntimeError,),
+    # Join: "Detected at least one rank that exhausted inputs": RuntimeError
+    "JoinError": (RuntimeError,),
+    # RPC framework failures: RuntimeError
+    "RpcError": (RuntimeError,),
+    # "RPC ran for more than set timeout": RuntimeError
+    "RpcTimeoutError": (RuntimeError,),
+    # (jdist only: a failed challenge) an RPC framework failure: RuntimeError
+    "RpcAuthError": (RuntimeError,),
+    # a remote exception torch cannot re-create is raised as RuntimeError
+    "RemoteError": (RuntimeError,),
+    # an unknown or gone destination worker: RuntimeError
+    "WorkerUnavailableError": (RuntimeError,),
+    # RRef misuse (local_value on a user, ...): RuntimeError
+    "RRefError": (RuntimeError,),
+    # dist_autograd misuse (unknown context id, nested context): RuntimeError
+    "DistAutogradError": (RuntimeError,),
+    # module.load_state_dict with mismatched shapes/keys: RuntimeError
+    "WeightConversionError": (RuntimeError,),
+}
+
+
+def _public_error_classes():
+    out = {}
+    for name in errors.__all__:
+        obj = getattr(errors, name)
+        assert inspect.isclass(obj) and issubclass(obj, BaseException), name
+        out[name] = obj
+    # nothing public is left out of __all__
+    for name, obj in vars(errors).items():
+        if (inspect.isclass(obj) and issubclass(obj, BaseException) and not name.startswith("_")
+                and obj.__module__ == errors.__name__):
+            assert name in out, f"jdist.errors.{name} is not in __all__"
+    return out
+
+
+def test_every_error_class_is_what_torch_raises():
+    classes = _public_error_classes()
+    missing = sorted(set(classes) - set(TORCH))
+    assert not missing, f"add these error classes to TORCH (with the torch situation): {missing}"
+    stale = sorted(set(TORCH) - set(classes))
+    assert not stale, f"TORCH names classes jdist.errors no longer has: {stale}"
+    for name, cls in classes.items():
+        assert issubclass(cls, errors.JdistError), name
+        for base in TORCH[name]:
+            assert issubclass(cls, base), f"jdist.errors.{name} must be a {base.__name__}"
+        cls("probe message")  # constructible with one message, as raise sites do
+
+
+def _builtin_of(exc: BaseException) -> type[BaseException]:
+    """The first builtin class in the MRO of a (torch) exception."""
+    return next(c for c in type(exc).__mro__ if c.__module__ == "builtins")
+
+
+def _torch_exc(fn) -> BaseException:
+    try:
+        fn()
+    except Exception as e:  # torch's class, whatever it is
+        return e
+    raise AssertionError("torch did not raise")
+
+
+def test_torch_itself_raises_those_builtins():
+    """The table's cheap situations, read from torch (the oracle) and from jdist."""
+    dist = pytest.importorskip("torch.distributed")
+    from jdist import store as jstore
+    from jdist.collectives import get_rank
+
+    # before init: torch ValueError; jdist NotInitializedError
+    t = _torch_exc(dist.get_rank)
+    j = _torch_exc(get_rank)
+    assert isinstance(j, errors.NotInitializedError) and isinstance(j, _builtin_of(t))
+    assert "Default process group has not been initialized" in str(j)
+    # a store wait past its timeout
+    t = _torch_exc(lambda: dist.HashStore().wait(["k"], timedelta(seconds=0.01)))
+    j = _torch_exc(lambda: jstore.HashStore().wait(["k"], timedelta(seconds=0.01)))
+    assert isinstance(j, errors.StoreTimeoutError) and isinstance(j, _builtin_of(t))
+    # a busy port
+    held = dist.TCPStore("localhost", 0, 1, True)
+    t = _torch_exc(lambda: dist.TCPStore("localhost", held.port, 1, True))
+    mine = jstore.TCPStore("localhost", 0, 1, True)
+    j = _torch_exc(lambda: jstore.TCPStore("localhost", mine.port, 1, True))
+    assert isinstance(j, errors.StoreListenError) and isinstance(j, _builtin_of(t))
+    assert str(j).startswith(str(t).split(".")[0])  # torch's leading sentence
+    # world size 0 and PrefixStore(None): torch ValueError, with the same words
+    for make_t, make_j in (
+            (lambda: dist.TCPStore("localhost", 0, world_size=0, is_master=True),
+             lambda: jstore.TCPStore("localhost", 0, world_size=0, is_master=True)),
+            (lambda: dist.PrefixStore("p", None), lambda: jstore.PrefixStore("p", None))):
+        t, j = _torch_exc(make_t), _torch_exc(make_j)
+        assert isinstance(j, _builtin_of(t)) and str(t) in str(j), (t, j)
