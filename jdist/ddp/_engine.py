@@ -246,7 +246,7 @@ class Engine:
         """
         g = self.group
         sync = self.require_backward_grad_sync
-        params = _placement.replicated(params, g)
+        module_params, params = params, _placement.replicated(params, g)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
@@ -283,6 +283,8 @@ class Engine:
             js.after_step(int(n_active), g.num_replicas)
         if not sync:
             value = jax.numpy.mean(_placement.local_rows(value))
+        if grads is not None and params is not module_params:
+            grads = _placement.placed_like(grads, module_params)  # torch: p.grad beside p
         return dict(loss=value, aux=_placement.local_rows(aux), grads=grads,
                     buffers=self.buffers_out(new_buffers), params=new_params,
                     opt_state=new_opt)

@@ -35,6 +35,7 @@ __all__ = [
     "local_rows",
     "local_first",
     "is_placed",
+    "placed_like",
 ]
 
 
@@ -175,3 +176,29 @@ def local_first(tree: Any) -> Any:
         return shards[0].data[0]
 
     return jax.tree.map(one, tree)
+
+
+def placed_like(tree: Any, like: Any) -> Any:
+    """Each replicated leaf of ``tree`` placed where the matching leaf of ``like`` lives.
+
+    DDP's gradients come out of the step replicated over the group's devices; a module
+    whose parameters still live on one device (before any ``train_step``, or after the
+    user updated them eagerly, torch's ``p.data += p.grad``) gets gradients on that
+    device, so ``p + g`` works. Leaves of ``like`` already laid out like ``tree``'s (the
+    previous step's outputs), and leaves ``like`` has no device for (numpy, Python
+    scalars: the first local replica's copy is returned), need no transfer: the
+    replicas' copies already are on the group's local devices.
+    """
+
+    def one(g, p):
+        if not isinstance(g, jax.Array) or (isinstance(p, jax.Array) and p.sharding == g.sharding):
+            return g
+        shards = {s.device: s.data for s in g.addressable_shards}
+        if not isinstance(p, jax.Array) or not p.is_fully_addressable:
+            return g.addressable_shards[0].data if not isinstance(p, jax.Array) else g
+        devs = p.sharding.device_set
+        if len(devs) == 1 and next(iter(devs)) in shards:
+            return shards[next(iter(devs))]  # no copy: the replica on that device
+        return jax.device_put(g.addressable_shards[0].data, p.sharding)
+
+    return jax.tree.map(one, tree, like)

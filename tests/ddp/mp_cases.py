@@ -148,6 +148,9 @@ def multiprocess_main():
         out["join_throw"] = None
     except JoinError as e:
         out["join_throw"] = str(e)
+    from tests.ddp.test_torch_conformance import ddp_cpu_case
+
+    out["ddp_cpu"] = ddp_cpu_case(rank, world, local_replicas=len(jax.local_devices()))
     from examples.train_ddp import main as example
 
     out["example"] = example(["--smoke"])

@@ -62,6 +62,10 @@ def test_two_processes_two_devices_each():
     assert res[1]["join_throw"] == "Rank 1 exhausted all inputs."
     assert res[0]["join_throw"] == ("Detected at least one rank that exhausted inputs. "
                                     "Throwing across all ranks.")
+    # torch's test_DistributedDataParallelCPU: p + g with DDP's gradients tracks torch's
+    # non-parallel model (tests/ddp/test_torch_conformance.py)
+    for r in res:
+        assert len(r["ddp_cpu"]["diffs"]) == 5 and max(r["ddp_cpu"]["diffs"]) < 1e-5, r
     # the demo runs on 2 processes x 2 devices (smoke mode) and agrees on the accuracy
     ex = [r["example"] for r in res]
     assert [e["rank"] for e in ex] == [0, 1] and ex[0]["world"] == 2
