@@ -1,0 +1,145 @@
+"""Run a ported program and its torch twin, each under its own launcher; read results.
+
+``examples/ports/<name>.py`` runs under ``jdist-run`` and ``<name>_torch.py`` under
+``torch.distributed.run`` (torchrun). Both take ``--out DIR`` and write each rank's
+results to ``DIR/rank<r>.pkl`` (:func:`examples.ports._common.save`). Used by
+``tests/examples/test_ports.py`` and ``benchmarks/ports.py``. Every launch runs in its
+own session under a hard timeout; on a timeout the whole session is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+class PortRunError(RuntimeError):
+    """A launch failed or timed out; the message holds its command and output tail."""
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def command(lib: str, name: str, nproc: int, args: list[str], out: str,
+            launcher_args: list[str] = ()) -> list[str]:
+    """The launch command of ``lib`` ("jdist" or "torch") for program ``name``."""
+    from jdist.launch import free_port
+
+    if lib == "jdist":
+        script = os.path.join(HERE, f"{name}.py")
+        launcher = ["-m", "jdist.launch", "--nproc-per-node", str(nproc), "--devices-per-proc", "1",
+                    "--master-port", str(free_port())]
+    elif lib == "torch":
+        script = os.path.join(HERE, f"{name}_torch.py")
+        # the c10d rendezvous: torchrun's default static one could not restart (the
+        # restarted gloo ranks met the first attempt's stale addresses)
+        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    else:
+        raise ValueError(f"lib must be 'jdist' or 'torch', got {lib!r}")
+    return [sys.executable, *launcher, *launcher_args, script, *args, "--out", out]
+
+
+class Launch:
+    """One launch in its own session, output to a file, killed whole on timeout."""
+
+    def __init__(self, cmd: list[str], out: str, env: dict | None = None):
+        self.cmd, self.out = cmd, out
+        os.makedirs(out, exist_ok=True)
+        self.log_path = os.path.join(out, "log.txt")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=ROOT, env=_env(env), start_new_session=True)
+
+    def log_tail(self, n: int = 6000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-n:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def wait(self, deadline: float) -> dict:
+        """Each rank's results ``{rank: obj}``; raises :class:`PortRunError` on failure."""
+        try:
+            rc = self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise PortRunError(f"timed out, killed: {' '.join(self.cmd)}\n"
+                               f"{self.log_tail()}") from None
+        finally:
+            self._log.close()
+        if rc != 0:
+            raise PortRunError(f"exit code {rc}: {' '.join(self.cmd)}\n{self.log_tail()}")
+        results = {}
+        for f in sorted(os.listdir(self.out)):
+            if f.startswith("rank") and f.endswith(".pkl"):
+                with open(os.path.join(self.out, f), "rb") as fh:
+                    results[int(f[4:-4])] = pickle.load(fh)
+        results["log"] = self.log_tail(20000)
+        return results
+
+
+def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
+             concurrent: bool = True, tmp: str | None = None,
+             relaunch_torch: bool = False) -> tuple[dict, dict]:
+    """Run ``name`` with jdist and its torch twin (at the same time if ``concurrent``).
+
+    ``args``: the program's arguments, or ``args(lib, out_dir) -> list`` to give each its
+    own (paths). ``launcher_args`` go to both launchers (``--max-restarts 1``).
+    ``relaunch_torch``: when the torch launch fails, start it once more (torchrun 2.13's
+    own restart could not re-form its gloo group on CPU: the restarted ranks' gloo
+    ``connectFullMesh`` was refused), which is what a restart does. Returns
+    ``(jdist_results, torch_results)``, each ``{rank: obj, "log": text}``.
+    """
+    tmp = tmp or tempfile.mkdtemp(prefix=f"port_{name}_")
+    deadline = time.monotonic() + timeout
+    launches, results = {}, {}
+
+    def start(lib):
+        out = os.path.join(tmp, lib)
+        a = args(lib, out) if callable(args) else args
+        launches[lib] = Launch(command(lib, name, nproc, a, out, launcher_args), out)
+
+    def finish(lib):
+        try:
+            return launches[lib].wait(deadline)
+        except PortRunError:
+            if lib != "torch" or not relaunch_torch:
+                raise
+        first_log = launches[lib].log_tail(20000)
+        start(lib)
+        res = launches[lib].wait(deadline)
+        res["first_log"] = first_log
+        return res
+
+    try:
+        for lib in ("torch", "jdist"):
+            start(lib)
+            if not concurrent:
+                results[lib] = finish(lib)
+        for lib in launches:
+            if lib not in results:
+                results[lib] = finish(lib)
+    finally:
+        for la in launches.values():
+            la.kill()
+    return results["jdist"], results["torch"]

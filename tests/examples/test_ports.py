@@ -1,0 +1,84 @@
+"""pytorch/examples' distributed programs ported to jdist (examples/ports/) against
+their torch twins: one jdist-run launch and one torchrun launch per program, short
+mode, the same data and initial weights (torch's init, converted with
+``jdist.testing.state_dict_to_nnx``), compared to 1e-5 where the program is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+from examples.ports._common import save_init
+from examples.ports._run import HERE, run_both
+
+TOL = 1e-5
+sys.path.insert(0, HERE)  # the twins import their siblings (_common, _data) by name
+
+
+def as_torch_names(params: dict) -> dict:
+    """jdist's ``{("net1", "kernel"): a}`` as torch's ``{"net1.weight": a.T}``."""
+    names = {"kernel": "weight", "embedding": "weight", "scale": "weight",
+             "mean": "running_mean", "var": "running_var"}
+    out = {}
+    for path, a in params.items():
+        a = np.asarray(a)
+        if path[-1] == "kernel":
+            a = a.T if a.ndim == 2 else np.transpose(a, (a.ndim - 1, a.ndim - 2,
+                                                         *range(a.ndim - 2)))
+        out[".".join(map(str, (*path[:-1], names.get(path[-1], path[-1]))))] = a
+    return out
+
+
+def assert_params_close(mine: dict, theirs: dict, tol=TOL):
+    mine = as_torch_names(mine)
+    assert sorted(mine) == sorted(theirs)
+    for k in theirs:
+        np.testing.assert_allclose(mine[k], theirs[k], rtol=tol, atol=tol, err_msg=k)
+
+
+def init_file(tmp_path, module: torch.nn.Module, seed: int = 0) -> str:
+    return save_init(str(tmp_path / "init.npz"), module.state_dict())
+
+
+def test_ddp_example(tmp_path):
+    from ddp_example_torch import ToyModel
+
+    torch.manual_seed(0)
+    start = ToyModel()
+    init = init_file(tmp_path, start)
+    mine, theirs = run_both("ddp_example", 2, ["--smoke", "--init", init], timeout=150)
+    for r in (0, 1):
+        assert "training completed in rank" in mine["log"]
+        np.testing.assert_allclose(mine[r]["losses"], theirs[r]["losses"], rtol=TOL)
+        assert_params_close(mine[r]["params"], theirs[r]["params"])
+    moved = max(np.abs(theirs[0]["params"][k] - v.detach().numpy()).max()
+                for k, v in start.state_dict().items())
+    assert moved > 1e-4  # three SGD steps changed the weights
+
+
+def test_ddp_tutorial_crash_and_resume_from_snapshot(tmp_path):
+    """3 epochs, a snapshot every epoch, rank 0 dies after epoch 1 of the first attempt;
+    the restart (jdist-run --max-restarts 1) resumes from the snapshot."""
+    torch.manual_seed(0)
+    init = init_file(tmp_path, torch.nn.Linear(20, 1))
+
+    def args(lib, out):
+        return ["3", "1", "--smoke", "--crash-after-epoch", "1", "--init", init,
+                "--snapshot-path", os.path.join(out, "snapshot")]
+
+    mine, theirs = run_both("ddp_tutorial", 2, args, timeout=240,
+                            launcher_args=["--max-restarts", "1"], relaunch_torch=True)
+    assert "rank 0 crashes after epoch 1" in mine["log"]
+    assert "Resuming training from snapshot at Epoch 1" in mine["log"]
+    assert "RepeatedEpochWarning" not in mine["log"]
+    for r in (0, 1):
+        assert mine[r]["resumed"] and theirs[r]["resumed"]
+        # epochs 1 and 2 after the restart (the tutorial resumes at the saved epoch)
+        assert len(mine[r]["losses"]) == len(theirs[r]["losses"]) == 2 * 4
+        np.testing.assert_allclose(mine[r]["losses"], theirs[r]["losses"], rtol=TOL)
+        assert_params_close(mine[r]["params"], theirs[r]["params"])
