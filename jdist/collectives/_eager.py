@@ -31,10 +31,11 @@ from jdist.collectives import functional as F
 from jdist.collectives._group import ProcessGroup, group_state
 from jdist.collectives._types import ReduceOp, check_op_dtype
 from jdist.collectives._work import Queues, Work
+from jdist.errors import GroupMismatchError
 
 __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "barrier",
+    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
     "all_to_all_single", "all_gather_single", "reduce_scatter_single",
 ]
 
@@ -92,7 +93,7 @@ def _fill_list(out_list, values, what: str) -> None:
 
 
 def _check_op(op: ReduceOp, dtype, what: str) -> None:
-    check_op_dtype(op, dtype)
+    check_op_dtype(op, dtype, what)
     if op is ReduceOp.AVG and np.issubdtype(np.dtype(dtype), np.integer):
         raise TypeError(
             f"jdist.{what}: ReduceOp.AVG cannot reduce an integer array (dtype "
@@ -106,15 +107,16 @@ def group_root(group: ProcessGroup, rank, group_rank, name: str, what: str) -> i
         raise ValueError(f"jdist.{what}: give {name} or group_{name}, not both")
     if group_rank is not None:
         if not isinstance(group_rank, int) or not 0 <= group_rank < group.size():
-            raise ValueError(
+            raise GroupMismatchError(
                 f"jdist.{what}: group_{name}={group_rank!r} is not a rank of group "
                 f"{group.name!r} (0..{group.size() - 1})"
             )
         return group_rank
     rank = 0 if rank is None else rank
     if rank not in group.ranks:
-        raise ValueError(
-            f"jdist.{what}: {name}={rank!r} is not a member of group {group.name!r} "
+        raise GroupMismatchError(
+            f"jdist.{what}: invalid root rank: {name}={rank!r} is not a member of group "
+            f"{group.name!r} "
             f"(members: {list(group.ranks)}); pass a global rank of a member"
         )
     return group.ranks.index(rank)
@@ -137,6 +139,14 @@ def _stack(arrays, what: str, n: int, as_jax: bool):
     if as_jax:
         return jax.numpy.stack([jax.numpy.asarray(a) for a in arrays])
     return np.stack([np.asarray(a) for a in arrays])
+
+
+def _stack_padded(arrays, as_jax: bool):
+    """``[n, m]``: each array flattened and zero-padded to the longest (m >= 1)."""
+    xnp = jax.numpy if as_jax else np
+    flat = [xnp.ravel(xnp.asarray(a)) for a in arrays]
+    m = max(1, max(int(f.shape[0]) for f in flat))
+    return xnp.stack([xnp.pad(f, (0, m - int(f.shape[0]))) for f in flat])
 
 
 def _split(stacked, as_jax: bool) -> list:
@@ -167,6 +177,8 @@ def all_reduce(tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None =
       PeerFailedError: a member died; names it.
     """
     g = eng.member_group(group, "all_reduce")
+    if g is None:
+        return None
     x, as_jax = _prep(tensor, "all_reduce")
     _check_op(op, x.dtype, "all_reduce")
     shape, dtype, axis = tuple(x.shape), x.dtype, g.axis_name
@@ -189,6 +201,8 @@ def broadcast(tensor, src: int | None = None, group: ProcessGroup | None = None,
     global rank 0). Other members pass an array of the same shape and dtype.
     """
     g = eng.member_group(group, "broadcast")
+    if g is None:
+        return None
     root = group_root(g, src, group_src, "src", "broadcast")
     x, as_jax = _prep(tensor, "broadcast")
     shape, dtype, axis = tuple(x.shape), x.dtype, g.axis_name
@@ -211,6 +225,8 @@ def reduce(tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
     Returns the reduced array on ``dst``; other members get their input back unchanged.
     """
     g = eng.member_group(group, "reduce")
+    if g is None:
+        return None
     root = group_root(g, dst, group_dst, "dst", "reduce")
     x, as_jax = _prep(tensor, "reduce")
     _check_op(op, x.dtype, "reduce")
@@ -254,6 +270,8 @@ def all_gather(tensor_list, tensor, group: ProcessGroup | None = None,
       The list of arrays (the same list object when one was given), or a ``Work``.
     """
     g = eng.member_group(group, "all_gather")
+    if g is None:
+        return None
     x, as_jax = _prep(tensor, "all_gather")
     if tensor_list is not None and len(tensor_list) != g.size():
         _fill_list(tensor_list, [None] * g.size(), "all_gather")
@@ -276,6 +294,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: ProcessGroup | No
     ``output_tensor`` (or None) is filled in place when it is a numpy array of that size.
     """
     g = eng.member_group(group, "all_gather_into_tensor")
+    if g is None:
+        return None
     x, as_jax = _prep(input_tensor, "all_gather_into_tensor")
     n = g.size()
     out_shape = (n * x.shape[0], *x.shape[1:]) if x.ndim else (n,)
@@ -301,13 +321,17 @@ def gather(tensor, gather_list=None, dst: int | None = None,
            group_dst: int | None = None):
     """``dst`` gets every member's ``tensor`` (a list, filled in place if given).
 
-    Returns the list on ``dst`` and None on the other members.
+    Returns the list on ``dst`` and None on the other members, which pass
+    ``gather_list`` as None or ``[]`` (as in torch).
     """
     g = eng.member_group(group, "gather")
+    if g is None:
+        return None
     root = group_root(g, dst, group_dst, "dst", "gather")
     x, as_jax = _prep(tensor, "gather")
-    if g.rank != root and gather_list is not None:
-        raise ValueError("jdist.gather: gather_list must be None on ranks other than dst "
+    if g.rank != root and gather_list:
+        raise ValueError("jdist.gather: Argument gather_list must NOT be specified on "
+                         "non-destination ranks: pass None or [] on ranks other than dst "
                          f"(this is group rank {g.rank}, dst is group rank {root})")
 
     def fn():
@@ -341,10 +365,12 @@ def scatter(tensor, scatter_list=None, src: int | None = None,
             group_src: int | None = None):
     """Member i gets ``scatter_list[i]`` from ``src``; ``tensor`` gives shape and dtype.
 
-    ``scatter_list`` is passed on ``src`` only. Returns this member's piece (a numpy
-    ``tensor`` is also filled in place).
+    ``scatter_list`` is passed on ``src`` only (None or ``[]`` elsewhere, as in torch).
+    Returns this member's piece (a numpy ``tensor`` is also filled in place).
     """
     g = eng.member_group(group, "scatter")
+    if g is None:
+        return None
     root = group_root(g, src, group_src, "src", "scatter")
     x, as_jax = _prep(tensor, "scatter")
     n = g.size()
@@ -354,9 +380,10 @@ def scatter(tensor, scatter_list=None, src: int | None = None,
             raise ValueError(f"jdist.scatter: scatter_list arrays have shape "
                              f"{tuple(stacked.shape[1:])} but tensor has {tuple(x.shape)}")
     else:
-        if scatter_list is not None:
-            raise ValueError("jdist.scatter: scatter_list must be None on ranks other than "
-                             f"src (this is group rank {g.rank}, src is group rank {root})")
+        if scatter_list:
+            raise ValueError("jdist.scatter: Argument scatter_list must NOT be specified on "
+                             "non-source ranks: pass None or [] on ranks other than src "
+                             f"(this is group rank {g.rank}, src is group rank {root})")
         stacked = np.zeros((n, *x.shape), x.dtype)
 
     def fn():
@@ -376,6 +403,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group: ProcessGroup | None
     Returns the output list (``output_tensor_list`` filled in place when given).
     """
     g = eng.member_group(group, "all_to_all")
+    if g is None:
+        return None
     as_jax = any(isinstance(a, jax.Array) for a in (input_tensor_list or []))
     stacked = _stack(input_tensor_list, "all_to_all", g.size(), as_jax)
 
@@ -399,6 +428,8 @@ def all_to_all_single(output, input, output_split_sizes=None,  # noqa: A002
     equal splits are supported (``*_split_sizes`` None or all equal).
     """
     g = eng.member_group(group, "all_to_all_single")
+    if g is None:
+        return None
     x, as_jax = _prep(input, "all_to_all_single")
     n = g.size()
     for name, sizes in (("input", input_split_sizes), ("output", output_split_sizes)):
@@ -424,11 +455,26 @@ def reduce_scatter(output, input_list, op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False):
     """Member i gets the reduction over members of their ``input_list[i]``.
 
-    Returns that array (``output`` is filled in place when it is a numpy array).
+    The arrays of ``input_list`` may differ in shape from one destination to the next
+    (torch's uneven form, e.g. shapes ``(0,), (1,), (2,), (3,)``); each member passes the
+    same shapes. Returns this member's array (``output`` is filled in place when it is
+    a numpy array).
     """
     g = eng.member_group(group, "reduce_scatter")
+    if g is None:
+        return None
+    n = g.size()
     as_jax = any(isinstance(a, jax.Array) for a in (input_list or []))
-    stacked = _stack(input_list, "reduce_scatter", g.size(), as_jax)
+    if input_list is None or len(input_list) != n:
+        got = None if input_list is None else len(input_list)
+        raise ValueError(f"jdist.reduce_scatter: expected a list of {n} arrays (one per "
+                         f"member), got {got}")
+    shapes = [tuple(np.shape(a)) for a in input_list]
+    mine = shapes[g.rank]
+    if len(set(shapes)) == 1:
+        stacked = _stack(input_list, "reduce_scatter", n, as_jax)
+    else:  # uneven: flatten, pad to the longest, cut this member's part out afterwards
+        stacked = _stack_padded(input_list, as_jax)
     _check_op(op, stacked.dtype, "reduce_scatter")
     axis = g.axis_name
 
@@ -437,6 +483,8 @@ def reduce_scatter(output, input_list, op: ReduceOp = ReduceOp.SUM,
         out = eng.run(g, "reduce_scatter", ("reduce_scatter", op),
                       lambda: (lambda v: F.reduce_scatter(v[0], op, axis, 0, tiled=True)),
                       stacked, tuple(stacked.shape), stacked.dtype, fp, as_jax)
+        if tuple(out.shape) != mine:
+            out = out[:int(np.prod(mine, dtype=np.int64))].reshape(mine)
         _write_back(output, out)
         return out
 
@@ -445,17 +493,36 @@ def reduce_scatter(output, input_list, op: ReduceOp = ReduceOp.SUM,
 
 def reduce_scatter_tensor(output, input, op: ReduceOp = ReduceOp.SUM,  # noqa: A002
                           group: ProcessGroup | None = None, async_op: bool = False):
-    """``input`` (``[n * k, ...]``) reduced over members; member i gets rows ``[i*k, (i+1)*k)``."""
+    """``input`` reduced over members; member i gets its ``1/n`` part.
+
+    The part follows torch: with an ``output`` array, ``input`` holds ``n`` times its
+    elements, concatenated (``[n * k, ...]``) or stacked (``[n, *output.shape]``), and
+    member i gets the i-th ``output``-sized block; without one, member i gets rows
+    ``[i*k, (i+1)*k)`` of the ``[n * k, ...]`` input.
+    """
     g = eng.member_group(group, "reduce_scatter_tensor")
+    if g is None:
+        return None
     x, as_jax = _prep(input, "reduce_scatter_tensor")
     n = g.size()
-    if x.ndim == 0 or x.shape[0] % n:
+    _check_op(op, x.dtype, "reduce_scatter_tensor")
+    if output is not None:
+        out_shape = tuple(np.shape(output))
+        if int(np.prod(x.shape, dtype=np.int64)) != n * int(np.prod(out_shape, dtype=np.int64)):
+            raise ValueError(
+                f"jdist.reduce_scatter_tensor: input has shape {tuple(x.shape)} but the "
+                f"output shape {out_shape} times the group size {n} needs "
+                f"{n * int(np.prod(out_shape, dtype=np.int64))} elements; pass an input of "
+                f"shape ({n} * {out_shape[0] if out_shape else 1}, ...) or ({n}, *output.shape)"
+            )
+        stacked = x.reshape((n, *out_shape))
+    elif x.ndim == 0 or x.shape[0] % n:
         raise ValueError(
             f"jdist.reduce_scatter_tensor: input dim 0 must be divisible by the group size "
             f"{n}, got shape {tuple(x.shape)}"
         )
-    _check_op(op, x.dtype, "reduce_scatter_tensor")
-    stacked = x.reshape((n, x.shape[0] // n, *x.shape[1:]))
+    else:
+        stacked = x.reshape((n, x.shape[0] // n, *x.shape[1:]))
 
     def fn():
         fp = _fp(g, "reduce_scatter_tensor", op, x.shape, x.dtype)
@@ -467,25 +534,6 @@ def reduce_scatter_tensor(output, input, op: ReduceOp = ReduceOp.SUM,  # noqa: A
         return out
 
     return dispatch(g, "reduce_scatter_tensor", fn, async_op)
-
-
-# --------------------------------------------------------------------------- barrier
-
-
-def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids=None,
-            timeout=None):
-    """Block until every member reaches the barrier (one tiny collective).
-
-    Unlike other calls it always compares fingerprints (they are its payload), so a
-    rank still in another collective is reported as a mismatch.
-    """
-    del device_ids, timeout  # torch accepts them; the group's timeout applies
-    g = eng.member_group(group, "barrier")
-
-    def fn():
-        eng.fingerprint_check(g, "barrier", _fp(g, "barrier"))
-
-    return dispatch(g, "barrier", fn, async_op)
 
 
 # torch 2.13's new names for the tensor variants (the old ones warn there; not here)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist.collectives import _fingerprint as fpr
-from jdist.collectives._group import ProcessGroup, group_state, make_mesh, resolve_group
+from jdist.collectives._group import (
+    NON_GROUP_MEMBER,
+    ProcessGroup,
+    group_state,
+    make_mesh,
+    resolve_group,
+)
 from jdist.errors import (
     CollectiveTimeoutError,
     JdistError,
@@ -45,12 +52,24 @@ __all__ = ["FUSE_LIMIT", "member_group", "process_mesh", "local_device", "next_s
 FUSE_LIMIT = 256 << 10  # bytes; up to this size the check is fused into the program
 
 
-def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup:
-    """``group`` (or WORLD) for an eager collective; raises before init."""
+def member_group(group: ProcessGroup | None, what: str) -> ProcessGroup | None:
+    """``group`` (or WORLD) for an eager collective; raises before init.
+
+    ``None`` for ``NON_GROUP_MEMBER``: as in torch, a collective called on a group this
+    process is not in warns and returns None (the caller returns at once).
+    """
+    if group is NON_GROUP_MEMBER:
+        group_state.require(f"jdist.{what}")
+        rank = group_state.default_group.rank
+        warnings.warn(f"Running {what} on global rank {rank} which does not belong to the "
+                      f"given group (NON_GROUP_MEMBER); it returns None and does nothing",
+                      stacklevel=3)
+        return None
     if group is None and not group_state.is_initialized():
         raise NotInitializedError(
-            f"jdist.{what} needs the default process group, which has not been "
-            f"initialized; call jdist.init_process_group() first (in every process)"
+            f"Default process group has not been initialized, please make sure to call "
+            f"init_process_group. (jdist.{what} needs it; call jdist.init_process_group() "
+            f"first, in every process)"
         )
     return resolve_group(group)
 
@@ -342,18 +361,41 @@ def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable
     return compiled
 
 
+def _as_real(x, dtype):
+    """A complex array as real ``[..., 2]`` (real, imaginary) of the component dtype."""
+    if isinstance(x, jax.Array):
+        x = x.astype(dtype)
+        return jax.numpy.stack([jax.numpy.real(x), jax.numpy.imag(x)], -1)
+    x = np.asarray(x, dtype)
+    return np.stack([x.real, x.imag], -1)
+
+
+def _as_complex(out, dtype, as_jax: bool):
+    if as_jax:
+        return jax.lax.complex(out[..., 0], out[..., 1]).astype(dtype)
+    out = np.asarray(out)
+    return (out[..., 0] + 1j * out[..., 1]).astype(dtype)
+
+
 def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable],
         x: Any, shape: tuple, dtype, fp: np.ndarray | None, as_jax: bool):
     """Run the program on this member's ``x``; with ``fp`` (and checks on), checked.
 
     Returns this process's result with the member axis dropped (numpy or jax.Array).
     64-bit dtypes (torch's default ``int64``) keep their width even when JAX's x64 mode
-    is off.
+    is off. Complex arrays travel as real ``[..., 2]`` pairs (XLA's CPU collectives
+    cannot bitcast complex numbers); every eager program works element-wise or on
+    leading axes, so the pairs reduce and move like the complex values (SUM, AVG).
 
     Raises:
       CollectiveMismatchError: the members' fingerprints differ (on every member).
       PeerFailedError: a member died (named).
     """
+    if np.dtype(dtype).kind == "c":
+        with x64(dtype):
+            real = _as_real(x, dtype)
+            out = run(group, what, key, build, real, (*shape, 2), real.dtype, fp, as_jax)
+            return _as_complex(out, dtype, as_jax)
     seq = None if fp is None else int(fp[1])
     if seq is not None:
         note(group, seq, what)

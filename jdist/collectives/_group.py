@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jdist.errors import NotInitializedError
+from jdist.errors import GroupMismatchError, NotInitializedError
 
 __all__ = [
     "DEFAULT_AXIS",
@@ -144,8 +144,9 @@ class GroupState:
     def require(self, what: str = "this call") -> ProcessGroup:
         if self.default_group is None:
             raise NotInitializedError(
-                f"{what} needs the default process group, which has not been initialized; "
-                f"call jdist.init_process_group() first (in every process)"
+                f"Default process group has not been initialized, please make sure to call "
+                f"init_process_group. ({what} needs it; call jdist.init_process_group() "
+                f"first, in every process)"
             )
         return self.default_group
 
@@ -177,9 +178,10 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     if group is None:
         return group_state.default_group or local_group()
     if group is NON_GROUP_MEMBER:
-        raise ValueError(
-            "this process is not a member of the group (got NON_GROUP_MEMBER); "
-            "only members of a group may call collectives on it"
+        raise GroupMismatchError(
+            "Invalid process group specified: this process is not a member of the group "
+            "(got NON_GROUP_MEMBER); only members of a group may use it (check `group is "
+            "not jdist.NON_GROUP_MEMBER`)"
         )
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a jdist ProcessGroup or None, got {group!r}")
@@ -196,9 +198,10 @@ def _group_or_default(group: ProcessGroup | None, what: str) -> ProcessGroup:
     if group is None:
         return default
     if group is NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{what} was given NON_GROUP_MEMBER: this process is not a member of that "
-            f"group; only members may use it (check `group is not jdist.NON_GROUP_MEMBER`)"
+        raise GroupMismatchError(
+            f"Invalid process group specified: {what} was given NON_GROUP_MEMBER, so this "
+            f"process is not a member of that group; only members may use it (check "
+            f"`group is not jdist.NON_GROUP_MEMBER`)"
         )
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a jdist ProcessGroup or None, got {group!r}")
@@ -251,7 +254,7 @@ def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
     """
     g = _group_or_default(group, "jdist.get_global_rank()")
     if not isinstance(group_rank, int) or not 0 <= group_rank < g.size():
-        raise ValueError(
+        raise GroupMismatchError(
             f"group_rank {group_rank!r} is not a rank of group {g.name!r}, which has ranks "
             f"0..{g.size() - 1} (global ranks {list(g.ranks)})"
         )
@@ -266,9 +269,9 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
     """
     g = _group_or_default(group, "jdist.get_group_rank()")
     if global_rank not in g.ranks:
-        raise ValueError(
-            f"global rank {global_rank!r} is not a member of group {g.name!r} "
-            f"(members: {list(g.ranks)})"
+        raise GroupMismatchError(
+            f"Global rank {global_rank!r} is not part of group {g.name!r} "
+            f"(members: {list(g.ranks)}); pass a member's global rank"
         )
     return g.ranks.index(global_rank)
 

@@ -82,6 +82,8 @@ def all_gather_object(object_list, obj: Any, group: ProcessGroup | None = None) 
     ``object_list`` (length = group size, or None) is filled in place; returns the list.
     """
     g = eng.member_group(group, "all_gather_object")
+    if g is None:
+        return None
     if object_list is not None and len(object_list) != g.size():
         _fill(object_list, [None] * g.size(), "all_gather_object")
 
@@ -97,6 +99,8 @@ def gather_object(obj: Any, object_gather_list=None, dst: int | None = None,
                   group: ProcessGroup | None = None, group_dst: int | None = None):
     """``dst`` gets every member's ``obj``; returns the list on ``dst``, None elsewhere."""
     g = eng.member_group(group, "gather_object")
+    if g is None:
+        return None
     root = group_root(g, dst, group_dst, "dst", "gather_object")
 
     def fn():
@@ -119,6 +123,8 @@ def broadcast_object_list(object_list: list, src: int | None = None,
     """
     del device
     g = eng.member_group(group, "broadcast_object_list")
+    if g is None:
+        return None
     root = group_root(g, src, group_src, "src", "broadcast_object_list")
     n_obj = len(object_list)
 
@@ -152,16 +158,20 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     It is written to ``scatter_object_output_list[0]`` (as torch) and returned.
     """
     g = eng.member_group(group, "scatter_object_list")
+    if g is None:
+        return None
     root = group_root(g, src, group_src, "src", "scatter_object_list")
     n = g.size()
-    if g.rank == root and (scatter_object_input_list is None
-                           or len(scatter_object_input_list) != n):
-        got = None if scatter_object_input_list is None else len(scatter_object_input_list)
+    if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
+        raise ValueError("Expected argument scatter_object_output_list to be a list of size "
+                         "at least 1. (jdist.scatter_object_list writes the result to entry "
+                         f"0; got {scatter_object_output_list!r:.60})")
+    if g.rank == root and scatter_object_input_list is None:
+        raise ValueError("jdist.scatter_object_list: source rank must provide non-None "
+                         f"scatter_object_input_list (a list of {n} objects, one per member)")
+    if g.rank == root and len(scatter_object_input_list) != n:
         raise ValueError(f"jdist.scatter_object_list: src needs an input list of {n} "
-                         f"objects, got {got}")
-    if scatter_object_output_list is None or len(scatter_object_output_list) < 1:
-        raise ValueError("jdist.scatter_object_list: scatter_object_output_list must be a "
-                         "list with at least one entry (the result goes to entry 0)")
+                         f"objects, got {len(scatter_object_input_list)}")
 
     def fn():
         if fpr.debug_enabled():

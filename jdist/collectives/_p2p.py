@@ -27,7 +27,7 @@ from jdist.collectives import _engine as eng
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._eager import _prep, _write_back, queues
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh
-from jdist.errors import CollectiveTimeoutError, NotInitializedError
+from jdist.errors import CollectiveTimeoutError, GroupMismatchError, NotInitializedError
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 
@@ -35,8 +35,9 @@ __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
 def _world(what: str) -> ProcessGroup:
     if not group_state.is_initialized():
         raise NotInitializedError(
-            f"jdist.{what} needs the default process group, which has not been "
-            f"initialized; call jdist.init_process_group() first (in every process)"
+            f"Default process group has not been initialized, please make sure to call "
+            f"init_process_group. (jdist.{what} needs it; call jdist.init_process_group() "
+            f"first, in every process)"
         )
     return group_state.default_group
 
@@ -45,11 +46,11 @@ def _peer(world: ProcessGroup, group, peer, group_peer, name: str, what: str) ->
     if group is not None and group is not world:
         if group_peer is not None:
             if not 0 <= group_peer < group.size():
-                raise ValueError(f"jdist.{what}: group_{name}={group_peer!r} is not a rank "
+                raise GroupMismatchError(f"jdist.{what}: group_{name}={group_peer!r} is not a rank "
                                  f"of group {group.name!r} (0..{group.size() - 1})")
             peer = group.ranks[group_peer]
         elif peer not in group.ranks:
-            raise ValueError(f"jdist.{what}: {name}={peer!r} is not a member of group "
+            raise GroupMismatchError(f"jdist.{what}: {name}={peer!r} is not a member of group "
                              f"{group.name!r} (members {list(group.ranks)})")
     elif group_peer is not None:
         peer = group_peer

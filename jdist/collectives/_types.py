@@ -31,10 +31,16 @@ class ReduceOp(enum.Enum):
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
-def check_op_dtype(op: ReduceOp, dtype) -> None:
-    """Raise ``TypeError`` if ``op`` cannot reduce arrays of ``dtype``.
+_COMPLEX_OK = (ReduceOp.SUM, ReduceOp.AVG)
 
-    Bitwise ops need integer or bool arrays; AVG needs a non-bool dtype.
+
+def check_op_dtype(op: ReduceOp, dtype, what: str = "all_reduce") -> None:
+    """Raise if ``op`` cannot reduce arrays of ``dtype`` in collective ``what``.
+
+    Bitwise ops need integer or bool arrays (``TypeError``); AVG needs a non-bool dtype;
+    complex arrays take only SUM and AVG (``ValueError``, torch's "all_reduce does not
+    support ... on complex tensors": MAX/MIN have no order on complex numbers, and
+    torch's gloo does not multiply them).
     """
     if not isinstance(op, ReduceOp):
         raise TypeError(
@@ -42,6 +48,11 @@ def check_op_dtype(op: ReduceOp, dtype) -> None:
             f"got {op!r}"
         )
     dt = np.dtype(dtype)
+    if dt.kind == "c" and op not in _COMPLEX_OK:
+        raise ValueError(
+            f"{what} does not support {op!r} on complex tensors (dtype {dt.name}); use "
+            f"ReduceOp.SUM or AVG, or reduce the real and imaginary parts separately"
+        )
     if op in _BITWISE and not (np.issubdtype(dt, np.integer) or dt == np.bool_):
         raise TypeError(
             f"{op!r} needs an integer or bool array, got dtype {dt.name}; "

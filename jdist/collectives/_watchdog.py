@@ -96,12 +96,10 @@ class Watchdog:
         except Exception:  # the store host may be gone; diagnosis reports it
             return False
 
-    def behind(self, ranks, group: str, seq: int) -> dict[int, str]:
-        """Ranks (of ``ranks``) that have not entered collective ``seq`` of ``group``.
-
-        Values say where each of them is, from the progress they last published.
-        """
-        out = {}
+    def positions(self, ranks, group: str) -> dict[int, tuple[int, str] | None]:
+        """The collective (sequence number, name) each of ``ranks`` last published for
+        ``group``: None if it published none; ranks not readable are left out."""
+        out: dict[int, tuple[int, str] | None] = {}
         try:
             with self.lock:
                 for r in ranks:
@@ -110,11 +108,21 @@ class Watchdog:
                     key = self.prefix + f"progress/{r}"
                     prog = json.loads(self.store.get(key)) if self.store.check([key]) else {}
                     at = prog.get(group)
-                    if at is None or at[0] < seq:
-                        out[r] = ("has not called any collective on this group" if at is None
-                                  else f"is still at collective #{at[0]} ({at[1]})")
+                    out[r] = None if at is None else (int(at[0]), str(at[1]))
         except Exception:
             return out
+        return out
+
+    def behind(self, ranks, group: str, seq: int) -> dict[int, str]:
+        """Ranks (of ``ranks``) that have not entered collective ``seq`` of ``group``.
+
+        Values say where each of them is, from the progress they last published.
+        """
+        out = {}
+        for r, at in self.positions(ranks, group).items():
+            if at is None or at[0] < seq:
+                out[r] = ("has not called any collective on this group" if at is None
+                          else f"is still at collective #{at[0]} ({at[1]})")
         return out
 
     def _run(self) -> None:

@@ -130,8 +130,8 @@ def test_rendezvous_failures_name_the_problem():
         assert dt < 3 + 5, dt
         assert "world size mismatch" in out["world_size"], out
         assert not out["initialized"]
-    assert res[0]["monitored"] == ("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in "
-                                   "1000 ms"), res[0]
+    assert res[0]["monitored"].startswith("[Rank 0]: Rank 1 failed to pass monitoredBarrier "
+                                          "in 1000 ms"), res[0]
     assert "Rank 1 successfully reached monitoredBarrier, but received errors" in res[1][
         "monitored"], res[1]
     # one claims rank 0 first and then times out waiting for rank 1; the other is refused

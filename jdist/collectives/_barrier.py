@@ -1,0 +1,126 @@
+"""``barrier``: every member arrives (bounded by the group timeout), then one collective.
+
+Arrival goes through the job's store first: each member adds itself to a counter and
+polls it until all are there or the group's timeout (``new_group(timeout=)``, else
+``init_process_group(timeout=)``) has passed, then raises
+:class:`~jdist.errors.CollectiveTimeoutError` naming the ranks that did not arrive and
+where they are. XLA's collectives have one process-wide timeout, so a group with a
+shorter one could not otherwise be honoured. Once all have arrived, the members
+all-gather their fingerprints (one tiny collective), so a rank that reached the barrier
+from a different sequence of collectives is reported as a mismatch.
+
+Keys: ``jdist/bar/<generation>/<group>/<seq>/{n,<rank>}``. After passing a barrier each
+member deletes its own keys of the group's previous barrier (every member has left it
+by then), and group rank 0 its counter, so the store holds at most two barriers' keys.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jdist.collectives import _engine as eng
+from jdist.collectives._eager import _fp, dispatch
+from jdist.collectives._group import ProcessGroup, group_state
+from jdist.errors import CollectiveTimeoutError
+
+__all__ = ["barrier"]
+
+
+def _seconds(timeout, default: float) -> float:
+    if timeout is None:
+        return default
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        raise ValueError(f"barrier: timeout must be a positive datetime.timedelta or "
+                         f"number of seconds, got {timeout!r}")
+    return float(seconds)
+
+
+def _whereabouts(wd, g: ProcessGroup, seq: int, missing: list[int]) -> dict[int, str]:
+    """Why each missing rank is not at barrier ``seq``, from heartbeats and pids."""
+    dead = wd.diagnose(missing, wait=0.0)
+    at = wd.positions(missing, g.name)
+    out = {}
+    for r in missing:
+        pos = at.get(r)
+        if r in dead:
+            out[r] = f"is gone ({dead[r]})"
+        elif pos is None:
+            out[r] = "has not called any collective on this group"
+        elif pos[0] < seq:
+            out[r] = f"is still at collective #{pos[0]} ({pos[1]})"
+        elif pos[0] == seq and pos[1] != "barrier":
+            out[r] = (f"called {pos[1]} as collective #{seq} instead of barrier: the ranks "
+                      f"called different collectives")
+        else:
+            out[r] = "had not published its position yet"
+    return out
+
+
+def _arrive(g: ProcessGroup, seq: int, seconds: float) -> None:
+    """Count this member in at barrier ``seq``; wait for the others up to ``seconds``."""
+    wd = group_state.runtime.get("watchdog")
+    if wd is None or g.size() == 1:
+        return
+    store, lock = wd.store, wd.lock
+    base = f"jdist/bar/{group_state.generation}/{g.name}/"
+    prefix, me, n = f"{base}{seq}/", g.ranks[g.rank], g.size()
+    with lock:
+        store.set(prefix + str(me), "1")
+        count = store.add(prefix + "n", 1)
+    deadline = time.monotonic() + seconds
+    pause = 0.0005
+    while count < n:
+        if time.monotonic() > deadline:
+            with lock:
+                missing = [r for r in g.ranks if not store.check([prefix + str(r)])]
+            about = "; ".join(f"rank {r} {why}"
+                              for r, why in _whereabouts(wd, g, seq, missing).items())
+            raise CollectiveTimeoutError(
+                f"barrier (collective #{seq}) on group {g.name!r} timed out after "
+                f"{seconds:g} s: ranks {missing} did not reach it ({about}). Make every "
+                f"member call barrier, or raise the group's timeout (new_group(timeout=), "
+                f"init_process_group(timeout=))")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+        with lock:
+            count = store.add(prefix + "n", 0)
+    last = g.extra.get("last_barrier")
+    g.extra["last_barrier"] = seq
+    if last is not None:
+        with lock:
+            store.delete_key(f"{base}{last}/{me}")
+            if g.rank == 0:
+                store.delete_key(f"{base}{last}/n")
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids=None,
+            timeout=None):
+    """Block until every member reaches the barrier, at most the group's timeout.
+
+    Args:
+      group: the group (default WORLD); on ``NON_GROUP_MEMBER`` it warns and returns
+        None, as in torch.
+      async_op: return a ``Work`` instead of waiting.
+      device_ids: accepted for torch's signature (no effect).
+      timeout: seconds or ``timedelta`` for this call (default: the group's timeout).
+
+    Raises:
+      CollectiveTimeoutError (a ``RuntimeError``): some members did not arrive in time;
+        names them and the collective each was last in.
+      CollectiveMismatchError: members reached it from different collective sequences.
+    """
+    del device_ids
+    g = eng.member_group(group, "barrier")
+    if g is None:
+        return None
+    seconds = _seconds(timeout, g.timeout)
+
+    def fn():
+        fp = _fp(g, "barrier")
+        seq = int(fp[1])
+        eng.note(g, seq, "barrier")
+        _arrive(g, seq, seconds)
+        eng.fingerprint_check(g, "barrier", fp)
+
+    return dispatch(g, "barrier", fn, async_op)
