@@ -357,8 +357,9 @@ class RRef:
           the error of the ``remote`` call that made the value, if it failed;
           RpcTimeoutError: the fetch took longer than ``timeout`` (-1: default, 0: none).
         """
-        if self.is_owner():
+        if self.is_owner() and getattr(self, "_ad_link", None) is None:
             return self.local_value(timeout)
+        # (an owner's RRef to a differentiable value goes through the agent's call hook)
         return self._agent.rpc_async(self._owner, rref_fetch, (self,), None, timeout).wait()
 
     def rpc_sync(self, timeout: float = -1) -> _Proxy:

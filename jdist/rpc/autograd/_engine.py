@@ -30,6 +30,7 @@ import numpy as np
 
 from jdist.errors import DistAutogradError
 from jdist.rpc._futures import Future
+from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
 
@@ -121,15 +122,16 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     """
     agent = ctx.agent
     token = C.tracing()
-    xs, _, skeleton = _prepare(args, kwargs)
+    xs, _, skeleton, links = _prepare(args, kwargs, token)
     msg = ctx.new_message_id()
     fn_name = getattr(func, "__qualname__", repr(func))
     box: dict = {}
+    rref_pos = [pos for pos, _, _ in links]
 
     def forward(xs_concrete):
         vals = [_concrete(x, f"rpc of {fn_name}") for x in xs_concrete]
         skel_out, diff_out = agent.rpc_async(
-            to, _callee_forward, (msg, func, skeleton, vals), None, timeout).wait()
+            to, _callee_forward, (msg, func, skeleton, vals, rref_pos), None, timeout).wait()
         box["skeleton"] = skel_out
         return tuple(jnp.asarray(d) for d in diff_out)
 
@@ -137,7 +139,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         cts = [np.asarray(c) for c in cts]
         return agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
 
-    diff = _bind(token, xs, forward, backward)
+    diff = _bind(token, xs, forward, backward, links)
     out = _fill(box["skeleton"], list(diff))
     fut: Future = Future(_desc=f"differentiable rpc of {fn_name}")
     fut.set_result(out)
@@ -156,37 +158,57 @@ class _Link:
                                                                            strict=True)]
 
 
-def _prepare(args: Any, kwargs: Any) -> tuple[list, list, Any]:
+def _prepare(args: Any, kwargs: Any, token: Any) -> tuple[list, list, Any, list]:
+    """(traced arrays, their leaf positions, the structure with Slots in their place,
+    the differentiable RRefs among the leaves as ``(position, tracer, link)``)."""
     leaves, tdef = flatten_args((tuple(args or ()), dict(kwargs or {})))
     pos = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
     skel = list(leaves)
     for k, i in enumerate(pos):
         skel[i] = _Slot(k)
-    return [leaves[i] for i in pos], pos, jax.tree_util.tree_unflatten(tdef, skel)
+    links = []
+    for i, x in enumerate(leaves):
+        ad = getattr(x, "_ad_link", None) if isinstance(x, RRef) else None
+        if ad is not None and ad[2] is token:  # made by a differentiable call of this trace
+            links.append((i, ad[0], ad[1]))
+    return [leaves[i] for i in pos], pos, jax.tree_util.tree_unflatten(tdef, skel), links
 
 
-def _bind(token: Any, xs: list, forward: Callable, backward: Callable) -> Any:
+def _bind(token: Any, xs: list, forward: Callable, backward: Callable,
+          links: list = ()) -> Any:
     """``forward(xs)`` as a ``custom_vjp`` of the trace ``token`` and ``xs``, whose
-    backward rule sends the output cotangents through ``backward(cts) -> ct_xs``."""
+    backward rule sends the output cotangents through ``backward(cts)``, which returns
+    ``(ct_xs, rref_cts)``: the cotangents of ``xs`` and those that came back for the
+    differentiable RRefs sent along (``links``: ``(position, tracer, link)``). Those
+    are added to each RRef's link, and the RRef's tracer (an input here) gets a
+    non-zero cotangent so that the backward rule of the call that made it runs later
+    and sends them on to the RRef's owner."""
+    tracers = [t for _, t, _ in links]
 
-    def fwd(tok, *xs_):
-        del tok
+    def fwd(tok, xs_, ts_):
+        del tok, ts_
         return forward(xs_), None
 
     def bwd(_, cts):
-        return _input_cts(token, xs, backward(cts))
+        ct_xs, rref_cts = backward(cts)
+        ct_ts = []
+        for (_, t, link), c in zip(links, rref_cts, strict=True):
+            if c is not None:
+                link.add(c)
+            ct_ts.append(jnp.ones((), t.dtype) if c is not None else jnp.zeros((), t.dtype))
+        return (jnp.zeros((), token.dtype), _input_cts(xs, ct_xs), tuple(ct_ts))
 
     @jax.custom_vjp
-    def call(tok, *xs_):
-        del tok
+    def call(tok, xs_, ts_):
+        del tok, ts_
         return forward(xs_)
 
     call.defvjp(fwd, bwd)
-    return call(token, *xs)
+    return call(token, tuple(xs), tuple(tracers))
 
 
-def _input_cts(token: Any, xs: list, ct_xs: list) -> tuple:
-    out = [jnp.zeros((), token.dtype)]
+def _input_cts(xs: list, ct_xs: list) -> tuple:
+    out = []
     for x, c in zip(xs, ct_xs, strict=True):
         if jnp.issubdtype(x.dtype, jnp.inexact):
             out.append(jnp.asarray(c, x.dtype))
@@ -207,14 +229,16 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
             f"remote({worker}, {fn_name}) to this worker inside a dist_autograd loss "
             "function: its value would not be differentiable; call the function directly")
     token = C.tracing()
-    xs, _, skeleton = _prepare(args, kwargs)
+    xs, _, skeleton, links = _prepare(args, kwargs, token)
     msg = ctx.new_message_id()
     link = _Link()
     box: dict = {}
+    rref_pos = [pos for pos, _, _ in links]
 
     def forward(xs_c):
         vals = [_concrete(x, f"remote of {fn_name}") for x in xs_c]
-        box["rref"] = agent.rpc_async(worker, _callee_remote, (msg, func, skeleton, vals),
+        box["rref"] = agent.rpc_async(worker, _callee_remote,
+                                      (msg, func, skeleton, vals, rref_pos),
                                       None, timeout).wait()
         return jnp.zeros((), jnp.float32)
 
@@ -222,10 +246,10 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         del ct  # the to_here() calls' cotangents, summed in link, are what flows back
         cts, link.cts = link.cts, None
         if cts is None:  # the value never reached the loss
-            return [np.zeros(x.shape, x.dtype) for x in xs]
+            return [np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)
         return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout).wait()
 
-    tracer = _bind(token, xs, forward, backward)
+    tracer = _bind(token, xs, forward, backward, links)
     rref = box["rref"]
     rref._ad_link = (tracer, link, token)
     return rref
@@ -249,7 +273,11 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
     def forward():
         prev = C.set_tracing(None)  # the fetch itself is a plain call
         try:
-            value = agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout).wait()
+            if rref.is_owner():
+                value = rref.local_value(timeout)
+            else:
+                value = agent.rpc_async(rref.owner(), rref_fetch, (rref,), None,
+                                        timeout).wait()
         finally:
             C.set_tracing(prev)
         skel, diff = _split_outputs(value)
@@ -284,8 +312,16 @@ def _require_context(what: str) -> C.DistAutogradContext:
     return ctx
 
 
-def _record(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
-    """Run ``func`` under ``jax.vjp``; keep the VJP under ``msg``; return its value split."""
+def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
+            rref_pos: list[int]) -> tuple[Any, list]:
+    """Run ``func`` under ``jax.vjp``; keep the VJP under ``msg``; return its value split.
+
+    ``rref_pos``: leaves of ``skeleton`` that are RRefs to differentiable values (made
+    by a differentiable call of the caller's trace); their ``to_here()`` in ``func`` is
+    differentiable, and the cotangents it gets go back with the backward message.
+    The parameter holders' other state (RNG counters, batch statistics) as ``func``
+    left it is written back to the originals once the forward has run.
+    """
     ctx = _require_context("a differentiable call")
     leaves, tdef = flatten_args(skeleton)
     slots = [0] * len(xs)
@@ -295,35 +331,45 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
     params = find_params(leaves, ctx.agent.info.id)
     xs = [jnp.asarray(x) for x in xs]
     pvals = [t.values() for _, t in params]
+    links = [_Link() for _ in rref_pos]
 
     def g(token, xs_, pvals_):
         args, kwargs = rebuild_args(leaves, tdef, slots, params, xs_, pvals_)
-        skel_out, diff = _split_outputs(call_traced(token, func, args, kwargs))
-        return tuple(diff), skel_out
+        for pos, link in zip(rref_pos, links, strict=True):
+            leaves[pos]._ad_link = (token, link, token)
+        try:
+            skel_out, diff = _split_outputs(call_traced(token, func, args, kwargs))
+        finally:
+            for pos in rref_pos:
+                leaves[pos]._ad_link = None
+        return tuple(diff), (skel_out, [t.state_after() for _, t in params])
 
-    diff, vjp_fn, skel_out = jax.vjp(g, jnp.zeros((), jnp.float32), xs, pvals, has_aux=True)
+    diff, vjp_fn, (skel_out, states) = jax.vjp(g, jnp.zeros((), jnp.float32), xs, pvals,
+                                               has_aux=True)
+    for (_, t), st in zip(params, states, strict=True):
+        t.write_back(st)
     with ctx.lock:
         if ctx.released:
             raise C.not_found(ctx.context_id)
-        ctx.vjps[msg] = (vjp_fn, [t for _, t in params])
+        ctx.vjps[msg] = (vjp_fn, [t for _, t in params], links)
     return skel_out, diff
 
 
 @C._internal
-def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list) -> tuple[Any, list]:
+def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list,
+                    rref_pos: list[int] = ()) -> tuple[Any, list]:
     """Callee side of a differentiable call: the value, its VJP kept under ``msg``."""
-    skel_out, diff = _record(msg, func, skeleton, xs)
+    skel_out, diff = _record(msg, func, skeleton, xs, list(rref_pos))
     return skel_out, [np.asarray(d) for d in diff]
 
 
 @C._internal
-def _callee_remote(msg: tuple, func: Any, skeleton: Any, xs: list) -> Any:
+def _callee_remote(msg: tuple, func: Any, skeleton: Any, xs: list,
+                   rref_pos: list[int] = ()) -> Any:
     """Callee side of a differentiable ``remote()``: an RRef to the value kept here."""
-    from jdist.rpc._dist_optim import owned_rref
-
-    skel_out, diff = _record(msg, func, skeleton, xs)
+    skel_out, diff = _record(msg, func, skeleton, xs, list(rref_pos))
     value = _fill(skel_out, [jnp.asarray(d) for d in diff])
-    return owned_rref(C.current().agent, value)
+    return RRef.owned_by(C.current().agent, value)
 
 
 @C._internal
@@ -337,11 +383,12 @@ def _callee_backward(msg: tuple, cts: list) -> list:
             f"{ctx.agent.info} has no recorded call {msg} in autograd context "
             f"{ctx.context_id}: it was already used by a backward pass, or the context was "
             "released")
-    vjp_fn, params = entry
+    vjp_fn, params, links = entry
     _, ct_xs, ct_p = vjp_fn(tuple(jnp.asarray(c) for c in cts))
     for tracked, g in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, g)
-    return [np.asarray(c) for c in ct_xs]
+    rref_cts = [None if lk.cts is None else [np.asarray(c) for c in lk.cts] for lk in links]
+    return [np.asarray(c) for c in ct_xs], rref_cts
 
 
 # ---------------------------------------------------------------- root
@@ -356,9 +403,11 @@ def backward(ctx: C.DistAutogradContext, loss_fn: Any, args: tuple, kwargs: dict
         a, kw = rebuild_args(leaves, tdef, [], params, [], pvals_)
         out = call_traced(token, loss_fn, a, kw)
         loss, aux = _check_loss(out, has_aux)
-        return loss, aux
+        return loss, (aux, [t.state_after() for _, t in params])
 
-    loss, vjp_fn, aux = jax.vjp(g, jnp.zeros((), jnp.float32), pvals, has_aux=True)
+    loss, vjp_fn, (aux, states) = jax.vjp(g, jnp.zeros((), jnp.float32), pvals, has_aux=True)
+    for (_, t), st in zip(params, states, strict=True):
+        t.write_back(st)
     _, ct_p = vjp_fn(jnp.ones_like(loss))
     for (_, tracked), grads in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, grads)

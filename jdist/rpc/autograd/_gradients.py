@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jdist.rpc._rref import RRef
@@ -66,3 +67,25 @@ class GradientMap(Mapping):
 
     def items(self):  # type: ignore[override]
         return [(var, g) for var, g in self._entries.values()]
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a mapping with the same Variables (by identity) and equal gradients
+        (``grads != {}`` tests for any gradient, as with torch's dict). Mapping's own
+        ``__eq__`` would hash the keys, and ``nnx.Variable`` is not hashable."""
+        if isinstance(other, GradientMap):
+            theirs = other._entries
+        elif isinstance(other, Mapping):
+            if len(other) != len(self):
+                return False
+            try:
+                theirs = {id(k): (k, v) for k, v in other.items()}
+            except TypeError:
+                return False
+        else:
+            return NotImplemented
+        if theirs.keys() != self._entries.keys():
+            return False
+        return all(np.array_equal(np.asarray(g), np.asarray(theirs[k][1]))
+                   for k, (_, g) in self._entries.items())
+
+    __hash__ = None  # type: ignore[assignment]  # mutable mapping semantics, like dict

@@ -103,6 +103,7 @@ class Tracked:
                 raise RuntimeError("nnx.split and nnx.variables disagree on parameters")
         else:
             self._leaves = [holder.get_value()]
+        self._copy: Any = None  # the last rebuilt copy (its state after the call)
 
     def values(self) -> list:
         """The parameter arrays (the primal inputs of the differentiated function)."""
@@ -116,7 +117,21 @@ class Tracked:
             value = nnx.merge(self._gdef, pstate, rest)
         else:
             value = type(self.holder)(traced[0])
+        self._copy = value
         return value if self.rref is None else _TrackedRRef(self.rref, value)
+
+    def state_after(self) -> Any:
+        """The non-parameter state of the copy as the function left it (inside the
+        trace: returned as auxiliary output, so it comes out concrete), or None."""
+        if not isinstance(self.holder, nnx.Module) or self._copy is None:
+            return None
+        return nnx.split(self._copy, nnx.Param, ...)[2]
+
+    def write_back(self, state: Any) -> None:
+        """Put that state into the original module: RNG counters advance (dropout masks
+        differ per step, as with a plain call) and batch statistics update, as in torch."""
+        if state is not None:
+            nnx.update(self.holder, state)
 
     def accumulate(self, ctx: Any, grads: Sequence[Any]) -> None:
         """Add ``grads`` (one per Variable) to ``ctx``'s gradients."""

@@ -1,0 +1,26 @@
+"""pytorch/examples' RPC pipeline in 3 real processes: shard 1 gets its gradient through
+the RRef the master hands from worker 1 to worker 2, dropout masks advance per step,
+and the whole training matches the same training run locally with plain nnx."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.helpers import run_procs
+from tests.rpc._pipeline_workers import STEPS, run
+
+
+def test_pipeline_gradients_through_forwarded_rref_and_dropout():
+    out = run_procs(run, 3, timeout=240)[0]
+    ref = out["reference"]
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["p1"], ref["p1"], strict=True):  # shard 1 trained as locally
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["p2"], ref["p2"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(out["z"], ref["z"], strict=True):  # the same dropout masks
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(out["z"]) == STEPS
+    # with the dropout RNG not advanced, step 2 would already differ from this run
+    assert not np.allclose(out["z"][1], out["frozen"]["z"][1], atol=1e-3)
+    assert out["grads_nonempty"][0] is True and out["grads_nonempty"][1] == 2
