@@ -20,3 +20,33 @@ def tutorial_dataset(size: int = 2048, seed: int = 0):
     """ddp-tutorial-series ``MyTrainDataset``: ``size`` pairs (x in [0,1)^20, y in [0,1))."""
     rs = np.random.RandomState(seed)
     return rs.rand(size, 20).astype(np.float32), rs.rand(size, 1).astype(np.float32)
+
+
+def digits(n_test: int = 297):
+    """scikit-learn's bundled 8x8 digits (no download) as NCHW float32 images in [0, 1]
+    and int64 labels: ``(x_train, y_train, x_test, y_test)``, the last ``n_test`` of a
+    seeded shuffle being the test set (MNIST in the originals)."""
+    import gzip
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("this example needs scikit-learn (pip install scikit-learn)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data",
+                        "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        data = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x = (data[:, :-1].reshape(-1, 1, 8, 8) / 16.0 - 0.5).astype(np.float32)
+    y = data[:, -1].astype(np.int64)
+    order = np.random.RandomState(0).permutation(len(x))
+    train, test = order[:-n_test], order[-n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def shuffled_batches(n: int, batch_size: int, seed: int, steps: int | None = None):
+    """Index batches of one shuffled pass over ``n`` rows (a DataLoader with
+    ``shuffle=True``), the last one shorter; at most ``steps`` of them."""
+    order = np.random.RandomState(seed).permutation(n)
+    out = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    return out if steps is None else out[:steps]

@@ -82,3 +82,22 @@ def test_ddp_tutorial_crash_and_resume_from_snapshot(tmp_path):
         assert len(mine[r]["losses"]) == len(theirs[r]["losses"]) == 2 * 4
         np.testing.assert_allclose(mine[r]["losses"], theirs[r]["losses"], rtol=TOL)
         assert_params_close(mine[r]["params"], theirs[r]["params"])
+
+
+def test_rpc_parameter_server(tmp_path):
+    """One server and one trainer (two trainers update the server without coordination,
+    as in torch: their numbers depend on timing); dropout off for the comparison."""
+    from rpc_parameter_server_torch import Net
+
+    torch.manual_seed(0)
+    start = Net()
+    init = init_file(tmp_path, start)
+    mine, theirs = run_both("rpc_parameter_server", 2,
+                            ["--smoke", "--no-dropout", "--init", init], timeout=240)
+    assert "RPC shutdown on parameter server." in mine["log"]
+    np.testing.assert_allclose(mine[1]["losses"], theirs[1]["losses"], rtol=TOL)
+    assert mine[1]["accuracy"] == theirs[1]["accuracy"]
+    assert_params_close(mine[1]["params"], theirs[1]["params"])
+    moved = max(np.abs(theirs[1]["params"][k] - v.detach().numpy()).max()
+                for k, v in start.state_dict().items())
+    assert moved > 1e-4
