@@ -4,13 +4,13 @@ Owners of each private module add their public names here, one import per line.
 """
 
 from jdist.collectives import functional as functional
+from jdist.collectives._alltoall import all_to_all as all_to_all
+from jdist.collectives._alltoall import all_to_all_single as all_to_all_single
 from jdist.collectives._barrier import barrier as barrier
 from jdist.collectives._eager import all_gather as all_gather
 from jdist.collectives._eager import all_gather_into_tensor as all_gather_into_tensor
 from jdist.collectives._eager import all_gather_single as all_gather_single
 from jdist.collectives._eager import all_reduce as all_reduce
-from jdist.collectives._eager import all_to_all as all_to_all
-from jdist.collectives._eager import all_to_all_single as all_to_all_single
 from jdist.collectives._eager import broadcast as broadcast
 from jdist.collectives._eager import gather as gather
 from jdist.collectives._eager import reduce as reduce

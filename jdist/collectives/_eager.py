@@ -35,8 +35,8 @@ from jdist.errors import GroupMismatchError
 
 __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
-    "all_to_all_single", "all_gather_single", "reduce_scatter_single",
+    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
+    "all_gather_single", "reduce_scatter_single",
 ]
 
 
@@ -393,62 +393,6 @@ def scatter(tensor, scatter_list=None, src: int | None = None,
         return out
 
     return dispatch(g, "scatter", fn, async_op)
-
-
-def all_to_all(output_tensor_list, input_tensor_list, group: ProcessGroup | None = None,
-               async_op: bool = False):
-    """Member i's ``input_tensor_list[j]`` goes to member j as ``output[i]``.
-
-    Every input array has the same shape on every member (jdist's restriction).
-    Returns the output list (``output_tensor_list`` filled in place when given).
-    """
-    g = eng.member_group(group, "all_to_all")
-    if g is None:
-        return None
-    as_jax = any(isinstance(a, jax.Array) for a in (input_tensor_list or []))
-    stacked = _stack(input_tensor_list, "all_to_all", g.size(), as_jax)
-
-    def fn():
-        fp = _fp(g, "all_to_all", None, stacked.shape, stacked.dtype)
-        values = _split(_exchange(g, "all_to_all", stacked, as_jax, fp), as_jax)
-        if output_tensor_list is None:
-            return values
-        _fill_list(output_tensor_list, values, "all_to_all")
-        return output_tensor_list
-
-    return dispatch(g, "all_to_all", fn, async_op)
-
-
-def all_to_all_single(output, input, output_split_sizes=None,  # noqa: A002
-                      input_split_sizes=None, group: ProcessGroup | None = None,
-                      async_op: bool = False):
-    """``input``'s dim 0 split in ``n`` equal chunks; chunk j goes to member j.
-
-    The result concatenates the chunks received from members 0..n-1 on dim 0. Only
-    equal splits are supported (``*_split_sizes`` None or all equal).
-    """
-    g = eng.member_group(group, "all_to_all_single")
-    if g is None:
-        return None
-    x, as_jax = _prep(input, "all_to_all_single")
-    n = g.size()
-    for name, sizes in (("input", input_split_sizes), ("output", output_split_sizes)):
-        if sizes is not None and (len(sizes) != n or len(set(sizes)) != 1):
-            raise ValueError(f"jdist.all_to_all_single: {name}_split_sizes={list(sizes)} "
-                             f"is not {n} equal sizes; jdist supports equal splits only")
-    if x.ndim == 0 or x.shape[0] % n:
-        raise ValueError(f"jdist.all_to_all_single: input dim 0 must be divisible by the "
-                         f"group size {n}, got shape {tuple(x.shape)}")
-    stacked = x.reshape((n, x.shape[0] // n, *x.shape[1:]))
-
-    def fn():
-        fp = _fp(g, "all_to_all", None, stacked.shape, stacked.dtype)
-        out = _exchange(g, "all_to_all_single", stacked, as_jax, fp).reshape(x.shape)
-        if output is not None:
-            _write_back(output, out)
-        return out
-
-    return dispatch(g, "all_to_all_single", fn, async_op)
 
 
 def reduce_scatter(output, input_list, op: ReduceOp = ReduceOp.SUM,

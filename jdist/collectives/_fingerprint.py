@@ -31,7 +31,7 @@ KINDS = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
     "barrier", "send/recv", "all_gather_object", "broadcast_object_list",
-    "gather_object", "scatter_object_list",
+    "gather_object", "scatter_object_list", "all_to_all_sizes",
 )
 _KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 _OPS = tuple(ReduceOp)

@@ -133,6 +133,34 @@ def all_to_all_single_equal_split_complex(dist, rank, group):
     _eq(out, expected, "all_to_all_single complex")
 
 
+def all_to_all_uneven(dist, rank, group):
+    """test_all_to_all / test_all_to_all_single_unequal_split (via their helpers), and
+    the same with jax arrays and complex values."""
+    size = len(group)
+    in_splits = [i + 1 for i in group]
+    for dtype in (np.float32, np.complex64):
+        in_tensors = [np.ones([in_splits[i], size], dtype) * rank for i, _ in enumerate(group)]
+        out_tensors = [np.ones([rank + 1, size], dtype) for _ in group]
+        dist.all_to_all(out_tensors, in_tensors)
+        for t1, i in zip(out_tensors, group, strict=True):
+            _eq(t1, np.ones([rank + 1, size], dtype) * i, "all_to_all uneven")
+        out_splits = [rank + 1 for _ in group]
+        in_tensor = np.ones([sum(in_splits), size], dtype) * rank
+        out_tensor = np.ones([(rank + 1) * size, size], dtype)
+        expected = np.concatenate([np.ones([rank + 1, size], dtype) * i for i in group])
+        out = dist.all_to_all_single(out_tensor, in_tensor, out_splits, in_splits)
+        _eq(out_tensor, expected, "all_to_all_single unequal (in place)")
+        _eq(out, expected, "all_to_all_single unequal (returned)")
+    import jax.numpy as jnp
+
+    got = dist.all_to_all_single(None, jnp.arange(sum(in_splits), dtype=jnp.int32) + 100 * rank,
+                                 [rank + 1] * size, in_splits)
+    offsets = np.concatenate([[0], np.cumsum(in_splits)])
+    want = np.concatenate([np.arange(offsets[rank], offsets[rank + 1], dtype=np.int32) + 100 * i
+                           for i in group])
+    _eq(np.asarray(got), want, "all_to_all_single jax, no output array")
+
+
 def complex_jax_and_avg(dist, rank, group):
     """Beyond torch's cases: jax.Array complex in -> out, AVG, and complex128."""
     import jax.numpy as jnp
@@ -364,6 +392,7 @@ def conformance() -> dict:
         gather_plain(dist, rank, [1, 2], sub)
     scatter_gather_checks(dist, rank, group)
     all_to_all_single_equal_split_complex(dist, rank, group)
+    all_to_all_uneven(dist, rank, group)
     complex_jax_and_avg(dist, rank, group)
     reduce_scatter_v(dist, rank, group)
     reduce_scatter_gloo_shapes(dist, rank, group)
