@@ -50,3 +50,15 @@ def shuffled_batches(n: int, batch_size: int, seed: int, steps: int | None = Non
     order = np.random.RandomState(seed).permutation(n)
     out = [order[i:i + batch_size] for i in range(0, n, batch_size)]
     return out if steps is None else out[:steps]
+
+
+def batch_ps_trainer_data(rank: int, num_batches: int, batch_size: int = 20,
+                          num_classes: int = 10, image_hw: int = 8):
+    """rpc/batch: trainer ``rank``'s batches of (NCHW images, one-hot labels); the
+    label indices are fixed per trainer, as the original's ``one_hot_indices``."""
+    rs = np.random.RandomState(100 + rank)
+    hot = rs.randint(0, num_classes, size=batch_size)
+    labels = np.zeros((batch_size, num_classes), np.float32)
+    labels[np.arange(batch_size), hot] = 1
+    return [(rs.randn(batch_size, 3, image_hw, image_hw).astype(np.float32), labels)
+            for _ in range(num_batches)]

@@ -101,3 +101,19 @@ def test_rpc_parameter_server(tmp_path):
     moved = max(np.abs(theirs[1]["params"][k] - v.detach().numpy()).max()
                 for k, v in start.state_dict().items())
     assert moved > 1e-4
+
+
+def test_rpc_batch_parameter_server(tmp_path):
+    """Two trainers, batch_update_size 2: the @async_execution update completes both
+    trainers' futures with the model after one averaged SGD-momentum step."""
+    from rpc_batch_ps_torch import Model
+
+    torch.manual_seed(0)
+    init = init_file(tmp_path, Model())
+    mine, theirs = run_both("rpc_batch_ps", 3, ["--smoke", "--init", init], timeout=240)
+    assert mine["log"].count("PS updated model") == 3
+    for a, b in zip(mine[0]["trainers"], theirs[0]["trainers"], strict=True):
+        np.testing.assert_allclose(a["losses"], b["losses"], rtol=TOL)
+    assert_params_close(mine[0]["params"], theirs[0]["params"])
+    losses = mine[0]["trainers"][0]["losses"]
+    assert losses[-1] < losses[0]  # the fetched models were the updated ones
