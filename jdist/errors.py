@@ -35,7 +35,10 @@ __all__ = [
     "RemoteError",
     "WorkerUnavailableError",
     "RRefError",
+    "UnknownWorkerError",
+    "WorkerNameError",
     "DistAutogradError",
+    "LossTypeError",
     "WeightConversionError",
 ]
 
@@ -217,8 +220,28 @@ class RRefError(RpcError):
     """An RRef was used in a way its owner/user role does not allow."""
 
 
+class UnknownWorkerError(RpcError, ValueError):
+    """An RPC names a worker (name or rank) that is not in the job.
+
+    torch raises ``RuntimeError`` ("could not find destination"); this is also a
+    ``ValueError`` (jdist's earlier type). Fix: use a name from
+    ``get_worker_info()``'s job or a rank in ``0..world_size-1``.
+    """
+
+
+class WorkerNameError(RpcError, ValueError):
+    """A worker name torch refuses ("Worker name must match ...", "must be non-empty",
+    "shorter than 128"). Fix: 1-128 letters, digits, ``-``, ``_``, ``:`` or ``.``."""
+
+
 class DistAutogradError(JdistError, RuntimeError):
     """Distributed autograd misuse: nested contexts, unknown context id, second backward."""
+
+
+class LossTypeError(DistAutogradError, TypeError):
+    """``dist_autograd.backward``'s loss is not a float scalar (torch: "is not a scalar,
+    all roots need to be scalar", a ``RuntimeError``). Fix: reduce it (``jnp.sum``) or
+    pass ``has_aux=True`` for ``(loss, aux)``."""
 
 
 class WeightConversionError(JdistError, ValueError, RuntimeError):
