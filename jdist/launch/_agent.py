@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -40,7 +41,8 @@ import time
 from jdist.errors import StoreError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import JobInfo, worker_command, worker_env
-from jdist.launch._workers import Failure, WorkerGroup, describe_exit, exit_code_of
+from jdist.launch._stop import signal_group
+from jdist.launch._worker_group import Failure, WorkerGroup, describe_exit, exit_code_of
 from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
 
 __all__ = ["run", "LaunchError"]
@@ -138,7 +140,8 @@ class _Agent:
         if cfg.node_rank == 0:
             token = self.env_token or secrets.token_hex(16)
             s.multi_set(["job/token", "job/run_id", "job/max_restarts", "job/nnodes"],
-                        [token, secrets.token_hex(8), str(cfg.max_restarts), str(cfg.nnodes)])
+                        [token, cfg.run_id or secrets.token_hex(8), str(cfg.max_restarts),
+                     str(cfg.nnodes)])
         keys = [f"node/{i}/nproc" for i in range(cfg.nnodes)]
         try:
             s.wait(keys + ["job/token"], cfg.rdzv_timeout)
@@ -165,16 +168,17 @@ class _Agent:
     def start(self, job: JobInfo) -> WorkerGroup:
         cfg = self.cfg
         argv = worker_command(os.getpid(), cfg.script, cfg.script_args, cfg.module)
+        columns = None
+        if sys.stderr.isatty():
+            columns = shutil.get_terminal_size().columns - len(f"[rank {job.world_size}] ")
         cmds = [(job.rank_offset + lr, lr, argv,
-                 worker_env(self.environ, job, lr, cfg.devices_per_proc))
+                 worker_env(self.environ, job, lr, cfg.devices_per_proc, columns))
                 for lr in range(cfg.nproc_per_node)]
         log_dir = None
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
-        console = cfg.log_dir is None or cfg.tee
-        out = sys.stdout.buffer if console else None
-        err = sys.stderr.buffer if console else None
-        self.group = WorkerGroup(cmds, out, err, log_dir)
+        self.group = WorkerGroup(cmds, sys.stdout.buffer, sys.stderr.buffer, log_dir,
+                                 cfg.hidden, cfg.verbose)
         return self.group
 
     def watch(self, group: WorkerGroup, r: int) -> Failure | None:
@@ -188,7 +192,7 @@ class _Agent:
                 w = failed[0]
                 for other in group.workers:  # end the others at once
                     if other.proc.poll() is None:
-                        _signal_group(other.proc.pid, signal.SIGTERM)
+                        signal_group(other.proc.pid, signal.SIGTERM)
                 code = w.proc.returncode
                 mine = Failure(w.rank, w.local_rank, cfg.node_rank, exit_code_of(code),
                                describe_exit(code), w.stderr_tail(0.5), r)
@@ -240,13 +244,6 @@ class _Agent:
             pass
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
     head = (f"rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}) {f.how} "
             f"on attempt {f.attempt + 1} of {attempts}"
@@ -278,6 +275,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         _say(f"error: script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
              f"pass a path to a Python file, or -m for a module")
         return 2
+    if cfg.detected:
+        _say(cfg.detected)
     try:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()

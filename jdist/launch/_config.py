@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["LaunchConfig", "parse_args", "build_parser"]
+from jdist.launch._cluster import detect_job
+
+__all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec"]
 
 
 class LaunchConfig(NamedTuple):
@@ -26,6 +31,40 @@ class LaunchConfig(NamedTuple):
     module: bool
     script: str
     script_args: tuple[str, ...]
+    redirects: dict[int, int] | None = None  # local rank -> streams to files only
+    tee_std: dict[int, int] | None = None  # local rank -> streams to files and console
+    verbose: bool = False
+    run_id: str | None = None
+    detected: str = ""  # what was taken from the scheduler (SLURM), for the log
+
+    def hidden(self, local_rank: int) -> int:
+        """Streams of ``local_rank`` kept off the console (bit 1 stdout, 2 stderr)."""
+        if self.log_dir is None:
+            return 0
+        redirect = 3 if self.redirects is None else _bits(self.redirects, local_rank)
+        return redirect & ~_bits(self.tee_std or {}, local_rank)
+
+
+def _bits(spec: Mapping[int, int], local_rank: int) -> int:
+    return spec.get(local_rank, spec.get(-1, 0))
+
+
+def parse_std_spec(value: str, flag: str) -> dict[int, int]:
+    """torchrun's stream spec: ``3`` (all ranks) or ``0:1,1:2`` (per local rank).
+
+    Bit 1 is stdout, bit 2 stderr. Key ``-1`` holds the value for every local rank.
+    """
+    text = value.strip()
+    if re.fullmatch(r"[0-3]", text):
+        return {-1: int(text)}
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-3])\s*", item)
+        if m is None:
+            raise ValueError(f"{flag} {value!r}: expected 0-3 (1 stdout, 2 stderr, 3 both) "
+                             f"or LOCAL_RANK:0-3 pairs like 0:1,1:2")
+        out[int(m.group(1))] = int(m.group(2))
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,19 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
                     "them all when one fails.",
         allow_abbrev=False,
     )
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="number of nodes (launchers) in the job (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
-                   help="this node's rank in [0, nnodes) (default 0)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="number of nodes (launchers) in the job (default 1; under srun, "
+                        "the step's node count)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=None,
+                   help="this node's rank in [0, nnodes) (default 0; under srun, "
+                        "SLURM_NODEID)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                    help="processes to start on this node (default 1)")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+    p.add_argument("--master-addr", "--master_addr", default=None,
                    help="address of node 0, which hosts the launchers' store (default "
-                        "127.0.0.1)")
+                        "127.0.0.1; under srun, the first host of the step)")
     p.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="port of the launchers' store on node 0 (default: a free port on "
                         "one node, 29500 with several). The workers get another port as "
                         "MASTER_PORT, chosen by node 0")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                   help="HOST[:PORT] of the launchers' store, as torchrun spells "
+                        "--master-addr/--master-port (port default 29400)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
+                   choices=["static", "c10d"],
+                   help="accepted for torchrun compatibility: both use jdist's store")
+    p.add_argument("--rdzv-id", "--rdzv_id", default=None,
+                   help="job id given to the workers (JDIST_RUN_ID, TORCHELASTIC_RUN_ID; "
+                        "default: a random id per job)")
     p.add_argument("--standalone", action="store_true",
                    help="single-node job on free ports (implies --nnodes 1 --node-rank 0)")
     p.add_argument("--devices-per-proc", "--devices_per_proc", type=int, default=None,
@@ -69,8 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="write each rank's stdout/stderr to LOG_DIR/attempt_K/rank_N/"
                         "{stdout,stderr}.log (the console then shows them only with --tee)")
-    p.add_argument("--tee", action="store_true",
-                   help="with --log-dir, also show the output on the console")
+    p.add_argument("-r", "--redirects", default=None,
+                   help="with --log-dir, streams kept off the console: 0 none, 1 stdout, "
+                        "2 stderr, 3 both (the default with --log-dir), or per local rank "
+                        "like 0:1,1:2 (torchrun's spelling)")
+    p.add_argument("-t", "--tee", nargs="?", const="3", default=None,
+                   help="with --log-dir, streams also shown on the console (same values as "
+                        "--redirects; plain --tee means 3)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the runtime's routine messages too (gloo's 'Rank N is "
+                        "connected to N peer ranks', the coordination service's "
+                        "'recoverable task' warning); hidden by default")
     p.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("script", help="the Python script (or module with -m) to run")
@@ -79,13 +138,94 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> LaunchConfig:
+def _tee_value(argv: list[str]) -> list[str]:
+    """``--tee`` followed by the script (not a stream spec) means ``--tee 3``."""
+    out = list(argv)
+    for i, word in enumerate(out):
+        if word in ("--tee", "-t") and i + 1 < len(out) and not re.fullmatch(
+                r"[0-3]|(\d+:[0-3])(,\d+:[0-3])*", out[i + 1]):
+            out.insert(i + 1, "3")
+            break
+        if not word.startswith("-") and (i == 0 or out[i - 1] not in _VALUE_FLAGS):
+            break  # the script: the rest is the script's
+    return out
+
+
+_VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--nproc-per-node",
+                "--nproc_per_node", "--master-addr", "--master_addr", "--master-port",
+                "--master_port", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend",
+                "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--devices-per-proc",
+                "--devices_per_proc", "--max-restarts", "--max_restarts",
+                "--shutdown-timeout", "--grace", "--rdzv-timeout", "--heartbeat-timeout",
+                "--log-dir", "--log_dir", "-r", "--redirects", "--tee", "-t"}
+
+
+def _from_slurm(a, p, environ: Mapping[str, str]) -> str:
+    """Fill --nnodes/--node-rank/--master-addr/--master-port from an srun step."""
+    if a.nnodes is not None and a.node_rank is not None and a.master_addr is not None:
+        return ""
+    try:
+        job = detect_job(environ)
+    except ValueError as e:
+        if "SLURM" not in str(e):
+            return ""
+        p.error(f"cannot read the SLURM step ({e}); pass --nnodes, --node-rank and "
+                f"--master-addr")
+    if job.source != "slurm":
+        return ""
+    if job.local_world_size != 1:
+        p.error(f"under srun, jdist-run runs once per node (srun --ntasks-per-node=1 "
+                f"jdist-run --nproc-per-node P ...); this step has {job.local_world_size} "
+                f"tasks on node {job.node_rank}")
+    taken = []
+    if a.nnodes is None:
+        a.nnodes = job.nnodes
+        taken.append(f"--nnodes {job.nnodes}")
+    if a.node_rank is None:
+        a.node_rank = job.node_rank
+        taken.append(f"--node-rank {job.node_rank}")
+    if a.master_addr is None:
+        a.master_addr = job.master_addr
+        taken.append(f"--master-addr {job.master_addr}")
+    if a.master_port is None and a.nnodes > 1:
+        a.master_port = job.master_port
+        taken.append(f"--master-port {job.master_port}")
+    return f"from SLURM job {job.job_id}: {' '.join(taken)}" if taken else ""
+
+
+def parse_args(argv: list[str] | None = None,
+               environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Parse and validate ``argv`` (``sys.argv[1:]`` when None).
 
-    Exits with a usage message (status 2) on bad flags, as argparse does.
+    Under an ``srun`` step (``environ``, default ``os.environ``), ``--nnodes``,
+    ``--node-rank``, ``--master-addr`` and ``--master-port`` that are not given come
+    from SLURM. Exits with a usage message (status 2) on bad flags, as argparse does.
     """
+    import sys
+
     p = build_parser()
-    a = p.parse_args(argv)
+    a = p.parse_args(_tee_value(sys.argv[1:] if argv is None else argv))
+    if a.rdzv_endpoint is not None:
+        host, _, port = a.rdzv_endpoint.rpartition(":") if ":" in a.rdzv_endpoint else (
+            a.rdzv_endpoint, "", "29400")
+        if not host or not port.isdigit():
+            p.error(f"--rdzv-endpoint must be HOST or HOST:PORT, got {a.rdzv_endpoint!r}")
+        if a.master_addr is not None or a.master_port is not None:
+            p.error("give --rdzv-endpoint or --master-addr/--master-port, not both")
+        a.master_addr, a.master_port = host, int(port)
+    detected = "" if a.standalone else _from_slurm(
+        a, p, os.environ if environ is None else environ)
+    a.nnodes = 1 if a.nnodes is None else a.nnodes
+    a.node_rank = 0 if a.node_rank is None else a.node_rank
+    a.master_addr = "127.0.0.1" if a.master_addr is None else a.master_addr
+    redirects = tee = None
+    try:
+        if a.redirects is not None:
+            redirects = parse_std_spec(a.redirects, "--redirects")
+        if a.tee is not None:
+            tee = parse_std_spec(a.tee, "--tee")
+    except ValueError as e:
+        p.error(str(e))
     if a.standalone:
         if a.nnodes != 1 or a.node_rank != 0:
             p.error(f"--standalone runs one node; got --nnodes {a.nnodes} "
@@ -112,13 +252,16 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         p.error(f"--master-port must be in [1, 65535], got {port}")
     if port is None and a.nnodes > 1:
         port = 29500
-    if a.tee and a.log_dir is None:
+    if tee is not None and a.log_dir is None:
         p.error("--tee needs --log-dir (without it the output goes to the console anyway)")
+    if redirects is not None and a.log_dir is None:
+        p.error("--redirects needs --log-dir DIR (where the redirected streams go)")
     return LaunchConfig(
         nnodes=a.nnodes, node_rank=a.node_rank, nproc_per_node=a.nproc_per_node,
         master_addr=a.master_addr, master_port=port, devices_per_proc=a.devices_per_proc,
         max_restarts=a.max_restarts, shutdown_timeout=a.shutdown_timeout,
         rdzv_timeout=a.rdzv_timeout, heartbeat_timeout=a.heartbeat_timeout,
-        log_dir=a.log_dir, tee=a.tee, module=a.module,
-        script=a.script, script_args=tuple(a.script_args),
+        log_dir=a.log_dir, tee=tee is not None, module=a.module,
+        script=a.script, script_args=tuple(a.script_args), redirects=redirects,
+        tee_std=tee, verbose=a.verbose, run_id=a.rdzv_id, detected=detected,
     )

@@ -6,9 +6,15 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from jdist.launch._spawn import xla_flags_with_devices
+__all__ = ["JobInfo", "worker_env", "worker_command", "xla_flags_with_devices"]
 
-__all__ = ["JobInfo", "worker_env", "worker_command"]
+
+def xla_flags_with_devices(flags: str, devices: int) -> str:
+    """``flags`` with ``--xla_force_host_platform_device_count`` set to ``devices``."""
+    kept = [f for f in flags.split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    kept.append(f"--xla_force_host_platform_device_count={int(devices)}")
+    return " ".join(kept)
 
 
 class JobInfo(NamedTuple):
@@ -28,14 +34,17 @@ class JobInfo(NamedTuple):
 
 
 def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
-               devices_per_proc: int | None) -> dict[str, str]:
+               devices_per_proc: int | None, columns: int | None = None) -> dict[str, str]:
     """The environment of local rank ``local_rank`` under ``job``.
 
     Sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and jdist's
-    (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS, JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with
-    ``devices_per_proc``, XLA_FLAGS and JDIST_DEVICES_PER_PROC). Python output is
-    unbuffered so that lines reach the launcher as they are printed.
+    GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+    TORCHELASTIC_RUN_ID) and jdist's (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS,
+    JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with ``devices_per_proc``, XLA_FLAGS and
+    JDIST_DEVICES_PER_PROC). Python output is unbuffered so that lines reach the
+    launcher as they are printed; ``columns`` (the console's width less the rank
+    prefix) becomes COLUMNS unless set, so progress bars fit the terminal.
     """
     env = dict(base)
     env.update(
@@ -45,6 +54,7 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         LOCAL_WORLD_SIZE=str(job.local_world_size),
         GROUP_RANK=str(job.node_rank),
         GROUP_WORLD_SIZE=str(job.nnodes),
+        ROLE_NAME="default",
         ROLE_RANK=str(job.rank_offset + local_rank),
         ROLE_WORLD_SIZE=str(job.world_size),
         MASTER_ADDR=job.master_addr,
@@ -53,8 +63,13 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         JDIST_MAX_RESTARTS=str(job.max_restarts),
         JDIST_AUTH_TOKEN=job.token,
         JDIST_RUN_ID=job.run_id,
+        TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
+        TORCHELASTIC_RUN_ID=job.run_id,
         PYTHONUNBUFFERED="1",
     )
+    if columns is not None and columns > 0:
+        env.setdefault("COLUMNS", str(columns))
     if devices_per_proc is not None:
         env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices_per_proc)
         env["JDIST_DEVICES_PER_PROC"] = str(devices_per_proc)
@@ -64,7 +79,9 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
 
 
 # Run in the child before the user's code: die with the launcher (PR_SET_PDEATHSIG),
-# even if it is SIGKILLed, then run the script or module as ``python`` would.
+# even if it is SIGKILLed, with a polling thread as the fallback that also takes the
+# worker's own children (its process group); then run the script or module as
+# ``python`` would.
 _SHIM = """\
 import os, sys
 try:
@@ -74,6 +91,18 @@ except Exception:
     pass
 if os.getppid() != int(sys.argv[1]):
     sys.exit(137)  # the launcher is already gone
+def _watch(parent=int(sys.argv[1])):
+    import signal, time
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            try:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            finally:
+                os._exit(137)
+import threading
+threading.Thread(target=_watch, daemon=True, name="jdist-launcher-watch").start()
+del threading, _watch
 import runpy
 mode, target = sys.argv[2], sys.argv[3]
 sys.argv = [target] + sys.argv[4:]

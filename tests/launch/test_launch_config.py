@@ -6,7 +6,7 @@ import pytest
 
 from jdist.launch._config import parse_args
 from jdist.launch._env import JobInfo, worker_command, worker_env
-from jdist.launch._workers import describe_exit, exit_code_of
+from jdist.launch._worker_group import describe_exit, exit_code_of
 
 
 def test_defaults_and_script_arguments():

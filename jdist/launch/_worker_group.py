@@ -1,10 +1,10 @@
 """The worker processes of one node for one attempt: start, watch, stop, relay output.
 
 Each worker runs in its own session (process group), so stopping it reaches every
-process it started: SIGTERM to the group, SIGKILL after the grace period. Its stdout
-and stderr are pipes; one thread per pipe prefixes each line with ``[rank N]`` and
-writes it to the launcher's stdout/stderr (and/or a log file), keeping the last lines
-of stderr for the failure summary.
+process it started (``_stop``). Its stdout and stderr are pipes; a relay thread per
+pipe (``_relay``) forwards what it writes, live and prefixed with ``[rank N]``, to the
+launcher's console and/or a per-rank log file, keeping the last lines of stderr for
+the failure summary.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections import deque
-from collections.abc import Sequence
 from typing import IO, NamedTuple
+
+from jdist.launch._relay import Console, Relay, start_relay
+from jdist.launch._stop import stop_processes
 
 __all__ = ["Worker", "WorkerGroup", "Failure", "exit_code_of", "describe_exit"]
 
@@ -50,24 +51,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-class _Sink:
-    """Serialised line output to one stream."""
-
-    def __init__(self, stream: IO[bytes] | None):
-        self.stream = stream
-        self.lock = threading.Lock()
-
-    def write(self, data: bytes) -> None:
-        if self.stream is None:
-            return
-        with self.lock:
-            try:
-                self.stream.write(data)
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass
-
-
 class Worker:
     """One child process and its output relays."""
 
@@ -83,27 +66,6 @@ class Worker:
         return b"".join(self.tail).decode("utf-8", "replace")
 
 
-def _pump(pipe: IO[bytes], prefix: bytes, sinks: Sequence[_Sink],
-          files: Sequence[IO[bytes]], tail: deque | None) -> None:
-    try:
-        for line in iter(pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            if tail is not None:
-                tail.append(line)
-            for s in sinks:
-                s.write(prefix + line)
-            for f in files:
-                f.write(line)
-                f.flush()
-    except (OSError, ValueError):
-        pass
-    finally:
-        pipe.close()
-        for f in files:
-            f.close()
-
-
 class WorkerGroup:
     """The workers of this node for one attempt.
 
@@ -111,34 +73,36 @@ class WorkerGroup:
       commands: one ``(rank, local_rank, argv, env)`` per worker.
       stdout, stderr: the launcher's binary streams (None: not shown).
       log_dir: where ``rank_N/{stdout,stderr}.log`` go for this attempt, or None.
+      hidden: ``hidden(local_rank)`` -> streams kept off the console (bit 1 stdout,
+        bit 2 stderr), e.g. ``--redirects``.
+      verbose: show the runtime's routine messages (see ``_relay.NOISE``).
     """
 
     def __init__(self, commands, stdout: IO[bytes] | None, stderr: IO[bytes] | None,
-                 log_dir: str | None):
+                 log_dir: str | None, hidden=lambda local_rank: 0, verbose: bool = False):
         self.workers: list[Worker] = []
-        out_sink, err_sink = _Sink(stdout), _Sink(stderr)
+        console = Console(stdout, stderr)
         try:
             for rank, local_rank, argv, env in commands:
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         start_new_session=True)
-                out_files: list[IO[bytes]] = []
-                err_files: list[IO[bytes]] = []
+                files: dict[int, list[IO[bytes]]] = {1: [], 2: []}
                 if log_dir is not None:
                     d = os.path.join(log_dir, f"rank_{rank}")
                     os.makedirs(d, exist_ok=True)
-                    out_files.append(open(os.path.join(d, "stdout.log"), "wb"))
-                    err_files.append(open(os.path.join(d, "stderr.log"), "wb"))
+                    files[1].append(open(os.path.join(d, "stdout.log"), "wb"))
+                    files[2].append(open(os.path.join(d, "stderr.log"), "wb"))
                 tail: deque = deque(maxlen=_TAIL_LINES)
                 prefix = f"[rank {rank}] ".encode()
-                threads = [
-                    threading.Thread(target=_pump, daemon=True,
-                                     args=(proc.stdout, prefix, [out_sink], out_files, None)),
-                    threading.Thread(target=_pump, daemon=True,
-                                     args=(proc.stderr, prefix, [err_sink], err_files, tail)),
+                off = hidden(local_rank)
+                relays = [
+                    (proc.stdout, Relay(prefix, None if off & 1 else console, 1, files[1],
+                                        None, verbose)),
+                    (proc.stderr, Relay(prefix, None if off & 2 else console, 2, files[2],
+                                        tail, verbose)),
                 ]
-                for t in threads:
-                    t.start()
+                threads = [start_relay(pipe, relay) for pipe, relay in relays]
                 self.workers.append(Worker(rank, local_rank, proc, threads, tail))
         except BaseException:
             self.stop(0.0)
@@ -159,29 +123,8 @@ class WorkerGroup:
         return [w.proc.pid for w in self.workers]
 
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
-        """``sig`` to every worker's process group, SIGKILL what is left after ``grace``.
-
-        Process groups are signalled even when their leader already exited, so that
-        processes a worker started do not outlive it.
-        """
-        for w in self.workers:
-            _signal_group(w.proc.pid, sig)
-        deadline = time.monotonic() + grace
-        for w in self.workers:
-            try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for w in self.workers:
-            _signal_group(w.proc.pid, signal.SIGKILL)
-            w.proc.wait()
+        """``sig`` to every worker's process group, SIGKILL what is left after ``grace``."""
+        stop_processes([w.proc for w in self.workers], grace, sig)
         for w in self.workers:
             for t in w.threads:
                 t.join(1.0)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -1,0 +1,179 @@
+"""Relay the output of child processes to the console with ``[rank N]`` prefixes, live.
+
+A thread per pipe reads whatever the child wrote (not line by line), so progress bars
+that redraw with a carriage return (tqdm) update while they run: each ``\\r`` update is
+forwarded at once and gets its own prefix. Several ranks share one :class:`Console`,
+which keeps their lines apart: when another rank writes while a line is open (a bar
+being drawn), the open line is ended first, and the interrupted rank's next piece
+starts a new prefixed line.
+
+Routine runtime messages that users cannot act on (gloo's "Rank N is connected to N
+peer ranks", the coordination service's "experimental recoverable task" warning) are
+kept off the console unless ``verbose``; log files get every byte.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import IO
+
+__all__ = ["Console", "Relay", "NOISE", "start_relay"]
+
+NOISE = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
+    rb"|Using experimental recoverable task feature")
+# a partial line that may become a noise line is held until it is complete
+_MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} ")
+_SETTLE_S = 0.03  # how long a partial line waits for its end before it is shown
+_PIECE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|)")
+
+
+class Console:
+    """The launcher's stdout and stderr, shared by every relay (thread-safe)."""
+
+    def __init__(self, stdout: IO[bytes] | None, stderr: IO[bytes] | None):
+        self.streams = {1: stdout, 2: stderr}
+        self.lock = threading.Lock()
+        self.owner: tuple[int, object] | None = None  # (fd, relay) with an open line
+        self.fresh = False  # the owner's last piece ended with "\r"
+
+    def emit(self, relay: object, fd: int, prefix: bytes, text: bytes, end: bytes) -> None:
+        """Write one piece (``text`` then ``end``: "", "\\r", "\\n" or "\\r\\n")."""
+        stream = self.streams.get(fd)
+        if stream is None:
+            return
+        with self.lock:
+            try:
+                key = (fd, relay)
+                if self.owner is not None and self.owner != key:
+                    other = self.streams.get(self.owner[0])
+                    if other is not None:
+                        other.write(b"\n")
+                        other.flush()
+                    self.owner = None
+                continuing = self.owner == key and not self.fresh
+                head = prefix if not continuing and (text or end in (b"\n", b"\r\n")) else b""
+                stream.write(head + text + end)
+                stream.flush()
+            except (OSError, ValueError):
+                return
+            if end == b"":
+                if text or self.owner == key:
+                    self.owner, self.fresh = key, False
+            elif end == b"\r":
+                self.owner, self.fresh = key, True
+            else:
+                self.owner, self.fresh = None, False
+
+
+class Relay:
+    """One child stream: to the console (prefixed, filtered), log files, a tail."""
+
+    def __init__(self, prefix: bytes, console: Console | None, fd: int,
+                 files: Sequence[IO[bytes]] = (), tail: deque | None = None,
+                 verbose: bool = False):
+        self.prefix, self.console, self.fd = prefix, console, fd
+        self.files, self.tail, self.verbose = list(files), tail, verbose
+        self.held = b""  # a partial line kept back (may be noise, or a lone "\r")
+        self.line = b""  # the current line's text already forwarded (for tail and noise)
+
+    def feed(self, data: bytes) -> None:
+        """Forward ``data``; a last, unterminated piece is held (see :meth:`flush`)."""
+        for f in self.files:
+            f.write(data)
+            f.flush()
+        data = self.held + data
+        self.held = b""
+        pos = 0
+        while pos < len(data):
+            m = _PIECE.match(data, pos)
+            text, end = m.group(1), m.group(2)
+            pos = m.end()
+            if pos == len(data) and end in (b"", b"\r"):
+                self.held = text + end  # print() sends "\n" in a second write
+                return
+            self._piece(text, end)
+
+    def pending(self) -> bool:
+        """Is a held piece waiting that :meth:`flush` would forward?"""
+        return bool(self.held) and not self._noise_candidate()
+
+    def _noise_candidate(self) -> bool:
+        return (not self.verbose and not self.held.endswith(b"\r")
+                and _MAYBE_NOISE.match(self.line + self.held) is not None)
+
+    def flush(self) -> None:
+        """No more data came for a moment: forward the held piece (a live bar update).
+
+        A piece that may start a routine runtime message waits for its line's end.
+        """
+        if not self.pending():
+            return
+        held, self.held = self.held, b""
+        if held.endswith(b"\r"):
+            self._piece(held[:-1], b"\r")
+        else:
+            self._piece(held, b"")
+
+    def _piece(self, text: bytes, end: bytes) -> None:
+        if end in (b"\n", b"\r\n"):
+            line, self.line = self.line + text, b""
+            if not self.verbose and NOISE.search(line):
+                return
+            if self.tail is not None:
+                self.tail.append(line + b"\n")
+        elif end == b"\r":
+            self.line = b""  # a redraw (progress bar): only the last state matters
+        else:
+            self.line += text
+        if self.console is not None:
+            self.console.emit(self, self.fd, self.prefix, text, end)
+
+    def close(self) -> None:
+        """The child closed the stream: finish a partial last line."""
+        text, self.held = self.held.rstrip(b"\r"), b""
+        line, self.line = self.line + text, b""
+        quiet = not self.verbose and NOISE.search(line)
+        if line and not quiet and self.tail is not None:
+            self.tail.append(line + b"\n")
+        if self.console is not None and ((text and not quiet)
+                                         or self.console.owner == (self.fd, self)):
+            self.console.emit(self, self.fd, self.prefix, b"" if quiet else text, b"\n")
+        for f in self.files:
+            f.close()
+
+
+def _pump(pipe: IO[bytes], relay: Relay) -> None:
+    fd = pipe.fileno()
+    try:
+        while True:
+            if relay.pending():
+                ready, _, _ = select.select([fd], [], [], _SETTLE_S)
+                if not ready:
+                    relay.flush()
+                    continue
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            relay.feed(data)
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            relay.close()
+        except (OSError, ValueError):
+            pass
+        pipe.close()
+
+
+def start_relay(pipe: IO[bytes], relay: Relay) -> threading.Thread:
+    """A daemon thread that relays ``pipe`` until the child closes it."""
+    t = threading.Thread(target=_pump, args=(pipe, relay), daemon=True,
+                         name=f"jdist-relay{relay.prefix.decode(errors='replace').strip()}")
+    t.start()
+    return t
