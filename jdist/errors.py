@@ -24,6 +24,7 @@ __all__ = [
     "GroupMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "UnsupportedOpError",
     "PeerFailedError",
     "BucketLayoutError",
     "UnusedParametersError",
@@ -154,6 +155,17 @@ class CollectiveTimeoutError(JdistError, RuntimeError, TimeoutError):
     (gloo's timeout, ``monitored_barrier``'s "Rank 1 failed to pass monitoredBarrier");
     this error is a ``RuntimeError`` and a ``TimeoutError``. Fix: make every member call
     the same collectives, or raise the group's timeout.
+    """
+
+
+class UnsupportedOpError(JdistError, TypeError, ValueError, RuntimeError):
+    """A ``ReduceOp`` cannot reduce arrays of this dtype.
+
+    Bitwise ops need integer or bool arrays, AVG needs a float (or complex) array, and
+    complex arrays take only SUM and AVG. torch raises ``RuntimeError`` ("Cannot use
+    ReduceOp.BAND with non-integral dtype") or, for complex arrays, ``ValueError``
+    ("all_reduce does not support ... on complex tensors"); this error is both, and a
+    ``TypeError``. Fix: cast the array, or pick an op its dtype supports.
     """
 
 

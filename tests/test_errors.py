@@ -46,6 +46,10 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "CollectiveMismatchError": (RuntimeError,),
     # gloo collective timeout, monitored_barrier: RuntimeError / DistBackendError
     "CollectiveTimeoutError": (RuntimeError, TimeoutError),
+    # all_reduce(float, BAND): RuntimeError("Cannot use ReduceOp.BAND with non-integral
+    # dtype"); all_reduce(complex, MAX): ValueError("all_reduce does not support ...");
+    # Python's own convention for a bad argument type: TypeError
+    "UnsupportedOpError": (RuntimeError, ValueError, TypeError),
     # a peer died inside a collective: DistBackendError("Connection closed by peer")
     "PeerFailedError": (RuntimeError,),
     # DDP's reducer when buckets and parameters disagree: RuntimeError
@@ -68,8 +72,16 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "WorkerUnavailableError": (RuntimeError,),
     # RRef misuse (local_value on a user, ...): RuntimeError
     "RRefError": (RuntimeError,),
+    # rpc_sync to an unknown worker name or rank: RuntimeError("could not find
+    # destination" / "Unknown destination worker")
+    "UnknownWorkerError": (RuntimeError,),
+    # init_rpc with a bad name: RuntimeError("Worker name must match ...")
+    "WorkerNameError": (RuntimeError,),
     # dist_autograd misuse (unknown context id, nested context): RuntimeError
     "DistAutogradError": (RuntimeError,),
+    # dist_autograd.backward on a non-scalar loss: RuntimeError("is not a scalar, all
+    # roots need to be scalar")
+    "LossTypeError": (RuntimeError,),
     # module.load_state_dict with mismatched shapes/keys: RuntimeError
     "WeightConversionError": (RuntimeError,),
 }
@@ -137,6 +149,23 @@ def test_torch_itself_raises_those_builtins():
     j = _torch_exc(lambda: jstore.TCPStore("localhost", mine.port, 1, True))
     assert isinstance(j, errors.StoreListenError) and isinstance(j, _builtin_of(t))
     assert str(j).startswith(str(t).split(".")[0])  # torch's leading sentence
+    # an op that does not fit the dtype (torch in a one-process gloo group)
+    import torch
+
+    from jdist.collectives._types import ReduceOp, check_op_dtype
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{jstore.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        for op, t_dtype, j_dtype in ((dist.ReduceOp.BAND, torch.float32, "float32"),
+                                     (dist.ReduceOp.MAX, torch.complex64, "complex64")):
+            t = _torch_exc(lambda op=op, d=t_dtype: dist.all_reduce(torch.ones(2, dtype=d), op))
+            j = _torch_exc(lambda op=op, d=j_dtype: check_op_dtype(ReduceOp[op.name], d))
+            assert isinstance(j, errors.UnsupportedOpError) and isinstance(j, _builtin_of(t))
+            lead = str(t).split(" on ")[0].replace("RedOpType", "ReduceOp")
+            assert lead in str(j), (str(t), str(j))
+    finally:
+        dist.destroy_process_group()
     # world size 0 and PrefixStore(None): torch ValueError, with the same words
     for make_t, make_j in (
             (lambda: dist.TCPStore("localhost", 0, world_size=0, is_master=True),

@@ -31,7 +31,7 @@ from jdist.collectives import functional as F
 from jdist.collectives._group import ProcessGroup, group_state
 from jdist.collectives._types import ReduceOp, check_op_dtype
 from jdist.collectives._work import Queues, Work
-from jdist.errors import GroupMismatchError
+from jdist.errors import GroupMismatchError, UnsupportedOpError
 
 __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -95,7 +95,7 @@ def _fill_list(out_list, values, what: str) -> None:
 def _check_op(op: ReduceOp, dtype, what: str) -> None:
     check_op_dtype(op, dtype, what)
     if op is ReduceOp.AVG and np.issubdtype(np.dtype(dtype), np.integer):
-        raise TypeError(
+        raise UnsupportedOpError(
             f"jdist.{what}: ReduceOp.AVG cannot reduce an integer array (dtype "
             f"{np.dtype(dtype).name}), as in torch; cast it to float first or use SUM"
         )

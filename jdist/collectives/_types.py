@@ -6,6 +6,8 @@ import enum
 
 import numpy as np
 
+from jdist.errors import UnsupportedOpError
+
 __all__ = ["ReduceOp", "check_op_dtype"]
 
 
@@ -37,10 +39,11 @@ _COMPLEX_OK = (ReduceOp.SUM, ReduceOp.AVG)
 def check_op_dtype(op: ReduceOp, dtype, what: str = "all_reduce") -> None:
     """Raise if ``op`` cannot reduce arrays of ``dtype`` in collective ``what``.
 
-    Bitwise ops need integer or bool arrays (``TypeError``); AVG needs a non-bool dtype;
-    complex arrays take only SUM and AVG (``ValueError``, torch's "all_reduce does not
-    support ... on complex tensors": MAX/MIN have no order on complex numbers, and
-    torch's gloo does not multiply them).
+    Raises :class:`jdist.errors.UnsupportedOpError` (a ``TypeError``, ``ValueError`` and
+    ``RuntimeError``): bitwise ops need integer or bool arrays; AVG needs a non-bool
+    dtype; complex arrays take only SUM and AVG (torch's "all_reduce does not support
+    ... on complex tensors": MAX/MIN have no order on complex numbers, and torch's gloo
+    does not multiply them).
     """
     if not isinstance(op, ReduceOp):
         raise TypeError(
@@ -49,14 +52,15 @@ def check_op_dtype(op: ReduceOp, dtype, what: str = "all_reduce") -> None:
         )
     dt = np.dtype(dtype)
     if dt.kind == "c" and op not in _COMPLEX_OK:
-        raise ValueError(
+        raise UnsupportedOpError(
             f"{what} does not support {op!r} on complex tensors (dtype {dt.name}); use "
             f"ReduceOp.SUM or AVG, or reduce the real and imaginary parts separately"
         )
     if op in _BITWISE and not (np.issubdtype(dt, np.integer) or dt == np.bool_):
-        raise TypeError(
-            f"{op!r} needs an integer or bool array, got dtype {dt.name}; "
-            f"cast the array first or use SUM/MIN/MAX"
+        raise UnsupportedOpError(
+            f"Cannot use {op!r} with non-integral dtype: it needs an integer or bool array, "
+            f"got dtype {dt.name}; cast the array first or use SUM/MIN/MAX"
         )
     if op is ReduceOp.AVG and dt == np.bool_:
-        raise TypeError("ReduceOp.AVG cannot reduce a bool array; cast it to a number first")
+        raise UnsupportedOpError("ReduceOp.AVG cannot reduce a bool array; cast it to a number "
+                                 "first")
