@@ -142,8 +142,8 @@ def _tee_value(argv: list[str]) -> list[str]:
     """``--tee`` followed by the script (not a stream spec) means ``--tee 3``."""
     out = list(argv)
     for i, word in enumerate(out):
-        if word in ("--tee", "-t") and i + 1 < len(out) and not re.fullmatch(
-                r"[0-3]|(\d+:[0-3])(,\d+:[0-3])*", out[i + 1]):
+        if word in ("--tee", "-t") and i + 1 < len(out) and not (
+                out[i + 1].isdigit() or ":" in out[i + 1]):  # a spec, valid or not
             out.insert(i + 1, "3")
             break
         if not word.startswith("-") and (i == 0 or out[i - 1] not in _VALUE_FLAGS):

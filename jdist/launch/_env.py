@@ -44,7 +44,7 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with ``devices_per_proc``, XLA_FLAGS and
     JDIST_DEVICES_PER_PROC). Python output is unbuffered so that lines reach the
     launcher as they are printed; ``columns`` (the console's width less the rank
-    prefix) becomes COLUMNS unless set, so progress bars fit the terminal.
+    prefix) becomes COLUMNS, so progress bars fit the terminal.
     """
     env = dict(base)
     env.update(
@@ -69,7 +69,7 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         PYTHONUNBUFFERED="1",
     )
     if columns is not None and columns > 0:
-        env.setdefault("COLUMNS", str(columns))
+        env["COLUMNS"] = str(columns)
     if devices_per_proc is not None:
         env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices_per_proc)
         env["JDIST_DEVICES_PER_PROC"] = str(devices_per_proc)

@@ -1,0 +1,229 @@
+"""jdist-run as people use it: a live tqdm bar on a terminal, per-rank log files and
+redirects, routine runtime noise hidden, and ``srun ... jdist-run`` with no node flags.
+
+The worker scripts never import JAX, so each launch costs only the launcher's start-up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from jdist.launch._cluster import derived_port
+from jdist.launch._config import parse_args
+from jdist.launch._relay import Console, Relay
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("COLUMNS", "JDIST_AUTH_TOKEN")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+_BAR = """\
+    import os, sys, time
+    from tqdm import tqdm
+    rank = os.environ["RANK"]
+    for i in tqdm(range(8), desc="epoch 0", disable=rank != "0", mininterval=0):
+        time.sleep(0.1)
+    while not os.path.exists(sys.argv[1]):  # hold the epoch open until the test saw it
+        time.sleep(0.02)
+    print("finished", rank)
+"""
+
+
+def test_a_tqdm_bar_updates_live_on_a_terminal_with_its_rank(tmp_path):
+    script = tmp_path / "bar.py"
+    script.write_text(textwrap.dedent(_BAR))
+    go = tmp_path / "go"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 90, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
+                             str(script), str(go)], env=_env(), stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave)
+    os.close(slave)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"8/8" not in seen:  # every update arrives while the worker still runs
+            assert time.monotonic() < deadline and proc.poll() is None, seen[-2000:]
+            if select.select([master], [], [], 0.5)[0]:
+                seen += os.read(master, 65536)
+        assert not go.exists() and proc.poll() is None
+        go.write_text("")
+        while True:
+            try:
+                chunk = os.read(master, 65536) if select.select([master], [], [], 5)[0] \
+                    else b""
+            except OSError:  # the pty closed: the launcher exited
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(timeout=30) == 0
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    text = seen.decode("utf-8", "replace").replace("\r\n", "\n")
+    redraws = [p for p in text.split("\r") if "epoch 0" in p]
+    assert len(redraws) >= 8  # one forwarded update per step, not one line at the end
+    for part in redraws:
+        assert part.startswith("[rank 0] epoch 0:"), repr(part)
+        assert len(part.split("\n")[0]) <= 90  # COLUMNS: the bar fits beside the prefix
+    assert "8/8" in redraws[-1]
+    assert "[rank 0] finished 0" in text and "[rank 1] finished 1" in text
+
+
+_NOISY = """\
+    import os, sys
+    r = os.environ["RANK"]
+    print(f"[Gloo] Rank {r} is connected to 1 peer ranks. Expected number of connected "
+          f"peer ranks is : 1")
+    print(f"W1201 22:17:12.506943   23267 coordination_service.cc:185] [123] Using "
+          f"experimental recoverable task feature. The default shutdown barrier will only "
+          f"block non-recoverable tasks.", file=sys.stderr)
+    print(f"real output {r}")
+    print(f"real error {r}", file=sys.stderr)
+"""
+
+
+def test_noise_is_hidden_unless_verbose_and_redirects_pick_streams(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(textwrap.dedent(_NOISY))
+    logs = tmp_path / "logs"
+    res = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
+                          "--log-dir", str(logs), "-r", "3", "-t", "1:3", str(script)],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    # rank 0 redirected (files only), rank 1 teed (files and console), noise hidden
+    assert "rank 0]" not in res.stdout + res.stderr
+    assert "[rank 1] real output 1" in res.stdout and "[rank 1] real error 1" in res.stderr
+    assert "peer ranks" not in res.stdout and "recoverable" not in res.stderr
+    for r in range(2):  # one file per rank and stream, with every byte
+        d = logs / "attempt_0" / f"rank_{r}"
+        out, err = (d / "stdout.log").read_text(), (d / "stderr.log").read_text()
+        assert f"real output {r}" in out and f"Rank {r} is connected" in out
+        assert f"real error {r}" in err and "recoverable task" in err
+    res = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
+                          "--verbose", str(script)], env=_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    for r in range(2):
+        assert f"[rank {r}] [Gloo] Rank {r} is connected to 1 peer ranks" in res.stdout
+        assert re.search(rf"\[rank {r}\] W1201 .*recoverable task", res.stderr)
+
+
+def test_console_keeps_ranks_apart_and_holds_back_partial_noise():
+    class Sink:
+        def __init__(self):
+            self.data = b""
+
+        def write(self, b):
+            self.data += b
+
+        def flush(self):
+            pass
+
+    out = Sink()
+    console = Console(out, out)
+    a, b = Relay(b"[rank 0] ", console, 2), Relay(b"[rank 1] ", console, 1)
+    a.feed(b"\rbar 1")
+    a.flush()
+    a.feed(b"\rbar 2")
+    a.flush()
+    b.feed(b"line from 1\n")  # ends rank 0's open bar line first
+    a.feed(b"\rbar 3\n")
+    b.feed(b"[Gloo] Rank 1 is conn")  # may be noise: held until the line ends
+    b.flush()
+    assert b"Gloo" not in out.data
+    b.feed(b"ected to 1 peer ranks.\n")
+    b.feed(b"x")
+    b.close()
+    assert out.data == (b"\r[rank 0] bar 1\r[rank 0] bar 2\n[rank 1] line from 1\n"
+                        b"\r[rank 0] bar 3\n[rank 1] x\n")
+
+
+_REPORT = """\
+    import json, os
+    keys = ["RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR"]
+    print("ENV " + json.dumps({k: os.environ[k] for k in keys}))
+"""
+
+
+def _slurm_env(job, node):
+    return _env(SLURM_JOB_ID=job, SLURM_STEP_ID="3", SLURM_PROCID=str(node),
+                SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                SLURM_STEP_NODELIST="localhost,127.0.0.1",
+                SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_NNODES="2")
+
+
+def test_srun_one_launcher_per_node_needs_no_node_flags(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(textwrap.dedent(_REPORT))
+    job = str(os.getpid() * 1000 + int(time.time()) % 1000)
+    procs = [subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
+                               "--rdzv-timeout", "60", str(script)],
+                              env=_slurm_env(job, node), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    port = derived_port(job, 3, 0)
+    assert (f"from SLURM job {job}.3: --nnodes 2 --node-rank 0 --master-addr localhost "
+            f"--master-port {port}") in outs[1][1]
+    envs = [json.loads(m) for o, _ in outs for m in re.findall(r"ENV (\{.*\})", o)]
+    assert sorted(int(e["RANK"]) for e in envs) == [0, 1, 2, 3]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {(e["RANK"], e["GROUP_RANK"]) for e in envs} == {("0", "0"), ("1", "0"),
+                                                            ("2", "1"), ("3", "1")}
+    assert {e["MASTER_ADDR"] for e in envs} == {"localhost"}
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--redirects", "3", "s.py"], {}, "--redirects needs --log-dir"),
+    (["--log-dir", "d", "--redirects", "4", "s.py"], {}, "--redirects '4': expected 0-3"),
+    (["--log-dir", "d", "--tee", "0:x", "s.py"], {}, "--tee '0:x': expected 0-3"),
+    (["--rdzv-endpoint", "h:p", "s.py"], {}, "--rdzv-endpoint must be HOST or HOST:PORT"),
+    (["--rdzv-endpoint", "h:1", "--master-addr", "x", "s.py"], {}, "not both"),
+    (["s.py"], {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
+     "jdist-run runs once per node (srun --ntasks-per-node=1"),
+    (["s.py"], {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "n[1-"},
+     "cannot read the SLURM step (SLURM_STEP_NODELIST='n[1-'"),
+])
+def test_bad_launcher_input_is_refused_with_the_value(argv, env, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv, env)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchrun_spellings():
+    cfg = parse_args(["--rdzv-endpoint", "node7:2222", "--nnodes", "2", "--rdzv-backend",
+                      "c10d", "--rdzv-id", "job42", "s.py"], {})
+    assert (cfg.master_addr, cfg.master_port, cfg.run_id) == ("node7", 2222, "job42")
+    cfg = parse_args(["--log-dir", "d", "--tee", "s.py", "--tee"], {})
+    assert cfg.script_args == ("--tee",) and cfg.hidden(0) == 0
+    cfg = parse_args(["--log-dir", "d", "s.py"], {})
+    assert cfg.hidden(0) == 3  # --log-dir alone: files only, as before
+    assert parse_args(["--standalone", "s.py"], {}).master_port is None
