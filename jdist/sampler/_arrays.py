@@ -1,15 +1,18 @@
 """``ArrayLoader``: batches gathered from memory-mapped or random-access data.
 
-Each batch's rows are read when the batch is made, never the whole set: numpy arrays
-(memory-mapped ones included) by one fancy-indexing read per batch, any other object
-with ``__getitem__`` and ``__len__`` item by item (stacked with ``numpy_collate``).
+Each batch's rows are read when the batch is made, never the whole set: numpy arrays by
+one fancy-indexing read per batch, any other object with ``__getitem__`` and ``__len__``
+item by item (stacked with ``numpy_collate``).
 
-A memory-mapped file stays out of the process's resident memory: after each batch is
-read, the pages of the mapping are handed back to the kernel (``madvise(MADV_DONTNEED)``
-on read-only and shared mappings; they stay in the page cache, so nothing is read from
-disk twice). Without that, every page a training run touches would count as resident
-until the process ends, and an epoch over a file larger than memory would grow the
-process to the file's size.
+A memory-mapped file stays out of the process's resident memory. Indexing a memory map
+maps every page it touches into the process (and the kernel maps neighbouring pages
+with each fault), where they count as resident until the process ends: an epoch over a
+file larger than memory would grow the process to the file's size. So rows of a
+C-contiguous memory-mapped array are read from its file with ``os.preadv`` straight
+into the batch (in file order; the file's pages stay in the page cache, outside the
+process), and other memory maps hand their pages back to the kernel after each batch
+(``madvise(MADV_DONTNEED)``). Copy-on-write maps (``mode="c"``) are indexed as they
+are: their pages may hold changes that are not in the file.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import operator
+import os
 
 import numpy as np
 
@@ -30,16 +34,48 @@ _SAFE_MODES = ("r", "readonly", "r+", "readwrite")  # never "c": its pages are p
 
 
 def _mapping(x):
-    """The ``mmap.mmap`` under a memory-mapped array whose pages may be released."""
-    mode = None
+    """``(top np.memmap, its mmap.mmap)`` under ``x`` if its pages may be read from the
+    file or released, else None."""
+    top = None
     base = x
     while base is not None and not isinstance(base, mmap.mmap):
-        if isinstance(base, np.memmap) and mode is None:
-            mode = getattr(base, "mode", None)
+        if isinstance(base, np.memmap):
+            top = base
         base = getattr(base, "base", None)
-    if isinstance(base, mmap.mmap) and mode in _SAFE_MODES and hasattr(base, "madvise"):
-        return base
+    if (isinstance(base, mmap.mmap) and top is not None
+            and getattr(top, "mode", None) in _SAFE_MODES):
+        return top, base
     return None
+
+
+class _FileRows:
+    """Rows of a C-contiguous memory-mapped array, read with ``os.preadv``."""
+
+    def __init__(self, x: np.ndarray, top: np.memmap) -> None:
+        self.shape, self.dtype = x.shape[1:], x.dtype
+        self.row_bytes = x.strides[0] if x.ndim else x.itemsize
+        # x's first row in the file: the top map's data offset plus x's distance from it
+        self.start = int(top.offset) + (x.ctypes.data - top.ctypes.data)
+        self.fd = os.open(top.filename, os.O_RDONLY)
+
+    def gather(self, idx: np.ndarray) -> np.ndarray:
+        out = np.empty((len(idx),) + self.shape, self.dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        rb = self.row_bytes
+        for k in np.argsort(idx, kind="stable").tolist():  # file order
+            off = self.start + int(idx[k]) * rb
+            got = os.preadv(self.fd, [buf[k * rb:(k + 1) * rb]], off)
+            if got != rb:
+                raise OSError(
+                    f"read {got} of {rb} bytes of row {int(idx[k])} at offset {off}: the "
+                    "file is shorter than its array header says (truncated?)"
+                )
+        return out
+
+    def __del__(self, _close=os.close) -> None:  # os may be gone at interpreter exit
+        fd, self.fd = getattr(self, "fd", None), None
+        if fd is not None:
+            _close(fd)
 
 
 class _Leaf:
@@ -56,17 +92,27 @@ class _Leaf:
         self.array = isinstance(x, np.ndarray)
         if self.array and x.ndim == 0:
             raise ValueError(f"data{path} is a 0-d array; every array needs a sample axis")
-        self.mapping = _mapping(x) if self.array else None
+        found = _mapping(x) if self.array else None
+        self.file = self.mapping = None
+        if found is not None:
+            top, self.mapping = found
+            rows_contiguous = x.flags.c_contiguous and x.dtype.hasobject is False
+            if rows_contiguous and hasattr(os, "preadv") and x.ndim >= 1:
+                self.file = _FileRows(x, top)
+            elif not hasattr(self.mapping, "madvise"):
+                self.mapping = None
 
     def __len__(self) -> int:
         return len(self.x)
 
     def gather(self, idx: np.ndarray):
+        if self.file is not None:
+            return self.file.gather(idx)
         if self.array:
-            rows = self.x[idx]
+            rows = np.asarray(self.x[idx])
             if self.mapping is not None:
                 self.mapping.madvise(mmap.MADV_DONTNEED)
-            return np.asarray(rows)
+            return rows
         return numpy_collate([self.x[int(i)] for i in idx])
 
 
@@ -102,10 +148,11 @@ class _HostBatches:
     def _check_lengths(self) -> None:
         lengths = {leaf.path or "data": len(leaf) for leaf in self.leaves}
         if set(lengths.values()) != {self.sampler_length}:
+            now = sorted(set(lengths.values()))
             raise ValueError(
-                f"the data's length changed: the loader was built over "
-                f"{self.sampler_length} rows, now the arrays have {lengths}; make a new "
-                "DistributedSampler and ArrayLoader for the new data"
+                f"the data's length changed from {self.sampler_length} to "
+                f"{now[0] if len(now) == 1 else now} rows ({lengths}) after the loader was "
+                "made; make a new DistributedSampler and ArrayLoader for the new data"
             )
 
     def __iter__(self):
