@@ -186,3 +186,35 @@ def test_bad_inputs_are_clear_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ResumableLoader(DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, 0)))
+
+
+def test_dataloader_shuffle_with_a_generator_versus_randperm():
+    """The relation docs/data.md states (issue #15 item 11), with torch as the oracle."""
+    from torch.utils.data import RandomSampler
+
+    from jdist.sampler import randperm
+
+    n, seed = 37, 5
+    # RandomSampler(generator=g), first pass: torch.randperm from g's fresh seed
+    g = torch.Generator().manual_seed(seed)
+    assert list(RandomSampler(range(n), generator=g)) == randperm(n, seed).tolist()
+    # DataLoader(shuffle=True, generator=g): each epoch first draws the workers' base seed
+    # (one int64) from g, then the order, then one more (unused) permutation
+    g = torch.Generator().manual_seed(seed)
+    loader = DataLoader(range(n), shuffle=True, generator=g, batch_size=None)
+    epochs = [[int(i) for i in loader] for _ in range(2)]
+    ref = torch.Generator().manual_seed(seed)
+    want = []
+    for _ in range(2):
+        torch.empty((), dtype=torch.int64).random_(generator=ref)
+        want.append(torch.randperm(n, generator=ref).tolist())
+        torch.randperm(n, generator=ref)
+    assert epochs == want
+    assert epochs[0] != randperm(n, seed).tolist()  # so not jdist's randperm(n, seed)
+    # the reproducible way, in both frameworks: epoch e is randperm(n, seed + e)
+    ours = DistributedSampler(n, 1, 0, seed=seed)
+    theirs = TorchSampler(range(n), 1, 0, seed=seed)
+    for epoch in range(3):
+        ours.set_epoch(epoch)
+        theirs.set_epoch(epoch)
+        assert list(ours) == list(theirs) == randperm(n, seed + epoch).tolist()
