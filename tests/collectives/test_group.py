@@ -13,7 +13,7 @@ import pytest
 
 import jdist
 from jdist.collectives import _rendezvous as rdzv
-from jdist.errors import AlreadyInitializedError, NotInitializedError
+from jdist.errors import AlreadyInitializedError, GroupMismatchError, NotInitializedError
 
 
 @pytest.fixture
@@ -93,8 +93,17 @@ def test_embedded_init_destroy_reinit(clean_env):
     sub = jdist.new_group([0])
     assert sub.axis_name != world.axis_name and sub.mesh.devices.size == 8
     assert jdist.get_global_rank(sub, 0) == 0 and jdist.get_group_rank(sub, 0) == 0
-    with pytest.raises(ValueError, match="group_rank 3"):
+    with pytest.raises(GroupMismatchError, match="group_rank 3"):
         jdist.get_global_rank(sub, 3)
+    with pytest.raises(GroupMismatchError, match="Global rank 4 is not part of group"):
+        jdist.get_group_rank(sub, 4)
+    with pytest.raises(GroupMismatchError, match="invalid root rank: src=2"):
+        jdist.broadcast(x.copy(), src=2, group=sub)
+    for query in (jdist.get_backend, jdist.get_process_group_ranks):
+        with pytest.raises(GroupMismatchError, match="Invalid process group specified"):
+            query(jdist.NON_GROUP_MEMBER)
+    with pytest.warns(UserWarning, match="does not belong to the given group"):
+        assert jdist.all_reduce(x.copy(), group=jdist.NON_GROUP_MEMBER) is None
     with pytest.raises(ValueError, match=r"\[5\]"):
         jdist.new_group([0, 5])
     jdist.destroy_process_group()
