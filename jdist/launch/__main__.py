@@ -7,7 +7,13 @@ Example::
     jdist-run --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-port 29400 train.py &
     jdist-run --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-port 29400 train.py
 
-Every line a worker prints is prefixed with ``[rank N]``. When a worker fails, the
+    # inside a SLURM allocation: the node flags come from the srun step
+    srun --ntasks-per-node=1 jdist-run --nproc-per-node 4 train.py
+
+Every line a worker prints is prefixed with ``[rank N]``, and progress bars stay live
+(carriage-return updates are forwarded as they come). ``--log-dir`` writes per-rank
+files; ``--redirects`` / ``--tee`` choose what the console shows, as in torchrun; the
+runtime's routine messages are hidden unless ``--verbose``. When a worker fails, the
 others are stopped (SIGTERM, SIGKILL after ``--shutdown-timeout``) and the job is
 restarted while the job-wide ``--max-restarts`` budget lasts; otherwise the launcher
 exits with the failed rank's exit code and prints its last stderr lines.
