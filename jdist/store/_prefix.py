@@ -37,6 +37,14 @@ class PrefixStore(Store):
         return self._store
 
     @property
+    def _underlying_non_prefix_store(self) -> Store:
+        """The first store below that is not a PrefixStore (torch's private name)."""
+        inner = self._store
+        while isinstance(inner, PrefixStore):
+            inner = inner._store
+        return inner
+
+    @property
     def prefix(self) -> str:
         """The prefix (without the ``/``)."""
         return self._prefix

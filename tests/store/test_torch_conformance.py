@@ -157,6 +157,11 @@ def test_prefix_store_get_underlying_store():
         assert PrefixStore("prefix", store).underlying_store is store
     with pytest.raises(ValueError, match="store argument cannot be None"):
         PrefixStore("prefix", None)
+    # PrefixTCPStoreTest.test_underlying_non_prefix_store
+    store = PrefixStore("test_prefix", tcp_store)
+    wrapped = PrefixStore("test_prefix", PrefixStore("test_prefix", store))
+    assert store._underlying_non_prefix_store is tcp_store
+    assert wrapped._underlying_non_prefix_store is tcp_store
 
 
 def test_tcp_store_address_already_in_use():
