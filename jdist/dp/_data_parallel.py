@@ -182,7 +182,10 @@ def apply_data_parallel(fn: Callable, key: Any, params: Any, args: tuple, kwargs
     """
     runtime = _default_runtime if runtime is None else runtime
     n = batch_size((tuple(args), dict(kwargs)), dim)
-    sizes = chunk_sizes(n, len(devices)) if n is not None else (1,) * len(devices)
+    if n is not None:
+        sizes = chunk_sizes(n, len(devices))
+    else:  # no array to split: every replica gets the same inputs; no inputs: one (torch)
+        sizes = (1,) * (len(devices) if args or kwargs else 1)
     if len(devices) == 1 or len(sizes) == 1:
         return None
     a_dyn, akey = partition((tuple(args), dict(kwargs)))

@@ -270,10 +270,26 @@ def nnx_apply(graphdef: Any, call: Callable | None = None) -> Callable:
     return fn
 
 
+def device_label(device: Any) -> str:
+    """How torch names a device in replica errors: its index (``0``), here ``Device.id``.
+
+    ``None`` (no device given and no array to find one on) is the default device, as
+    torch falls back to the current device; a multi-device sharding lists its ids.
+    """
+    if device is None:
+        device = jax.local_devices()[0]
+    if isinstance(device, jax.Device):
+        return str(device.id)
+    ids = sorted(d.id for d in getattr(device, "device_set", ()))
+    return ", ".join(map(str, ids)) if ids else str(device)
+
+
 def replica_error(exc: BaseException, index: int, device: Any) -> BaseException:
-    """``exc`` re-made as torch's ``Caught <Type> in replica i on device d`` + traceback."""
+    """``exc`` re-made as torch's ``Caught <Type> in replica i on device d`` + traceback
+    (``d`` the device index, as torch prints it: see :func:`device_label`)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    msg = f"Caught {type(exc).__name__} in replica {index} on device {device}.\nOriginal {tb}"
+    msg = (f"Caught {type(exc).__name__} in replica {index} on device "
+           f"{device_label(device)}.\nOriginal {tb}")
     try:
         new = type(exc)(msg)
     except Exception:  # an exception type whose constructor takes other arguments

@@ -187,10 +187,13 @@ def resolve_devices(devices: Sequence | None) -> tuple:
 
 
 def resolve_target(target: Any) -> jax.Device:
-    """A jax device from a device, an int index into ``jax.local_devices()`` or ``"cpu"``."""
+    """A jax device from a device, an int index into ``jax.local_devices()``, ``"cpu"``
+    or ``-1`` (torch's index for the CPU: the host's first CPU device)."""
+    if isinstance(target, (int, np.integer)) and not isinstance(target, bool) and target == -1:
+        return jax.devices("cpu")[0]
     if isinstance(target, str):
         if target != "cpu":
-            raise ValueError(f"target_device must be a device, an int or 'cpu', got {target!r}")
+            raise ValueError(f"target_device must be a device, an int, -1 or 'cpu', got {target!r}")
         return jax.devices("cpu")[0]
     if isinstance(target, jax.Device):
         return target
@@ -358,7 +361,8 @@ def gather(outputs: Sequence, target_device: Any, dim: int = 0):
 
     Args:
       outputs: one output per replica (same structure).
-      target_device: a jax device, an int index into ``jax.local_devices()``, or ``"cpu"``.
+      target_device: a jax device, an int index into ``jax.local_devices()``, or ``"cpu"``
+        (also ``-1``, as in torch).
       dim: the dimension to concatenate along.
 
     Returns:

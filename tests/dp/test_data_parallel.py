@@ -225,14 +225,14 @@ def test_replica_exception_names_replica_and_device():
     with pytest.raises(ZeroDivisionError) as info:
         data_parallel((apply, 1.0), jnp.ones(10), [0, 1, 2, 3])
     msg = str(info.value)
-    assert f"Caught ZeroDivisionError in replica 3 on device {DEVS[3]}" in msg
+    assert f"Caught ZeroDivisionError in replica 3 on device {DEVS[3].id}." in msg
     assert "Original Traceback (most recent call last)" in msg and "tail chunk" in msg
 
     def always(p, x):
         raise ValueError("bad")
 
     with pytest.raises(ValueError, match=re.escape(f"Caught ValueError in replica 0 on device "
-                                                   f"{DEVS[0]}")):
+                                                   f"{DEVS[0].id}.")):
         data_parallel((always, 1.0), jnp.ones(8), [0, 1, 2, 3])
 
 
