@@ -2,9 +2,11 @@
 
 A state is a dict ``{name: value}``; each value is one of:
 
-- ``nnx``: an NNX graph node (``nnx.Module``, ``nnx.Optimizer``, ``nnx.Rngs``):
-  ``nnx.state`` is saved; restore writes it back in place with ``nnx.update`` (the
-  same Variables, so a DDP ``train_step`` bound to them keeps working);
+- ``nnx``: an NNX graph node (``nnx.Module``, ``nnx.Optimizer``): ``nnx.state`` is
+  saved; restore writes it back in place with ``nnx.update`` (the same Variables, so
+  a DDP ``train_step`` bound to them keeps working);
+- ``rngs``: an ``nnx.Rngs`` given as a state value: the same, but each rank's own
+  (ranks usually draw different streams);
 - ``ddp``: a :class:`~jdist.ddp.DistributedDataParallel` or
   :class:`~jdist.ddp.FunctionalDDP`: its NNX module (if any) and its comm hook's
   per-replica state (PowerSGD error feedback and Q memories), restored in place;
@@ -63,6 +65,8 @@ def kind_of(name: str, value: Any) -> str:
 
     if _is_ddp(value):
         return "ddp"
+    if isinstance(value, nnx.Rngs):
+        return "rngs"
     if isinstance(value, nnx.Pytree):
         return "nnx"
     if isinstance(value, np.random.Generator):
@@ -93,7 +97,7 @@ def _nnx_pure(node) -> Any:
 
 def array_leaves(kind: str, value: Any) -> list[tuple[str, Any]]:
     """``[(path, leaf), ...]`` of the arrays an item saves (hook state excluded)."""
-    if kind == "nnx":
+    if kind in ("nnx", "rngs"):
         tree = _nnx_pure(value)
     elif kind == "ddp":
         module = getattr(value, "module", None)
@@ -120,8 +124,8 @@ def rebuild(kind: str, value: Any, new_leaves: list) -> Any:
     pytree shaped like ``value``."""
     from flax import nnx
 
-    if kind in ("nnx", "ddp"):
-        node = value if kind == "nnx" else getattr(value, "module", None)
+    if kind in ("nnx", "rngs", "ddp"):
+        node = getattr(value, "module", None) if kind == "ddp" else value
         if node is None:
             return value
         state = nnx.state(node)

@@ -172,7 +172,7 @@ class CheckpointManager:
             if kind in ("sampler", "np_rng", "json"):
                 entry["json"] = _items.json_value(kind, value)
                 _items.check_json(name, entry["json"])
-            entry["leaves"] = [leaf_entry(p, x, kind == "per_rank")
+            entry["leaves"] = [leaf_entry(p, x, kind in ("per_rank", "rngs"))
                                for p, x in _items.array_leaves(kind, value)]
             if kind == "ddp":
                 entry["num_replicas"] = value.process_group.num_replicas
@@ -180,8 +180,8 @@ class CheckpointManager:
             items[name] = entry
         meta = {"format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
                 "time": time.time(), "items": items, "arrays": sorted(arrays)}
-        json.dumps(meta)
-        return arrays, meta
+        # a copy: the async write serializes it later, while training mutates the state
+        return arrays, json.loads(json.dumps(meta))
 
     def _retain(self) -> None:
         """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones."""

@@ -16,13 +16,56 @@ import numpy as np
 __all__ = ["Writer", "read_part"]
 
 
+_REGISTRY: list = []
+
+
+def _registry():
+    """A type registry whose numpy handler writes on every rank.
+
+    Orbax's own ``NumpyHandler`` treats host arrays as replicated and writes them on
+    process 0 only; here each rank's arrays are its own part.
+    """
+    if _REGISTRY:
+        return _REGISTRY[0]
+    import asyncio
+
+    from orbax.checkpoint._src.serialization import ocdbt_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    from orbax.checkpoint._src.serialization.type_handler_registry import (
+        create_type_handler_registry,
+    )
+    from orbax.checkpoint._src.serialization.type_handlers import NumpyHandler
+
+    class RankNumpyHandler(NumpyHandler):
+        async def _background_serialize(self, values, infos, args=None):
+            args = args if args is not None else [None] * len(values)
+            writes = []
+            for value, info, arg in zip(values, infos, args, strict=True):
+                await info.await_path_creation()
+                spec = ts_utils.build_array_write_spec(
+                    info=info, arg=arg, global_shape=value.shape, local_shape=value.shape,
+                    dtype=value.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
+                    process_index=ocdbt_utils.get_process_index_for_subdir(
+                        use_ocdbt=info.is_ocdbt_checkpoint,
+                        override_ocdbt_process_id=self._override_ocdbt_process_id),
+                    metadata_key=self._metadata_key)
+                writes.append(self._open_and_write(value, spec.json, info.ts_context))
+            await asyncio.gather(*writes)
+
+    # the manager already copied the arrays out of the training state
+    _REGISTRY.append(create_type_handler_registry(
+        (np.ndarray, RankNumpyHandler(deepcopy_host_arrays=False))))
+    return _REGISTRY[0]
+
+
 def _handler(rank: int):
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.handlers.composite_checkpoint_handler import CompositeOptions
 
     mp = ocp.options.MultiprocessingOptions(primary_host=rank, active_processes={rank})
     handler = ocp.CompositeCheckpointHandler(
-        arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp),
+        arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
+                                           type_handler_registry=_registry()),
         meta=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         composite_options=CompositeOptions(multiprocessing_options=mp))
     return handler, mp

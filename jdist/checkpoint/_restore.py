@@ -202,7 +202,7 @@ def restore_items(reader: StepReader, state: dict, *, elastic: bool,
             actions.append(lambda n=name, v=value, s=states: out.__setitem__(
                 n, resume_sampler(v, s, min(reader.rank, len(s) - 1), len(s), n, elastic)))
             continue
-        if kind in ("np_rng", "json", "per_rank"):
+        if kind in ("np_rng", "json", "per_rank", "rngs"):
             if own is None:
                 warnings.warn(f"state[{name!r}] is per rank and the checkpoint has no rank "
                               f"{reader.rank} (saved by {reader.world} ranks): this rank keeps "
@@ -217,7 +217,7 @@ def restore_items(reader: StepReader, state: dict, *, elastic: bool,
             continue
         leaves = _items.array_leaves(kind, value)
         new = _restore_arrays(reader, name, kind, value, entry["leaves"], leaves)
-        if kind in ("nnx", "ddp"):
+        if kind in ("nnx", "rngs", "ddp"):
             actions.append(lambda k=kind, v=value, x=new: _items.rebuild(k, v, x))
         else:
             out[name] = _items.rebuild(kind, value, new)

@@ -181,6 +181,9 @@ def main(argv=None) -> None:
     state = manager.restore_or_init(lambda: build(rank, world, hook=not args.no_hook,
                                                   zero=args.zero))
     resumed = manager.restored_step
+    if os.environ.get("CKPT_DEBUG_DIGEST"):
+        with open(os.path.join(args.out, f"rank{rank}.restored.json"), "w") as f:
+            json.dump(digest(state), f)
     state = run(manager, state, args.steps, args.batch, kill)
     manager.close()
     out = {"rank": rank, "world": world, "attempt": attempt, "resumed_from": resumed,
