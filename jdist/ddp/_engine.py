@@ -23,7 +23,7 @@ from jdist.ddp._xla import bucket_compiler_options
 from jdist.ddp.hooks._base import GradBucket
 from jdist.errors import UnusedParametersError
 
-__all__ = ["Engine", "HOOK_ONCE_MSG"]
+__all__ = ["Engine", "HOOK_ONCE_MSG", "TRACED_MSG"]
 
 HOOK_ONCE_MSG = "register_comm_hook or register_builtin_comm_hook can only be called once."
 
@@ -36,6 +36,25 @@ def _block_on_one(out: Any, num_devices: int) -> None:
             x.block_until_ready()
             return
     jax.block_until_ready(leaves)
+
+
+TRACED_MSG = (
+    "{what} got traced values (it is being called inside jax.grad / jax.vjp / jax.jit, "
+    "e.g. by a dist_autograd.backward loss function). DDP runs its own compiled program "
+    "over the replica mesh, with the gradient all-reduce inside, so it cannot be traced "
+    "into another computation. Inside dist_autograd.backward wrap the DDP module and its "
+    "loss as one differentiable stage: stage = jdist.rpc.dist_autograd.ddp_stage(ddp, "
+    "lambda module, x, y: criterion(module(x), y)), then call loss = stage(x, y) in the "
+    "loss function (its gradients are DDP-averaged into the context); elsewhere call "
+    "ddp.value_and_grad(loss_fn) or ddp.train_step(loss_fn, optimizer) with concrete "
+    "arrays, outside any jax transformation.")
+
+
+def _check_concrete(what: str, *trees: Any) -> None:
+    """Raise the ``ddp_stage`` hint when a DDP program is called with tracers."""
+    for tree in trees:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+            raise TypeError(TRACED_MSG.format(what=what))
 
 
 class Engine:
@@ -246,6 +265,7 @@ class Engine:
         """
         g = self.group
         sync = self.require_backward_grad_sync
+        _check_concrete("ddp.value_and_grad / ddp.train_step", params, batch, extra)
         module_params, params = params, _placement.replicated(params, g)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
@@ -293,6 +313,7 @@ class Engine:
                 inputs: Any) -> tuple[Any, Any]:
         """Run the forward program; returns (this process's outputs, module buffers)."""
         g = self.group
+        _check_concrete("the DDP forward ddp(x)", params, inputs)
         params = _placement.replicated(params, g)
         inputs = _placement.shard_batch(inputs, g, what="input")
         buffers = self.buffers_in(module_buffers)

@@ -185,17 +185,22 @@ def placed_like(tree: Any, like: Any) -> Any:
     whose parameters still live on one device (before any ``train_step``, or after the
     user updated them eagerly, torch's ``p.data += p.grad``) gets gradients on that
     device, so ``p + g`` works. Leaves of ``like`` already laid out like ``tree``'s (the
-    previous step's outputs), and leaves ``like`` has no device for (numpy, Python
-    scalars: the first local replica's copy is returned), need no transfer: the
-    replicas' copies already are on the group's local devices.
+    previous step's outputs) and uncommitted ones (JAX moves them to the gradient's
+    devices in ``p + g``) keep the replicated gradient; across processes, where the
+    replicated gradient spans other processes' devices, a parameter with no device
+    (numpy) gets the first local replica's copy. No transfer is made unless the
+    parameter is committed to a device outside the group's local ones.
     """
 
     def one(g, p):
         if not isinstance(g, jax.Array) or (isinstance(p, jax.Array) and p.sharding == g.sharding):
             return g
+        local = g.is_fully_addressable
+        if local and not (isinstance(p, jax.Array) and p.committed):
+            return g  # JAX moves an uncommitted p (or a numpy one) to g's devices itself
         shards = {s.device: s.data for s in g.addressable_shards}
         if not isinstance(p, jax.Array) or not p.is_fully_addressable:
-            return g.addressable_shards[0].data if not isinstance(p, jax.Array) else g
+            return g if isinstance(p, jax.Array) else g.addressable_shards[0].data
         devs = p.sharding.device_set
         if len(devs) == 1 and next(iter(devs)) in shards:
             return shards[next(iter(devs))]  # no copy: the replica on that device
