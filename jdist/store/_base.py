@@ -173,18 +173,18 @@ class Store:
     # --- the contract (subclasses implement) -------------------------------------------
     def set(self, key: str, value: Value) -> None:
         """Store ``value`` under ``key``, overwriting any previous value."""
-        raise NotImplementedError
+        raise self._missing("set")
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store timeout for it to be set."""
-        raise NotImplementedError
+        raise self._missing("get")
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer counter ``key`` (created at 0); return the new value.
 
         Raises ``ValueError`` if the key holds something that is not an integer.
         """
-        raise NotImplementedError
+        raise self._missing("add")
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
         """Atomically set ``desired_value`` if ``key`` holds ``expected_value``.
@@ -193,47 +193,59 @@ class Store:
         afterwards; for a missing key and a non-empty ``expected_value`` it returns
         ``expected_value`` and sets nothing (torch's behaviour).
         """
-        raise NotImplementedError
+        raise self._missing("compare_set")
 
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
         """Block until every key in ``keys`` is set (``timeout`` defaults to the store's)."""
-        raise NotImplementedError
+        raise self._missing("wait")
 
     def check(self, keys: Sequence[str]) -> bool:
         """True if every key in ``keys`` is set (no waiting)."""
-        raise NotImplementedError
+        raise self._missing("check")
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
-        raise NotImplementedError
+        raise self._missing("delete_key")
 
     def num_keys(self) -> int:
         """How many keys the store holds."""
-        raise NotImplementedError
+        raise self._missing("num_keys")
 
     def list_keys(self) -> list[str]:
         """Every key the store holds, in no particular order."""
-        raise NotImplementedError
+        raise self._missing("list_keys")
 
     def append(self, key: str, value: Value) -> None:
         """Append ``value`` to the bytes at ``key`` (sets it if missing)."""
-        raise NotImplementedError
+        raise self._missing("append")
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         """Set several keys in one atomic step."""
-        raise NotImplementedError
+        raise self._missing("multi_set")
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of several keys, waiting (store timeout) until all are set."""
-        raise NotImplementedError
+        raise self._missing("multi_get")
 
     def clone(self) -> Store:
         """Another handle on the same store, for use from another thread (as torch's)."""
-        raise NotImplementedError
+        raise self._missing("clone")
 
     def has_extended_api(self) -> bool:
-        """True: every jdist store supports ``append``/``multi_get``/``multi_set``."""
-        return True
+        """Whether ``append``/``multi_get``/``multi_set`` are implemented.
+
+        True for every jdist store; for a user's subclass, True when it defines all
+        three (torch's rule for Python stores).
+        """
+        cls = type(self)
+        return all(getattr(cls, m) is not getattr(Store, m)
+                   for m in ("append", "multi_get", "multi_set"))
+
+    def _missing(self, method: str) -> NotImplementedError:
+        """The error of a contract method a subclass did not define (a RuntimeError)."""
+        return NotImplementedError(
+            f"Not implemented. {type(self).__name__}.{method}() is not defined; a Store "
+            f"subclass implements the methods it is used with")
 
     # --- helpers for subclasses ----------------------------------------------------------
     @staticmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from jdist.store._base import Store, Timeout, Value, to_key, to_keys
+from jdist.store._base import Store, Timeout, Value, to_key, to_keys, to_value
 
 __all__ = ["PrefixStore"]
 
@@ -60,7 +60,7 @@ class PrefixStore(Store):
         return f"{self._prefix}/{to_key(key)}"
 
     def set(self, key: str, value: Value) -> None:
-        self._store.set(self._k(key), value)
+        self._store.set(self._k(key), to_value(value))
 
     def get(self, key: str) -> bytes:
         return self._store.get(self._k(key))
@@ -69,7 +69,8 @@ class PrefixStore(Store):
         return self._store.add(self._k(key), amount)
 
     def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
-        return self._store.compare_set(self._k(key), expected_value, desired_value)
+        return self._store.compare_set(self._k(key), to_value(expected_value),
+                                       to_value(desired_value))
 
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
         self._store.wait([self._k(k) for k in to_keys(keys)], timeout)
@@ -88,13 +89,17 @@ class PrefixStore(Store):
         return [k[len(head):] for k in self._store.list_keys() if k.startswith(head)]
 
     def append(self, key: str, value: Value) -> None:
-        self._store.append(self._k(key), value)
+        self._store.append(self._k(key), to_value(value))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        self._store.multi_set([self._k(k) for k in to_keys(keys)], values)
+        self._store.multi_set([self._k(k) for k in to_keys(keys)], [to_value(v) for v in values])
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return self._store.multi_get([self._k(k) for k in to_keys(keys)])
+
+    def has_extended_api(self) -> bool:
+        """The underlying store's answer."""
+        return self._store.has_extended_api()
 
     def clone(self) -> PrefixStore:
         """A PrefixStore over a clone of the underlying store (for use in another thread)."""

@@ -258,3 +258,48 @@ def test_tcp_store_timeout_message():
         store.get("the_key")
     store.set("the_key", "x")
     assert store.get("the_key") == b"x"
+
+
+class _DummyStore(Store):
+    """test_store.py's DummyStore: records the extended calls it gets."""
+
+    def __init__(self):
+        self.appends, self.multi_sets, self.multi_gets, self.multi_get_res = [], [], [], []
+        super().__init__()
+
+    def append(self, key, value):
+        self.appends.append((key, value))
+
+    def multi_get(self, keys):
+        self.multi_gets.append(keys)
+        return self.multi_get_res.pop(0)
+
+    def multi_set(self, keys, values):
+        self.multi_sets.append((keys, values))
+
+
+def test_python_store_subclasses():
+    """TestPythonStore: test_optional_methods_fail, test_has_extended_api_passthrough,
+    _roundtrip, test_append_roundtrip, test_multi_get_roundtrip, test_multi_set_roundtrip."""
+
+    class TestStore(Store):
+        pass
+
+    for store in (TestStore(), PrefixStore("p", TestStore())):
+        assert not store.has_extended_api()
+        with pytest.raises(RuntimeError, match="Not implemented."):
+            store.append("foo", "bar")
+        with pytest.raises(RuntimeError, match="Not implemented."):
+            store.multi_get(["foo", "bar"])
+        with pytest.raises(RuntimeError, match="Not implemented."):
+            store.multi_set(["foo", "bar"], [b"v", b"v"])
+    store = _DummyStore()
+    prefix = PrefixStore("p", store)
+    assert prefix.has_extended_api()
+    prefix.append("foo", "bar")
+    assert store.appends == [("p/foo", b"bar")]
+    store.multi_get_res.append([b"x", b"y"])
+    assert prefix.multi_get(["foo", "bar"]) == [b"x", b"y"]
+    assert store.multi_gets == [["p/foo", "p/bar"]]
+    prefix.multi_set(["foo", "bar"], [b"x", b"y"])
+    assert store.multi_sets == [(["p/foo", "p/bar"], [b"x", b"y"])]
