@@ -6,6 +6,7 @@ other workers; :class:`RRef` names remote values (reference counted across worke
 """
 
 from jdist.rpc import functions as functions
+from jdist.rpc._api import get_rpc_timeout as get_rpc_timeout
 from jdist.rpc._api import get_worker_info as get_worker_info
 from jdist.rpc._api import init_rpc as init_rpc
 from jdist.rpc._api import remote as remote
@@ -15,6 +16,7 @@ from jdist.rpc._api import shutdown as shutdown
 from jdist.rpc._futures import Future as Future
 from jdist.rpc._futures import collect_all as collect_all
 from jdist.rpc._futures import wait_all as wait_all
+from jdist.rpc._options import BackendType as BackendType
 from jdist.rpc._options import RpcBackendOptions as RpcBackendOptions
 from jdist.rpc._protocol import WorkerInfo as WorkerInfo
 from jdist.rpc._rref import RRef as RRef
@@ -39,6 +41,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jdist.rpc' has no attribute {name!r}")
 
 __all__ = [
+    "BackendType",
     "DistributedOptimizer",
     "Future",
     "RemoteModule",
@@ -49,6 +52,7 @@ __all__ = [
     "collect_all",
     "dist_autograd",
     "functions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
     "remote",

@@ -33,7 +33,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from jdist.errors import RpcAuthError, RpcError, RpcTimeoutError, WorkerUnavailableError
+from jdist.errors import (
+    RpcAuthError,
+    RpcError,
+    RpcTimeoutError,
+    UnknownWorkerError,
+    WorkerUnavailableError,
+)
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
 from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handshake
@@ -41,7 +47,7 @@ from jdist.rpc._futures import Future, others_running
 from jdist.rpc._options import RpcBackendOptions, resolve_timeout
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
-from jdist.rpc._rref import RRef, RRefContext
+from jdist.rpc._rref import RRef, RRefContext, collect_fork_acks
 from jdist.rpc._serve import CallServer, quiet
 from jdist.rpc.transport import Comm, CommClosedError, get_transport, parse_address
 
@@ -178,26 +184,32 @@ class RpcAgent(CallServer):
         """Resolve a worker name, rank or WorkerInfo (None: this worker).
 
         Raises:
-          ValueError: unknown name or rank (the message lists the known ones).
-          TypeError: ``to`` is none of those types.
+          UnknownWorkerError: unknown name, rank or WorkerInfo (a RuntimeError and a
+            ValueError, with torch's "could not find destination"; the message lists the
+            known ones).
+          ValueError: ``to`` is none of those types (torch's type).
         """
         if to is None:
             return self.info
         if isinstance(to, WorkerInfo):
             if self._workers.get(to.id) != to:
-                raise ValueError(f"unknown worker {to!r}; known: {sorted(self._workers.values())}")
+                raise UnknownWorkerError(f"could not find destination {to!r}: unknown worker; "
+                                         f"known: {sorted(self._workers.values())}")
             return to
         if isinstance(to, str):
             info = self._by_name.get(to)
             if info is None:
-                raise ValueError(f"unknown worker name {to!r}; known: {sorted(self._by_name)}")
+                raise UnknownWorkerError(f"could not find destination: unknown worker name "
+                                         f"{to!r}; known: {sorted(self._by_name)}")
             return info
         if isinstance(to, int) and not isinstance(to, bool):
             info = self._workers.get(to)
             if info is None:
-                raise ValueError(f"unknown worker rank {to}; ranks are 0..{self.world_size - 1}")
+                raise UnknownWorkerError(f"could not find destination: unknown worker rank "
+                                         f"{to}; ranks are 0..{self.world_size - 1}")
             return info
-        raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, got {to!r}")
+        raise ValueError(f"Cannot get WorkerInfo from name {to!r}: `to` must be a worker "
+                         "name, rank or WorkerInfo")
 
     def all_workers(self) -> list[WorkerInfo]:
         return [self._workers[r] for r in sorted(self._workers)]
@@ -303,6 +315,16 @@ class RpcAgent(CallServer):
     def _loads(self, frames: list) -> Any:
         return S.loads(frames[1], frames[2:], self.rrefs.persistent_load)
 
+    def _loads_call(self, frames: list) -> tuple[Any, list]:
+        """Decode a call; also the fork confirmations its RRef arguments wait for (torch
+        runs a function only once the owners know every user RRef it was given)."""
+        prev = collect_fork_acks([])
+        try:
+            return self._loads(frames), collect_fork_acks(prev)
+        except BaseException:
+            collect_fork_acks(prev)
+            raise
+
     def _fail(self, rid: int, exc: BaseException) -> None:
         with self._lock:
             p = self._pending.pop(rid, None)
@@ -327,6 +349,8 @@ class RpcAgent(CallServer):
         try:
             payload, bufs = self._dumps((func, tuple(args or ()), dict(kwargs or {})),
                                         worker.id)
+        except RpcError:  # an RRef or Future that cannot travel: its own message
+            raise
         except Exception as e:
             S.check_callable_picklable(func, str(worker))
             raise TypeError(f"cannot send the arguments of {S.describe_callable(func)} to "
@@ -525,6 +549,7 @@ class RpcAgent(CallServer):
                         expired.append(p)
             for p in expired:
                 p.future.set_exception(RpcTimeoutError(
+                    f"RPC ran for more than the set timeout ({p.timeout * 1000:g} ms): the "
                     f"RPC to {p.worker} running {p.fn} timed out after {p.timeout:g} s; "
                     "pass a larger timeout= (0 = none) or check that the function is not "
                     "stuck"))

@@ -7,6 +7,7 @@ of agents (tests run several in one process on the in-process transport).
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import sys
@@ -23,8 +24,8 @@ from jdist.errors import (
 )
 from jdist.rpc._agent import RpcAgent
 from jdist.rpc._futures import Future
-from jdist.rpc._options import RpcBackendOptions
-from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._options import BackendType, RpcBackendOptions
+from jdist.rpc._protocol import ControlOp, WorkerInfo
 from jdist.rpc._rendezvous import PREFIX, check_name, rendezvous, store_barrier
 from jdist.rpc._rref import RRef
 from jdist.rpc._state import current_agent, state
@@ -36,6 +37,7 @@ __all__ = [
     "rpc_async",
     "remote",
     "get_worker_info",
+    "get_rpc_timeout",
     "current_agent",
     "start_agent",
     "stop_agent",
@@ -128,7 +130,7 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..{world_size - 1} for world_size={world_size}, "
                          f"got {rank}")
-    key = auth_key or options.auth_key() or _shared_key(store, rank, options.rpc_timeout or 300)
+    key = auth_key or options.auth_key() or _shared_key(store, rank, options.rendezvous_timeout)
     agent = RpcAgent(name, rank, world_size, options, key)
     agent.start()
     if on_started is not None:
@@ -136,7 +138,7 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
     try:
         t0 = time.monotonic()
         table = rendezvous(store, name, rank, world_size, agent.address,
-                           options.rpc_timeout or 300.0)
+                           options.rendezvous_timeout)
         if os.environ.get("JDIST_RPC_DEBUG"):
             print(f"rendezvous of {name} took {time.monotonic() - t0:.3f} s", flush=True)
     except BaseException:
@@ -148,7 +150,8 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
 
 
 def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
-             rpc_backend_options: RpcBackendOptions | None = None) -> None:
+             rpc_backend_options: RpcBackendOptions | None = None, *,
+             backend: BackendType | None = None) -> None:
     """Start this process's RPC agent and meet the other workers.
 
     Args:
@@ -157,17 +160,24 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
       world_size: number of workers (default ``$WORLD_SIZE``).
       rpc_backend_options: :class:`RpcBackendOptions` (default: env://, 60 s timeout,
         16 threads, secret from ``$JDIST_AUTH_TOKEN``).
+      backend: ``None`` or ``BackendType.TENSORPIPE`` (torch's argument; keyword-only
+        here, since torch's second positional argument is ``backend``).
 
     Raises:
       AlreadyInitializedError: already initialized (call ``shutdown()`` first).
       RendezvousError: the name is taken, or world sizes disagree.
       RendezvousTimeoutError: some workers never arrived (named).
     """
-    options = rpc_backend_options or RpcBackendOptions()
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}; "
+                        "pass jdist.rpc.BackendType.TENSORPIPE or leave it out")
+    options = RpcBackendOptions() if rpc_backend_options is None else rpc_backend_options
     if not isinstance(options, RpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be RpcBackendOptions, got {options!r}")
+        raise TypeError(f"Argument rpc_backend_options must be an instance of "
+                        f"RpcBackendOptions, got {options!r}; build one: "
+                        "jdist.rpc.RpcBackendOptions(init_method=..., rpc_timeout=...)")
     check_name(name)
-    rank = _env_int(rank, "RANK", "rank")
+    rank = _env_int(None if rank == -1 else rank, "RANK", "rank")
     world_size = _env_int(world_size, "WORLD_SIZE", "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -176,7 +186,7 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
             raise AlreadyInitializedError(f"RPC is already initialized as {_state.agent.info}; "
                                           "call jdist.rpc.shutdown() first")
         store, owns = _make_store(options.init_method, rank, world_size,
-                                  options.rpc_timeout or 300.0, options.auth_key())
+                                  options.rendezvous_timeout, options.auth_key())
         def publish(agent: RpcAgent) -> None:
             _state.agent = agent
 
@@ -193,17 +203,26 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
 def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = None) -> None:
     """Shut ``agent`` down; graceful: drain, meet every live worker, then close.
 
+    ``timeout=None`` waits as long as the workers that have not arrived are alive and
+    answer (torch's default waits forever), giving up on one that stops answering for
+    ``RpcBackendOptions.shutdown_timeout`` s; ``timeout > 0`` bounds the whole wait;
+    ``timeout=0`` waits without any bound (torch's ``timeout=0``).
+
     Raises:
-      RpcTimeoutError: graceful shutdown ran out of ``timeout`` waiting for live
-        workers (named); the agent is closed anyway.
+      RpcTimeoutError: graceful shutdown gave up waiting for live workers (named); the
+        agent is closed anyway.
     """
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+        raise ValueError(f"shutdown timeout must be seconds >= 0 (0 = no timeout) or None, "
+                         f"got {timeout!r}")
     store = getattr(agent, "store", None)
     missing: list[int] = []
     dead: dict[int, str] = {}
-    t = agent.options.shutdown_timeout if timeout is None else float(timeout)
+    silent: list[int] = []
     if graceful and store is not None and agent.state == "running":
-        deadline = time.monotonic() + t
-        missing, dead = _graceful(agent, store, deadline)
+        deadline = math.inf if not timeout else time.monotonic() + float(timeout)
+        limit = agent.options.shutdown_timeout if timeout is None else math.inf
+        missing, dead, silent = _graceful(agent, store, deadline, limit)
     agent.close()
     if dead:
         names = ", ".join(f"{agent.worker_info(r)} ({why})" for r, why in sorted(dead.items()))
@@ -211,33 +230,67 @@ def stop_agent(agent: RpcAgent, graceful: bool = True, timeout: float | None = N
                       RuntimeWarning, stacklevel=2)
     if missing:
         who = [str(agent.worker_info(r)) for r in missing]
-        raise RpcTimeoutError(f"graceful shutdown of {agent.info} timed out after "
-                              f"{t:g} s waiting for {who}; they are alive but did not call "
-                              "shutdown(). The agent is closed anyway.")
+        if silent:
+            why = (f"they are alive but did not answer for "
+                   f"{agent.options.shutdown_timeout:g} s (RpcBackendOptions."
+                   "shutdown_timeout): hung or stopped?")
+        else:
+            why = (f"waited {float(timeout):g} s (shutdown(timeout=)); they are alive but "
+                   "did not call shutdown()")
+        raise RpcTimeoutError(f"graceful shutdown of {agent.info} timed out waiting for "
+                              f"{who}: {why}. The agent is closed anyway.")
 
 
-def _graceful(agent: RpcAgent, store: Any, deadline: float) -> tuple[list[int], dict]:
-    """Drain and meet the live workers; (missing live ranks, workers that died first)."""
+class _Liveness:
+    """While shutdown waits: ping the missing workers; report those silent too long."""
+
+    def __init__(self, agent: RpcAgent, limit: float):
+        self.agent, self.limit = agent, limit
+        now = time.monotonic()
+        self.last = {r: now for r in range(agent.world_size)}
+        self.pings: dict[int, Any] = {}
+        self.silent: list[int] = []
+
+    def __call__(self, ranks: list[int]) -> bool:
+        now = time.monotonic()
+        for r in ranks:
+            self.agent.probe(r)  # connecting marks a vanished worker dead
+            ping = self.pings.get(r)
+            if ping is not None and ping.done():
+                if ping.exception() is None:
+                    self.last[r] = now
+                ping = self.pings.pop(r)
+            if r not in self.pings and r not in self.agent.dead_workers():
+                try:
+                    self.pings[r] = self.agent.send_control(r, ControlOp.PING)
+                except Exception:  # noqa: BLE001 - the next round probes again
+                    pass
+        self.silent = [r for r in ranks if r not in self.agent.dead_workers()
+                       and now - self.last[r] > self.limit]
+        return bool(self.silent)
+
+
+def _graceful(agent: RpcAgent, store: Any, deadline: float,
+              limit: float) -> tuple[list[int], dict, list[int]]:
+    """Drain and meet the live workers; (missing live ranks, workers that died first,
+    the missing ones given up on for not answering)."""
     rank, ws = agent.info.id, agent.world_size
 
     def gone(r: int) -> bool:
         return r in agent.dead_workers()
 
-    def probe(ranks: list[int]) -> None:
-        for r in ranks:
-            agent.probe(r)
-
+    alive = _Liveness(agent, limit)
     try:
         agent.drain(deadline)
-        missing = store_barrier(store, "sd1", rank, ws, deadline, gone, probe)
+        missing = store_barrier(store, "sd1", rank, ws, deadline, gone, alive)
         dead = agent.dead_workers()
         if missing:
-            return missing, dead
+            return missing, dead, alive.silent
         agent.quiet_leaves = True  # everyone is done: peers closing now is no failure
         agent.drain(deadline)
-        missing = store_barrier(store, "sd2", rank, ws, deadline, gone, probe)
+        missing = store_barrier(store, "sd2", rank, ws, deadline, gone, alive)
         if missing:
-            return missing, dead
+            return missing, dead, alive.silent
         agent.state = "stopping"
         if rank == 0:  # the store host leaves last, once the others are done reading it
             store_barrier(store, "sd3", rank, ws, min(deadline, time.monotonic() + 5), gone)
@@ -246,8 +299,8 @@ def _graceful(agent: RpcAgent, store: Any, deadline: float) -> tuple[list[int], 
     except Exception as e:  # the store itself is gone (its host died): close locally
         warnings.warn(f"jdist.rpc: {agent.info} could not coordinate shutdown through the "
                       f"store ({e!r}); closing locally", RuntimeWarning, stacklevel=3)
-        return [], agent.dead_workers()
-    return [], dead
+        return [], agent.dead_workers(), []
+    return [], dead, []
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
@@ -255,17 +308,21 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
 
     Args:
       graceful: wait until this worker's outstanding calls and RRef messages are done,
-        and until every live worker has called ``shutdown`` (workers known to be dead
+        and until every live worker has called ``shutdown`` (so each worker's
+        outstanding work, wherever it runs, is done first; workers known to be dead
         are skipped and named in a warning); ``False``: close at once.
-      timeout: bound in seconds (default ``RpcBackendOptions.shutdown_timeout``).
+      timeout: ``None`` (default): wait as long as the missing workers are alive and
+        answer, giving up on one silent for ``RpcBackendOptions.shutdown_timeout`` s;
+        seconds > 0: bound on the whole wait; ``0``: no bound at all (torch's default).
 
     Raises:
-      RpcTimeoutError: live workers did not join within ``timeout`` (named); this
-        worker is shut down anyway.
+      RpcTimeoutError: live workers did not join (named); this worker is shut down
+        anyway.
     """
     agent = _state.agent
     if agent is None:
-        raise NotInitializedError("RPC is not initialized: nothing to shut down")
+        raise NotInitializedError("RPC has not been initialized: nothing to shut down "
+                                  "(call jdist.rpc.init_rpc first)")
     try:
         stop_agent(agent, graceful, timeout)  # still serving peers until it closes
     finally:
@@ -315,6 +372,11 @@ def remote(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = 
     Returns at once; an error in ``func`` shows up on ``to_here()`` / proxies.
     """
     return current_agent().remote(to, func, args, kwargs, timeout)
+
+
+def get_rpc_timeout() -> float:
+    """The default per-call timeout in seconds (``RpcBackendOptions.rpc_timeout``)."""
+    return float(current_agent().options.rpc_timeout)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

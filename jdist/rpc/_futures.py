@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
 
-from jdist.errors import RpcTimeoutError
+from jdist.errors import RpcError, RpcTimeoutError
 
 __all__ = ["Future", "wait_all", "collect_all"]
 
@@ -56,6 +56,11 @@ class Future(Generic[T]):
         state = "pending" if not self._done else ("failed" if self._exc else "done")
         return f"Future({self._desc}, {state})"
 
+    def __reduce__(self):
+        raise RpcError("Can not pickle torch.futures.Future: a jdist.rpc.Future cannot be "
+                       "sent in an RPC (as an argument or a result); send its value (wait() "
+                       "first), or mark a function that returns one @async_execution")
+
     def done(self) -> bool:
         """Whether a result or an error is set."""
         return self._done
@@ -100,7 +105,8 @@ class Future(Generic[T]):
     def _complete(self, value: Any, exc: BaseException | None) -> None:
         with self._cond:
             if self._done:
-                raise RuntimeError(f"{self!r} can only be marked completed once")
+                raise RuntimeError(f"Future can only be marked completed once: {self!r} is "
+                                   "already done")
             self._value, self._exc, self._done = value, exc, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
@@ -128,6 +134,9 @@ class Future(Generic[T]):
 
     def add_done_callback(self, callback: Callable[[Future[T]], Any]) -> None:
         """Run ``callback(self)`` once done (at once if already done)."""
+        if not callable(callback):
+            raise TypeError(f"add_done_callback(): incompatible function arguments: the "
+                            f"callback must be callable, got {callback!r}")
         with self._cond:
             if not self._done:
                 self._callbacks.append(callback)
@@ -140,6 +149,9 @@ class Future(Generic[T]):
         The callback should call ``wait()`` or ``value()`` on its argument; an error it
         raises (including this future's own error re-raised) fails the new future.
         """
+        if not callable(callback):
+            raise TypeError(f"then(): incompatible function arguments: the callback must be "
+                            f"callable (it gets the completed future), got {callback!r}")
         nxt: Future = Future(_executor=self._executor, _desc=f"then() of {self._desc}")
 
         def chain(f: Future) -> None:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 
-__all__ = ["RpcBackendOptions", "DEFAULT_RPC_TIMEOUT", "UNSET_RPC_TIMEOUT", "resolve_timeout"]
+__all__ = ["RpcBackendOptions", "BackendType", "DEFAULT_RPC_TIMEOUT", "UNSET_RPC_TIMEOUT",
+           "resolve_timeout"]
+
+
+class BackendType(enum.Enum):
+    """torch's ``rpc.BackendType``: jdist has one backend, named as torch's default."""
+
+    TENSORPIPE = "TENSORPIPE"
 
 DEFAULT_RPC_TIMEOUT = 60.0
 UNSET_RPC_TIMEOUT = -1.0
@@ -28,7 +36,11 @@ class RpcBackendOptions:
         a routable address for multi-host jobs).
       transport: ``"tcp"`` or ``"inproc"`` (in-process agents, for tests).
       connect_timeout: seconds to connect and authenticate to a peer.
-      shutdown_timeout: default bound of ``shutdown(graceful=True)``.
+      shutdown_timeout: how long ``shutdown(graceful=True)`` keeps waiting for a worker
+        that has not called ``shutdown`` yet and stopped answering pings (a busy worker
+        that answers is waited for without limit, as torch does).
+      rendezvous_timeout: seconds ``init_rpc`` waits for every worker to arrive (not
+        ``rpc_timeout``: a short per-call timeout must not fail the start-up).
       busy_poll_us: microseconds a thread about to wait for a message (a caller for its
         reply, a pool thread for the next call) reads its connection itself first, so a
         message that comes soon wakes no thread (each wake-up of an idle CPU costs tens
@@ -48,6 +60,7 @@ class RpcBackendOptions:
     connect_timeout: float = 10.0
     shutdown_timeout: float = 60.0
     busy_poll_us: float = 200.0
+    rendezvous_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rpc_timeout, (int, float)) or self.rpc_timeout < 0:
@@ -71,7 +84,7 @@ class RpcBackendOptions:
                 or not 0 <= self.busy_poll_us <= 1e6):
             raise ValueError(f"busy_poll_us must be microseconds in 0..1e6 (0 = no polling), "
                              f"got {self.busy_poll_us!r}")
-        for field in ("connect_timeout", "shutdown_timeout"):
+        for field in ("connect_timeout", "shutdown_timeout", "rendezvous_timeout"):
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{field} must be seconds > 0, got {v!r}")

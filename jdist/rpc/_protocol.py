@@ -9,15 +9,19 @@ answers or drops it; it never takes a worker down.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
 
+from jdist.errors import WorkerNameError
+
 __all__ = [
     "Kind",
     "ControlOp",
     "WorkerInfo",
+    "check_worker_name",
     "Call",
     "Remote",
     "Result",
@@ -32,16 +36,57 @@ __all__ = [
 NO_CONTEXT = -1  # dist-autograd context id carried by calls made outside any context
 
 
-class WorkerInfo(NamedTuple):
-    """A worker's rank (``id``) and unique ``name``."""
-
+class _WorkerInfo(NamedTuple):
     id: int
     name: str
+
+
+class WorkerInfo(_WorkerInfo):
+    """A worker's rank (``id``) and unique ``name``.
+
+    ``WorkerInfo(id, name)``; torch's order ``WorkerInfo(name, id)`` is accepted too
+    (told apart by the types). The name follows torch's rule.
+
+    Raises:
+      WorkerNameError: a name torch refuses (a ``RuntimeError``, with torch's words).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, id: Any, name: Any) -> WorkerInfo:  # noqa: A002 - torch's field
+        if isinstance(id, str) and not isinstance(name, str):
+            id, name = name, id
+        check_worker_name(name)
+        return super().__new__(cls, id, name)
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
 
     __str__ = __repr__
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_\-:.]*$")
+
+
+def check_worker_name(name: Any) -> str:
+    """Validate a worker name (torch's rule, plus ``.``): 1-128 of ``[A-Za-z0-9_-:.]``.
+
+    Raises:
+      WorkerNameError: the name is not a str, empty, too long or has other characters.
+    """
+    if not isinstance(name, str):
+        raise WorkerNameError(f"worker name must be a str, got {name!r}")
+    if not name:
+        raise WorkerNameError("Worker name must be non-empty: give every worker a worker name such "
+                              "as 'worker0'")
+    if not _NAME.match(name):
+        raise WorkerNameError(f"Worker name must match ^[A-Za-z0-9-_:]*$, got {name!r}: a "
+                              "worker name has letters, digits, '-', '_', ':' (jdist also "
+                              "allows '.')")
+    if len(name) > 128:
+        raise WorkerNameError(f"Worker name must be shorter than 128 characters, got "
+                              f"{len(name)}: {name[:20]!r}...")
+    return name
 
 
 class Kind(enum.IntEnum):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+import warnings
 from typing import Any
 
 from jdist.errors import RemoteError
@@ -29,9 +30,20 @@ def failure_payload(exc: BaseException, worker: Any) -> dict:
             "repr": repr(exc), "tb": tb, "worker": repr(worker)}
 
 
+def _unescape(text: str) -> str:
+    """Escapes in the text (the ``repr`` writes a newline as ``\\n``) made real, as
+    torch does, so a multi-line message reads as written; non-ASCII text is kept."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes such as "\\d" stay as they are
+            return text.encode("ascii", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
+
+
 def rebuild_exception(payload: dict) -> BaseException:
     """The local exception to raise for a remote failure described by ``payload``."""
-    text = f"On {payload['worker']}:\n{payload['repr']}\n{payload['tb']}"
+    text = _unescape(f"On {payload['worker']}:\n{payload['repr']}\n{payload['tb']}")
     original = None
     if payload.get("exc") is not None:
         try:

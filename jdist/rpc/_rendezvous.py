@@ -8,30 +8,27 @@ or :class:`jdist.store.HashStore` for in-process agents), and waits poll with ``
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 from jdist.errors import RendezvousError, RendezvousTimeoutError
+from jdist.rpc._protocol import check_worker_name
 
 __all__ = ["rendezvous", "store_barrier", "check_name", "PREFIX"]
 
 PREFIX = "jdist/rpc"
-_NAME = re.compile(r"^[A-Za-z0-9_\-:.]{1,128}$")
 _POLL = 0.01
 
 
 def check_name(name: Any) -> str:
-    """Validate a worker name (torch's rule: letters, digits, ``_-:.``, up to 128).
+    """Validate a worker name (torch's rule: letters, digits, ``_-:``, and ``.``; 1-128).
 
     Raises:
-      ValueError: the name is empty, too long or has other characters.
+      WorkerNameError: (a ValueError and RuntimeError) the name is empty, too long or has
+        other characters.
     """
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"worker name must be 1-128 characters of letters, digits, '_', '-', "
-                         f"':' or '.', got {name!r}")
-    return name
+    return check_worker_name(name)
 
 
 def _as_bytes(v: Any) -> bytes:
@@ -52,12 +49,15 @@ def rendezvous(store: Any, name: str, rank: int, world_size: int, address: str,
                               f"registered world_size={ws.decode()}; give all the same")
     holder = _as_bytes(store.compare_set(f"{PREFIX}/name/{name}", "", str(rank)))
     if holder != str(rank).encode():
-        raise RendezvousError(f"worker name {name!r} is already taken by rank "
-                              f"{holder.decode()}; give every worker a unique name")
+        taken = int(holder.decode())  # reported once everyone arrived (or time ran out)
+    else:
+        taken = None
     store.set(f"{PREFIX}/worker/{rank}", json.dumps([name, address]))
     store.add(f"{PREFIX}/arrived/{rank}", 1)
     missing = _wait_ranks(store, "arrived", range(world_size), time.monotonic() + timeout,
                           lambda r: False)
+    if missing and taken is not None:
+        _not_unique(name, [taken, rank])
     if missing:
         raise RendezvousTimeoutError(
             f"init_rpc: ranks {missing} did not join within {timeout:g} s (world_size="
@@ -66,7 +66,17 @@ def rendezvous(store: Any, name: str, rank: int, world_size: int, address: str,
     for r in range(world_size):
         n, a = json.loads(_as_bytes(store.get(f"{PREFIX}/worker/{r}")))
         table[r] = (n, a)
+    for n in {n for n, _ in table.values()}:  # every rank raises, as in torch
+        holders = sorted(r for r, (m, _) in table.items() if m == n)
+        if len(holders) > 1:
+            _not_unique(n, holders)
     return table
+
+
+def _not_unique(name: str, ranks: list[int]) -> None:
+    raise RendezvousError(f"RPC worker name {name!r} is not unique: ranks {ranks} use it "
+                          f"('{name}' is already taken by rank {ranks[0]}); give every worker "
+                          "a unique name")
 
 
 def _wait_ranks(store: Any, phase: str, ranks, deadline: float,
@@ -82,9 +92,13 @@ def _wait_ranks(store: Any, phase: str, ranks, deadline: float,
 
 
 def store_barrier(store: Any, phase: str, rank: int, world_size: int, deadline: float,
-                  gone: Callable[[int], bool], on_wait: Callable[[list[int]], None] | None = None
-                  ) -> list[int]:
-    """Arrive at ``phase``; wait for all ranks not ``gone``; return the missing ones."""
+                  gone: Callable[[int], bool],
+                  on_wait: Callable[[list[int]], bool | None] | None = None) -> list[int]:
+    """Arrive at ``phase``; wait for all ranks not ``gone``; return the missing ones.
+
+    ``on_wait(missing)`` runs about every 0.5 s while some are missing; a true result
+    stops the wait (those are returned). ``deadline`` may be ``math.inf``.
+    """
     store.add(f"{PREFIX}/{phase}/{rank}", 1)
     others = [r for r in range(world_size) if r != rank]
     while True:
@@ -92,5 +106,5 @@ def store_barrier(store: Any, phase: str, rank: int, world_size: int, deadline: 
         others = _wait_ranks(store, phase, others, step, gone)
         if not others or time.monotonic() >= deadline:
             return others
-        if on_wait is not None:
-            on_wait(others)
+        if on_wait is not None and on_wait(others):
+            return others

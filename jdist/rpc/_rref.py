@@ -27,7 +27,7 @@ import itertools
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from jdist.errors import RRefError
+from jdist.errors import RpcTimeoutError, RRefError
 from jdist.rpc._futures import Future
 from jdist.rpc._protocol import ControlOp, WorkerInfo
 
@@ -238,7 +238,21 @@ class RRefContext:
         if parent >= 0:
             ack = self.agent.send_control(owner, ControlOp.FORK_REQUEST, rref_id, fork, parent)
             ack.add_done_callback(rref._on_confirmed)
+            pending = getattr(_decoding, "acks", None)
+            if pending is not None:  # a call's argument: it runs once the owner confirmed
+                pending.append(ack)
         return rref
+
+
+_decoding = threading.local()  # .acks: fork confirmations a call being decoded waits for
+
+
+def collect_fork_acks(acks: list | None) -> list | None:
+    """Start (``[]``) or end (``None``) collecting the fork confirmations of the RRefs
+    decoded in this thread; returns the previous list."""
+    prev = getattr(_decoding, "acks", None)
+    _decoding.acks = acks
+    return prev
 
 
 class RRef:
@@ -289,13 +303,9 @@ class RRef:
         self._live = True
 
     def __repr__(self) -> str:  # torch's format
-        def gid(i: Id) -> str:
-            return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
-
         if self.is_owner():
-            return f"OwnerRRef({gid(self._rref_id)})"
-        fork = gid(self._fork) if self._fork is not None else "None"
-        return f"UserRRef(RRefId = {gid(self._rref_id)}, ForkId = {fork})"
+            return f"OwnerRRef({_gid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_gid(self._rref_id)}, ForkId = {_gid(self._fork)})"
 
     def __reduce__(self):
         raise RRefError("an RRef can only be pickled as an argument or result of "
@@ -314,6 +324,16 @@ class RRef:
                 self._agent.released.put(("user", self._owner.id, self._rref_id, self._fork))
         except Exception:  # interpreter shutting down
             pass
+
+    def _get_future(self, timeout: float = -1) -> Future:
+        """torch's private ``_get_future``: the future of the ``remote()`` call that made
+        this RRef (completed at once for an RRef that did not come from ``remote()``)."""
+        del timeout
+        if self._created is not None:
+            return self._created
+        fut: Future = Future(_desc=f"creation of {self!r}")
+        fut.set_result(None)
+        return fut
 
     def _on_confirmed(self, fut: Future) -> None:
         if fut.exception() is None:
@@ -343,7 +363,8 @@ class RRef:
         """
         if not self.is_owner():
             raise RRefError(
-                f"For {self!r}, can't call localValue() on user {self._agent.info}. "
+                f"For UserRRef(rref_id={_gid(self._rref_id)}, fork_id={_gid(self._fork)}), "
+                f"can't call localValue() on user {self._agent.info}. "
                 f"Call it on owner {self._owner}")
         from jdist.rpc._options import resolve_timeout
 
@@ -359,6 +380,12 @@ class RRef:
         """
         if self.is_owner() and getattr(self, "_ad_link", None) is None:
             return self.local_value(timeout)
+        created = self._created
+        if created is not None and created.done() and isinstance(created.exception(),
+                                                                 RpcTimeoutError):
+            raise RpcTimeoutError(
+                f"RRef creation via rpc.remote() timed out, and it is possible that the RRef "
+                f"on the owner node does not exist: {created.exception()}") from None
         # (an owner's RRef to a differentiable value goes through the agent's call hook)
         return self._agent.rpc_async(self._owner, rref_fetch, (self,), None, timeout).wait()
 
@@ -375,7 +402,18 @@ class RRef:
         return _Proxy(self, "remote", timeout)
 
 
+def _gid(i: Id | None) -> str:
+    return "None" if i is None else f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
+
+
 class _Proxy:
+    """``rref.rpc_sync()`` & co: ``proxy.m(*a)`` runs ``value.m(*a)`` on the owner.
+
+    The first call of a method name asks the owner what it is (cached on the RRef): an
+    unknown name raises ``AttributeError`` here, as in torch, and an
+    ``@async_execution`` method runs as one (its Future's value is the answer).
+    """
+
     def __init__(self, rref: RRef, how: str, timeout: float):
         self._rref, self._how, self._timeout = rref, how, timeout
 
@@ -384,13 +422,36 @@ class _Proxy:
         agent = rref._agent
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            fn = rref_method_call_async if _method_kind(rref, name, timeout) else \
+                rref_method_call
             a = (rref, name, args, kwargs)
             if how == "remote":
-                return agent.remote(rref.owner(), rref_method_call, a, None, timeout)
-            fut = agent.rpc_async(rref.owner(), rref_method_call, a, None, timeout)
+                return agent.remote(rref.owner(), fn, a, None, timeout)
+            fut = agent.rpc_async(rref.owner(), fn, a, None, timeout)
             return fut.wait() if how == "rpc_sync" else fut
 
         return call
+
+
+def _method_kind(rref: RRef, name: str, timeout: float) -> bool:
+    """Whether ``name`` is an ``@async_execution`` method of the RRef's value.
+
+    Raises:
+      AttributeError: the value has no attribute ``name`` (torch's message).
+    """
+    kinds = rref.__dict__.setdefault("_kinds", {})
+    kind = kinds.get(name)
+    if kind is None:
+        if rref.is_owner():
+            kind = rref_method_kind(rref, name)
+        else:
+            kind = rref._agent.rpc_async(rref.owner(), rref_method_kind, (rref, name), None,
+                                         timeout).wait()
+        kinds[name] = kind
+    if kind[0] == "missing":
+        raise AttributeError(f"'{kind[1]}' object has no attribute '{name}' (called through "
+                             f"an RRef proxy of {rref!r})")
+    return kind[0] == "async"
 
 
 def rref_fetch(rref: RRef) -> Future:
@@ -404,3 +465,25 @@ rref_fetch._jdist_async_execution = True  # type: ignore[attr-defined]
 def rref_method_call(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
     """Owner side of the RRef proxies: ``getattr(value, name)(*args, **kwargs)``."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def rref_method_call_async(rref: RRef, name: str, args: tuple, kwargs: dict) -> Future:
+    """The same for an ``@async_execution`` method: its Future is the answer."""
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+rref_method_call_async._jdist_async_execution = True  # type: ignore[attr-defined]
+
+
+def rref_method_kind(rref: RRef, name: str) -> tuple[str, str]:
+    """Owner side: ``("missing" | "async" | "sync", type name)`` of ``value.name``."""
+    value = rref.local_value()
+    tname = type(value).__name__
+    attr = getattr(value, name, _MISSING)
+    if attr is _MISSING:
+        return ("missing", tname)
+    return ("async" if getattr(attr, "_jdist_async_execution", False) else "sync", tname)
+
+
+rref_method_kind._jdist_autograd_internal = True  # type: ignore[attr-defined]
+_MISSING = object()

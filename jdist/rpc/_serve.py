@@ -17,7 +17,7 @@ from typing import Any
 from jdist.errors import RpcError
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
-from jdist.rpc._futures import Future, _in_call, add_busy, others_running
+from jdist.rpc._futures import Future, _in_call, add_busy, collect_all, others_running
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc.transport import Comm, CommClosedError
 
@@ -35,19 +35,27 @@ class CallServer:
         if isinstance(msg, P.Remote):
             entry = self.rrefs.create_owned(msg.rref, msg.fork, peer)
         try:
-            func, args, kwargs = self._loads(frames)
+            (func, args, kwargs), acks = self._loads_call(frames)
         except Exception as e:
             err = RpcError(f"{self.info} could not decode the call of {msg.fn}: {e!r}")
             if entry is not None:
                 entry.future.set_exception(err)
             self._reply_failure(comm, msg.rid, err, peer, msg.fn)
             return
+        if acks:  # run once the owners have confirmed the RRefs among the arguments
+            collect_all(acks).add_done_callback(
+                lambda _: self._start_call(comm, peer, msg, entry, func, args, kwargs, False))
+            return
+        self._start_call(comm, peer, msg, entry, func, args, kwargs, True)
+
+    def _start_call(self, comm: Comm, peer: int, msg: Any, entry: Any, func, args, kwargs,
+                    inline_ok: bool) -> None:
         if entry is not None:
             entry.future.add_done_callback(
                 lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn, value=False))
             self._submit_counted(self._run_into, entry.future, func, args, kwargs, msg.fn,
                                  msg.ctx)
-        elif getattr(_INLINE, "slot", None) == []:  # a pool thread polling for its next call
+        elif inline_ok and getattr(_INLINE, "slot", None) == []:  # a polling pool thread
             add_busy(1)
             _INLINE.slot.append((comm, peer, msg, func, args, kwargs))
         else:  # _run_call counts its calls done itself
@@ -80,13 +88,13 @@ class CallServer:
     def _run_into(self, fut: Future, func, args, kwargs, fn: str, ctx: int) -> None:
         try:
             out = self._invoke(func, args, kwargs, ctx)
+            if getattr(func, "_jdist_async_execution", False):
+                _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
+                return
         except BaseException as e:  # noqa: BLE001 - sent to the caller
             fut.set_exception(rebuild_exception(failure_payload(e, self.info)))
             return
-        if getattr(func, "_jdist_async_execution", False):
-            _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
-        else:
-            fut.set_result(out)
+        fut.set_result(out)
 
     def _run_call(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> None:
         """Run a call on this pool thread and reply; then read the caller's connection
@@ -143,6 +151,9 @@ class CallServer:
     def _reply(self, comm: Comm, rid: int, value: Any, peer: int, fn: str) -> None:
         try:
             frames = P.encode(P.Result(rid), *self._dumps(value, peer))
+        except RpcError as e:  # e.g. a Future returned without @async_execution
+            self._reply_failure(comm, rid, e, peer, fn)
+            return
         except Exception as e:
             self._reply_failure(comm, rid, TypeError(
                 f"the result of {fn} on {self.info} cannot be pickled: {e}"), peer, fn)
@@ -172,8 +183,9 @@ def quiet(fn, *args) -> None:
 
 def _check_async_result(out: Any, fn: str) -> Future:
     if not isinstance(out, Future):
-        raise TypeError(f"{fn} is decorated with @async_execution but returned "
-                        f"{type(out).__name__}, not a jdist.rpc.Future")
+        raise RpcError(f"Functions decorated with @rpc.async_function must return a "
+                       f"torch.futures.Future object, but got {type(out).__name__}: {fn} is "
+                       "decorated with @async_execution and must return a jdist.rpc.Future")
     return out
 
 

@@ -37,6 +37,6 @@ def current_agent() -> RpcAgent:
     """
     agent = state.agent
     if agent is None:
-        raise NotInitializedError("RPC is not initialized: call jdist.rpc.init_rpc(name, rank=, "
-                                  "world_size=) first")
+        raise NotInitializedError("RPC has not been initialized: call "
+                                  "jdist.rpc.init_rpc(name, rank=, world_size=) first")
     return agent

@@ -154,11 +154,19 @@ def backward(context_id: int, loss_fn: Any, *args: Any, has_aux: bool = False,
     """
     from jdist.rpc.autograd import _engine
 
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"backward(): incompatible function arguments: context_id must be the "
+                        f"int from dist_autograd.context(), got {context_id!r}")
+    if isinstance(loss_fn, (list, tuple)) and not loss_fn:
+        raise DistAutogradError("No tensors provided for gradient computation: jdist's "
+                                "backward(context_id, loss_fn, *args) takes the function that "
+                                "computes the loss")
     ctx = _lookup(context_id, agent)
     if not callable(loss_fn):
-        raise TypeError(f"backward(context_id, loss_fn, *args): loss_fn must be callable, got "
-                        f"{loss_fn!r}; torch's list of loss tensors has no JAX equivalent: "
-                        "pass the function that computes the loss")
+        raise TypeError(f"backward(): incompatible function arguments: loss_fn must be "
+                        f"callable, got {loss_fn!r}; torch's list of loss tensors has no JAX "
+                        "equivalent (arrays carry no tape): pass the function that computes "
+                        "the loss, backward(context_id, loss_fn, *args)")
     prev = C.current()
     C._set_current(ctx)
     try:

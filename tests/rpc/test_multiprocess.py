@@ -33,7 +33,7 @@ def test_three_workers_end_to_end():
     assert (owner, owner_name, is_owner) == (WorkerInfo(1, "w1"), "w1", False)
     assert (a, b, c, n) == (7, 8, 8, 8)
     assert r0["confirmed"] is True
-    assert r0["local_value"].startswith("For UserRRef(RRefId = GloballyUniqueId(created_on=0, ")
+    assert r0["local_value"].startswith("For UserRRef(rref_id=GloballyUniqueId(created_on=0, ")
     assert r0["local_value"].endswith(", can't call localValue() on user WorkerInfo(id=0, "
                                       "name=w0). Call it on owner WorkerInfo(id=1, name=w1)")
     # reference counting

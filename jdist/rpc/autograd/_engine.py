@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist.errors import DistAutogradError
+from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
@@ -338,7 +338,10 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         for pos, link in zip(rref_pos, links, strict=True):
             leaves[pos]._ad_link = (token, link, token)
         try:
-            skel_out, diff = _split_outputs(call_traced(token, func, args, kwargs))
+            out = call_traced(token, func, args, kwargs)
+            if getattr(func, "_jdist_async_execution", False) and isinstance(out, Future):
+                out = out.wait()  # an @async_execution function (or RRef proxy method)
+            skel_out, diff = _split_outputs(out)
         finally:
             for pos in rref_pos:
                 leaves[pos]._ad_link = None
@@ -424,7 +427,8 @@ def _check_loss(out: Any, has_aux: bool) -> tuple[Any, Any]:
     shape = getattr(out, "shape", None)
     dtype = getattr(out, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
+        raise LossTypeError(
+            f"the loss is not a scalar, all roots need to be scalar (torch's words): "
             f"dist_autograd.backward needs a loss function returning a float scalar "
             f"(torch's scalar root), got {type(out).__name__} with shape {shape} and dtype "
             f"{dtype}; reduce it (e.g. jnp.sum) or pass has_aux=True for (loss, aux)")
