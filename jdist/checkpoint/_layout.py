@@ -90,17 +90,13 @@ def scan(root: str) -> list[Step]:
 def remove_own(root: str, step: int, rank: int, world: int) -> None:
     """Delete this rank's part of ``step`` (and its temporary leftovers), if any.
 
-    The step directory is removed too once it is empty (another rank may race to the
-    same removal; both outcomes are fine).
+    The step directory stays (another rank may be starting its part in it right now);
+    rank 0 removes whole steps when they are no longer needed.
     """
     path = step_dir(root, step)
     name = part_name(rank, world)
     for entry in (name, name + _TMP):
         shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass  # other ranks' parts are still there (or it is gone already)
 
 
 def remove_step(root: str, step: int) -> None:

@@ -29,12 +29,14 @@ def _registry():
         return _REGISTRY[0]
     import asyncio
 
+    import jax
+    from orbax.checkpoint._src.metadata import array_metadata_store
     from orbax.checkpoint._src.serialization import ocdbt_utils
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     from orbax.checkpoint._src.serialization.type_handler_registry import (
         create_type_handler_registry,
     )
-    from orbax.checkpoint._src.serialization.type_handlers import NumpyHandler
+    from orbax.checkpoint._src.serialization.type_handlers import ArrayHandler, NumpyHandler
 
     class RankNumpyHandler(NumpyHandler):
         async def _background_serialize(self, values, infos, args=None):
@@ -52,9 +54,11 @@ def _registry():
                 writes.append(self._open_and_write(value, spec.json, info.ts_context))
             await asyncio.gather(*writes)
 
-    # the manager already copied the arrays out of the training state
+    # the manager already copied the arrays out of the training state; jax.Array is
+    # registered only so that Orbax does not warn at every save (none are saved)
     _REGISTRY.append(create_type_handler_registry(
-        (np.ndarray, RankNumpyHandler(deepcopy_host_arrays=False))))
+        (np.ndarray, RankNumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ArrayHandler(array_metadata_store=array_metadata_store.Store()))))
     return _REGISTRY[0]
 
 

@@ -59,7 +59,8 @@ def loss_fn(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def build(rank: int, world: int, *, hook: bool = True, zero: bool = False) -> dict:
+def build(rank: int, world: int, *, hook: bool = True, zero: bool = False,
+          group=None) -> dict:
     """The training state as ``init()`` returns it."""
     import numpy as np
     import optax
@@ -75,7 +76,7 @@ def build(rank: int, world: int, *, hook: bool = True, zero: bool = False) -> di
     if hook:
         comm = (PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=2,
                               min_compression_rate=0.5, random_seed=3), powerSGD_hook)
-    ddp = DistributedDataParallel(model, comm_hook=comm)
+    ddp = DistributedDataParallel(model, comm_hook=comm, process_group=group)
     tx = optax.adam(1e-2)
     if zero:
         tx = ZeroRedundancyOptimizer(tx, group=ddp.process_group)
@@ -143,6 +144,17 @@ def digest(state: dict) -> dict:
             "hook": sha(ddp.comm_hook_state) if ddp.comm_hook_state is not None else None}
 
 
+def _zero_full(state) -> list:
+    """Every optimizer-state leaf as a full host list (ZeRO shards gathered)."""
+    import jax
+    from flax import nnx
+
+    from jdist.optim._zero import _to_host
+
+    return [_to_host(x).tolist() for x in jax.tree.leaves(
+        nnx.state(state["optimizer"]).to_pure_dict())]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
@@ -155,6 +167,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-hook", action="store_true")
     ap.add_argument("--elastic", action="store_true")
     ap.add_argument("--kill", action="append", default=[])
+    ap.add_argument("--reference", help="then train again from scratch, uninterrupted, "
+                    "with checkpoints in this directory (the oracle), and report it too")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
@@ -181,21 +195,21 @@ def main(argv=None) -> None:
     state = manager.restore_or_init(lambda: build(rank, world, hook=not args.no_hook,
                                                   zero=args.zero))
     resumed = manager.restored_step
-    if os.environ.get("CKPT_DEBUG_DIGEST"):
-        with open(os.path.join(args.out, f"rank{rank}.restored.json"), "w") as f:
-            json.dump(digest(state), f)
+    zero_after_restore = _zero_full(state) if args.zero else None
     state = run(manager, state, args.steps, args.batch, kill)
     manager.close()
     out = {"rank": rank, "world": world, "attempt": attempt, "resumed_from": resumed,
            "log": state["log"], **digest(state)}
+    if args.reference:
+        ref_manager = CheckpointManager(args.reference, save_interval_steps=args.interval,
+                                        max_to_keep=args.keep)
+        ref = run(ref_manager, build(rank, world, hook=not args.no_hook, zero=args.zero),
+                  args.steps, args.batch)
+        ref_manager.close()
+        out["reference"] = {"log": ref["log"], **digest(ref)}
     if args.zero:
-        import jax
-        from flax import nnx
-
-        from jdist.optim._zero import _to_host
-
-        out["zero_full"] = [_to_host(x).tolist() for x in jax.tree.leaves(
-            nnx.state(state["optimizer"]).to_pure_dict())]
+        out["zero_after_restore"] = zero_after_restore
+        out["zero_final"] = _zero_full(state)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     jdist.destroy_process_group()
