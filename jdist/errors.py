@@ -21,6 +21,7 @@ __all__ = [
     "StoreAuthError",
     "StoreValueTooLargeError",
     "StoreListenError",
+    "QueueEmptyError",
     "GroupMismatchError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -125,6 +126,12 @@ class StoreListenError(StoreError, OSError):
     pick another port (``port=0`` takes a free one; read it from ``TCPStore.port``) or
     stop the process that holds it.
     """
+
+
+class QueueEmptyError(StoreError):
+    """``store.queue_pop(key, block=False)`` found the queue empty (torch's
+    ``QueueEmptyError``, a ``DistStoreError``, "queue is empty"). Fix: pop with
+    ``block=True`` (waits up to the store timeout) or check ``queue_len`` first."""
 
 
 class GroupMismatchError(JdistError, ValueError, RuntimeError):

@@ -37,6 +37,8 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "StoreAuthError": (RuntimeError,),
     # (jdist only: the size cap) a failing store call: DistStoreError
     "StoreValueTooLargeError": (RuntimeError,),
+    # queue_pop(key, block=False) on an empty queue: QueueEmptyError, a DistStoreError
+    "QueueEmptyError": (RuntimeError,),
     # TCPStore on a busy port: DistNetworkError("The server socket has failed to listen")
     "StoreListenError": (RuntimeError, OSError),
     # get_backend(non-member group): ValueError("Invalid process group specified");

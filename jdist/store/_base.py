@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
-from jdist.errors import StoreTimeoutError
+from jdist.errors import QueueEmptyError, StoreTimeoutError
 
 __all__ = ["Store", "DEFAULT_TIMEOUT", "Timeout", "Value"]
 
@@ -86,6 +86,12 @@ def timeout_error(keys: Sequence[str], waited: float | None) -> StoreTimeoutErro
         f"wait timeout after {ms}ms, keys: {shown} (no process set them in time; check "
         f"that the process that sets them is running, or raise the timeout with "
         f"store.set_timeout(...) / the timeout argument)")
+
+
+def queue_empty_error(key: str) -> QueueEmptyError:
+    """The error of a non-blocking pop from an empty queue."""
+    return QueueEmptyError(f"queue is empty: queue_pop({key!r}, block=False) found no value; "
+                           f"pop with block=True to wait, or check queue_len() first")
 
 
 def parse_int(key: str, value: bytes) -> int:
@@ -226,6 +232,23 @@ class Store:
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of several keys, waiting (store timeout) until all are set."""
         raise self._missing("multi_get")
+
+    def queue_push(self, key: str, value: Value) -> None:
+        """Append ``value`` to the queue ``key`` (queues live beside the keys: ``get``
+        does not see them; ``check``/``wait`` count a non-empty queue as set)."""
+        raise NotImplementedError(f"queue support is not implemented. ({type(self).__name__} "
+                                  f"has no queues; use a TCPStore or HashStore)")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Take the oldest value of queue ``key``; with ``block``, wait up to the store
+        timeout for one (``StoreTimeoutError``), else raise ``QueueEmptyError``."""
+        raise NotImplementedError(f"queue support is not implemented. ({type(self).__name__} "
+                                  f"has no queues; use a TCPStore or HashStore)")
+
+    def queue_len(self, key: str) -> int:
+        """How many values queue ``key`` holds."""
+        raise NotImplementedError(f"queue support is not implemented. ({type(self).__name__} "
+                                  f"has no queues; use a TCPStore or HashStore)")
 
     def clone(self) -> Store:
         """Another handle on the same store, for use from another thread (as torch's)."""

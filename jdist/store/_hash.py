@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from jdist.store._base import (
@@ -15,6 +16,7 @@ from jdist.store._base import (
     kv_append,
     kv_compare_set,
     kv_delete,
+    queue_empty_error,
     timeout_error,
     to_key,
     to_keys,
@@ -35,12 +37,19 @@ class HashStore(Store):
     def __init__(self, timeout: Timeout = DEFAULT_TIMEOUT):
         super().__init__(timeout)
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, deque[bytes]] = {}
         self._cond = threading.Condition()
 
-    def _wait_locked(self, keys: list[str], timeout: Timeout) -> None:
+    def _is_set(self, key: str) -> bool:
+        return key in self._data or bool(self._queues.get(key))
+
+    def _wait_locked(self, keys: list[str], timeout: Timeout, queues: bool = False) -> None:
         secs = self._wait_seconds(timeout)
         start = time.monotonic()
-        ready = lambda: all(k in self._data for k in keys)
+        if queues:  # wait/check: a non-empty queue counts as set (torch)
+            ready = lambda: all(self._is_set(k) for k in keys)  # noqa: E731
+        else:
+            ready = lambda: all(k in self._data for k in keys)  # noqa: E731
         if not self._cond.wait_for(ready, secs):
             raise timeout_error(keys, time.monotonic() - start)
 
@@ -73,12 +82,12 @@ class HashStore(Store):
     def wait(self, keys: Sequence[str], timeout: Timeout = None) -> None:
         keys = to_keys(keys)
         with self._cond:
-            self._wait_locked(keys, timeout)
+            self._wait_locked(keys, timeout, queues=True)
 
     def check(self, keys: Sequence[str]) -> bool:
         keys = to_keys(keys)
         with self._cond:
-            return all(k in self._data for k in keys)
+            return all(self._is_set(k) for k in keys)
 
     def delete_key(self, key: str) -> bool:
         key = to_key(key)
@@ -111,6 +120,32 @@ class HashStore(Store):
             self._wait_locked(keys, None)
             return [self._data[k] for k in keys]
 
+    def queue_push(self, key: str, value: Value) -> None:
+        key, value = to_key(key), to_value(value)
+        with self._cond:
+            self._queues.setdefault(key, deque()).append(value)
+            self._cond.notify_all()
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = to_key(key)
+        with self._cond:
+            if not self._queues.get(key):
+                if not block:
+                    raise queue_empty_error(key)
+                secs, start = self._timeout_s, time.monotonic()
+                if not self._cond.wait_for(lambda: bool(self._queues.get(key)), secs):
+                    raise timeout_error([key], time.monotonic() - start)
+            q = self._queues[key]
+            value = q.popleft()
+            if not q:
+                del self._queues[key]
+            return value
+
+    def queue_len(self, key: str) -> int:
+        key = to_key(key)
+        with self._cond:
+            return len(self._queues.get(key, ()))
+
     def clone(self) -> HashStore:
         """Another handle on the same keys (torch's per-thread ``clone()``).
 
@@ -119,7 +154,7 @@ class HashStore(Store):
         """
         other = object.__new__(HashStore)
         other._timeout_s = self._timeout_s
-        other._data, other._cond = self._data, self._cond
+        other._data, other._queues, other._cond = self._data, self._queues, self._cond
         return other
 
     def __repr__(self) -> str:

@@ -97,6 +97,15 @@ class PrefixStore(Store):
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return self._store.multi_get([self._k(k) for k in to_keys(keys)])
 
+    def queue_push(self, key: str, value: Value) -> None:
+        self._store.queue_push(self._k(key), to_value(value))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self._store.queue_pop(self._k(key), block)
+
+    def queue_len(self, key: str) -> int:
+        return self._store.queue_len(self._k(key))
+
     def has_extended_api(self) -> bool:
         """The underlying store's answer."""
         return self._store.has_extended_api()

@@ -103,6 +103,7 @@ class StoreServer:
         self._token = token
         self._frame_cap = int(max_value_bytes) + wire.FRAME_OVERHEAD
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, deque[bytes]] = {}
         self._joined = 0
         self._watchers: dict[str, list[_Waiter]] = {}
         self._deadlines: list[tuple[float, int, _Waiter]] = []
@@ -379,9 +380,10 @@ class StoreServer:
             self._notify([k])
         elif op == Op.WAIT:
             ks = [_key(k) for k in args[0]]
-            self._park(conn, ks, args[1], lambda: [0, None])
+            self._park_on(conn, lambda: all(self._is_set(k) for k in ks), ks, args[1],
+                          lambda: [0, None])
         elif op == Op.CHECK:
-            self._ok(conn, all(_key(k) in d for k in args[0]))
+            self._ok(conn, all(self._is_set(_key(k)) for k in args[0]))
         elif op == Op.DELETE:
             self._ok(conn, kv_delete(d, _key(args[0])))
         elif op == Op.NUM_KEYS:
@@ -415,8 +417,33 @@ class StoreServer:
                           lambda: [0, self._joined])
         elif op == Op.PING:
             self._ok(conn, None)
+        elif op == Op.QUEUE_PUSH:
+            k = _key(args[0])
+            self._queues.setdefault(k, deque()).append(_val(args[1]))
+            self._ok(conn, None)
+            self._notify([k])
+        elif op == Op.QUEUE_POP:
+            k, block = _key(args[0]), args[1]
+            if not block and not self._queues.get(k):
+                self._reply(conn, [1, "empty", k])
+            else:
+                self._park_on(conn, lambda: bool(self._queues.get(k)), [k], args[2],
+                              lambda: [0, self._pop(k)])
+        elif op == Op.QUEUE_LEN:
+            self._ok(conn, len(self._queues.get(_key(args[0]), ())))
         else:
             raise _Protocol(op)
+
+    def _is_set(self, k: str) -> bool:
+        """A key is set, or a queue of that name holds a value (torch's check/wait)."""
+        return k in self._data or bool(self._queues.get(k))
+
+    def _pop(self, k: str) -> bytes:
+        q = self._queues[k]
+        v = q.popleft()
+        if not q:
+            del self._queues[k]
+        return v
 
     def _ok(self, conn: _Conn, result) -> None:
         self._reply(conn, [0, result])

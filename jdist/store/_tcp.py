@@ -20,8 +20,8 @@ Differences from torch (documented on purpose):
   ``TimeoutError``; torch: ``DistStoreError``) naming the keys and the time waited;
 - after a lost connection the next request reconnects (within 2 s) instead of failing
   for good;
-- the queue API (``queue_push``/``queue_pop``/``queue_len``), ``barrier`` and
-  ``master_listen_fd`` are not provided; ``use_libuv`` is accepted and ignored.
+- ``barrier`` and ``master_listen_fd`` are not provided; ``use_libuv`` is accepted and
+  ignored.
 
 A client object is safe to share between threads (one request at a time under a lock;
 a thread blocked in ``get`` holds it), and ``clone()`` gives a second connection for a
@@ -45,6 +45,7 @@ from jdist.store._base import (
     Store,
     Timeout,
     Value,
+    queue_empty_error,
     timeout_error,
     to_key,
     to_keys,
@@ -204,6 +205,8 @@ class _Client:
             raise _ServerTimeout()
         if kind == "value":
             raise ValueError(msg)
+        if kind == "empty":
+            raise queue_empty_error(msg)
         if kind == "size":
             self.close()
             raise StoreValueTooLargeError(f"the {self.where()} refused the request: {msg}")
@@ -439,6 +442,22 @@ class TCPStore(Store):
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         keys = to_keys(keys)
         return self._blocking(Op.MULTI_GET, keys, None, keys)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self._call([Op.QUEUE_PUSH, to_key(key), self._check_size(to_value(value))])
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        key = to_key(key)
+        if not block:
+            return self._call([Op.QUEUE_POP, key, False, None])
+        secs, start = self._timeout_s, time.monotonic()
+        try:
+            return self._call([Op.QUEUE_POP, key, True, secs], wait=secs)
+        except _ServerTimeout:
+            raise timeout_error([key], time.monotonic() - start) from None
+
+    def queue_len(self, key: str) -> int:
+        return self._call([Op.QUEUE_LEN, to_key(key)])
 
     def ping(self, timeout: Timeout = 10.0) -> None:
         """Round-trip a no-op request (raises StoreError if the server is gone)."""

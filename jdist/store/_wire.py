@@ -16,7 +16,8 @@ one side is refused by that side.
 
 After it, each request and reply is a frame: a 4-byte big-endian length and a msgpack
 array. Requests are ``[op, *args]``; replies ``[0, result]`` or
-``[1, kind, message]`` with kind ``"timeout"``, ``"value"`` or ``"size"``.
+``[1, kind, message]`` with kind ``"timeout"``, ``"value"``, ``"size"`` or ``"empty"``
+(a non-blocking ``queue_pop`` of an empty queue).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class Op:
     JOIN = 13
     WAIT_WORKERS = 14
     PING = 15
+    QUEUE_PUSH = 16
+    QUEUE_POP = 17
+    QUEUE_LEN = 18
 
 
 def resolve_token(auth_token: str | bytes | None) -> bytes | None:

@@ -11,11 +11,12 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 
-from jdist.errors import StoreError, StoreListenError, StoreTimeoutError
+from jdist.errors import QueueEmptyError, StoreError, StoreListenError, StoreTimeoutError
 from jdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, free_port
 
 
@@ -115,6 +116,59 @@ def test_store_base_cases(kind):
     assert isinstance(b, Store)
     fs.set("foo", "bar")
     assert b.get("foo") == b"bar"
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_store_queues(kind):
+    """StoreTestBase: test_queues, test_queues_nonblocking, test_queues_bidirectional,
+    test_queues_timeout. torch's FileStore has no queues (its tests skip): neither has
+    jdist's, with torch's NotImplementedError."""
+    store = MAKERS[kind]()
+    if kind.endswith("file"):
+        with pytest.raises(NotImplementedError, match="queue support is not implemented"):
+            store.queue_push("test_queue_support", "1")
+        return
+    # test_queues
+    assert not store.check(["foo"])
+    assert store.queue_len("foo") == 0
+    store.queue_push("foo", "1")
+    store.queue_push("foo", "2")
+    assert store.check(["foo"])
+    assert store.queue_len("foo") == 2
+    store.wait(["foo"])
+    assert store.queue_pop("foo") == b"1"
+    assert store.queue_pop("foo") == b"2"
+    assert not store.check(["foo"])
+    assert store.queue_len("foo") == 0
+    # test_queues_nonblocking
+    with pytest.raises(QueueEmptyError, match="empty"):
+        store.queue_pop("foo", block=False)
+    store.queue_push("foo", "a")
+    assert store.queue_pop("foo", block=False) == b"a"
+    # test_queues_bidirectional
+
+    def worker_a():
+        local = store.clone()
+        local.queue_push("a", "a1")
+        assert local.queue_pop("b") == b"b1"
+
+    def worker_b():
+        local = store.clone()
+        assert local.queue_pop("a") == b"a1"
+        local.queue_push("b", "b1")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for fut in [pool.submit(worker_a), pool.submit(worker_b)]:
+            fut.result(timeout=60)
+    # test_queues_timeout
+    store.set_timeout(timedelta(seconds=0.01))
+    with pytest.raises(StoreTimeoutError, match="timeout"):
+        store.queue_pop("non_existant")
+    assert isinstance(QueueEmptyError("x"), StoreError)  # torch: a DistStoreError
+    # a queue lives beside the keys: a plain key of the same name is untouched
+    store.set("k", "v")
+    store.queue_push("k", "x")
+    assert store.get("k") == b"v" and store.queue_len("k") == 1
 
 
 def test_clone_from_another_thread():
