@@ -61,6 +61,24 @@ def bind_listener(host: str, port: int) -> socket.socket:
     raise err from last
 
 
+def adopt_listener(fd: int, port: int) -> socket.socket:
+    """A bound TCP socket handed over as a file descriptor (torch's ``master_listen_fd``),
+    made listening and non-blocking; it must be bound to ``port``."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise StoreListenError(f"master_listen_fd={fd} is not an open socket: {e}; pass the "
+                               f"fd of a bound TCP socket (sock.detach())") from e
+    bound = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+    if bound != port:
+        sock.detach()
+        raise ValueError(f"master_listen_fd={fd} is bound to port {bound}, but port={port}; "
+                         f"pass the port the socket is bound to")
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
 class _Conn:
     __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "deadline", "waiter",
                  "closing", "dead", "writing")
@@ -96,9 +114,11 @@ class StoreServer:
       max_value_bytes: largest accepted value; bigger frames are refused.
     """
 
-    def __init__(self, host: str, port: int, token: bytes | None, max_value_bytes: int):
+    def __init__(self, host: str, port: int, token: bytes | None, max_value_bytes: int,
+                 listen_fd: int | None = None):
         self.host = host
-        self._listener = bind_listener(host, port)
+        self._listener = bind_listener(host, port) if listen_fd is None else adopt_listener(
+            listen_fd, port)
         self.port: int = self._listener.getsockname()[1]
         self._token = token
         self._frame_cap = int(max_value_bytes) + wire.FRAME_OVERHEAD

@@ -20,8 +20,7 @@ Differences from torch (documented on purpose):
   ``TimeoutError``; torch: ``DistStoreError``) naming the keys and the time waited;
 - after a lost connection the next request reconnects (within 2 s) instead of failing
   for good;
-- ``barrier`` and ``master_listen_fd`` are not provided; ``use_libuv`` is accepted and
-  ignored.
+- ``barrier`` is not provided; ``use_libuv`` is accepted and ignored.
 
 A client object is safe to share between threads (one request at a time under a lock;
 a thread blocked in ``get`` holds it), and ``clone()`` gives a second connection for a
@@ -75,14 +74,14 @@ class _ServerHandle:
 
 
 def _start_server(host: str, port: int, token: bytes | None, cap: int,
-                  multi_tenant: bool) -> _ServerHandle:
+                  multi_tenant: bool, listen_fd: int | None = None) -> _ServerHandle:
     with _servers_lock:
         if multi_tenant and port:
             ref = _servers.get((host, port))
             handle = ref() if ref is not None else None
             if handle is not None:
                 return handle
-        handle = _ServerHandle(StoreServer(host, port, token, cap))
+        handle = _ServerHandle(StoreServer(host, port, token, cap, listen_fd))
         _servers[(host, handle.server.port)] = weakref.ref(handle)
         return handle
 
@@ -269,7 +268,8 @@ class TCPStore(Store):
         (``timedelta`` or seconds; default 300 s).
       wait_for_workers: see ``world_size``.
       multi_tenant: reuse a server this process already runs on ``host_name:port``.
-      master_listen_fd: not supported (must be None).
+      master_listen_fd: a bound TCP socket's file descriptor for the master to listen
+        on (it takes the socket over), as torch's; ``port`` is the port it is bound to.
       use_libuv: accepted for torch compatibility and ignored.
       auth_token: the shared secret; default ``$JDIST_AUTH_TOKEN``; with neither, the
         store runs without one (only clients without a secret can then connect).
@@ -289,10 +289,9 @@ class TCPStore(Store):
                  max_value_bytes: int = wire.DEFAULT_MAX_VALUE_BYTES):
         super().__init__(timeout)
         del use_libuv
-        if master_listen_fd is not None:
-            raise NotImplementedError(
-                f"master_listen_fd={master_listen_fd!r} is not supported; pass "
-                f"is_master=True with the port to listen on (0 = a free one)")
+        if master_listen_fd is not None and not is_master:
+            raise ValueError(f"master_listen_fd={master_listen_fd!r} needs is_master=True "
+                             f"(only the master listens)")
         if not isinstance(host_name, str) or not host_name and not is_master:
             raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
         if world_size is not None and (isinstance(world_size, bool)
@@ -317,7 +316,8 @@ class TCPStore(Store):
         self._cap = max_value_bytes
         self._server: _ServerHandle | None = None
         if is_master:
-            self._server = _start_server(host_name, port, token, max_value_bytes, multi_tenant)
+            self._server = _start_server(host_name, port, token, max_value_bytes, multi_tenant,
+                                         master_listen_fd)
             port = self._server.server.port
         self._port = port
         self._client = _Client(_connect_host(host_name), port, token, max_value_bytes,

@@ -232,6 +232,23 @@ def test_tcp_store_address_already_in_use():
     TCPStore("localhost", 0, 1, True, use_libuv=True).close()
 
 
+def test_tcp_store_take_over_listen_socket():
+    """TCPStoreTest.test_take_over_listen_socket."""
+    import socket
+
+    listen_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen_sock.bind(("localhost", 0))
+    addr, port, *_ = listen_sock.getsockname()
+    listen_fd = listen_sock.detach()
+    store = TCPStore(addr, port, 1, is_master=True, master_listen_fd=listen_fd)
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    client = TCPStore(addr, port, 1)
+    assert client.get("key") == b"value"
+    client.close()
+    store.close()
+
+
 def test_tcp_store_timeout_on_missing_clients():
     """TCPStoreTest.test_store_timeout_on_missing_clients."""
     start = time.monotonic()
