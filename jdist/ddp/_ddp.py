@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
 from jdist.collectives._group import ProcessGroup
+from jdist.ddp._binding import Binder, Binding
+from jdist.ddp._binding import merge as _merge
+from jdist.ddp._binding import split as _split
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._shell import EngineShell
 
@@ -38,15 +39,6 @@ def leaf_infos(params: Any) -> list[LeafInfo]:
     return out
 
 
-def _split(module):
-    return nnx.split(module, nnx.Param, ...)
-
-
-def _merge(gdef, *states):
-    """``nnx.merge`` with fresh Variables created at the current trace level."""
-    return nnx.merge(gdef, *(jax.tree.map(lambda x: x, s) for s in states))
-
-
 class _StaticKey:
     """A program-cache key whose hash is computed once (hashing a GraphDef walks it)."""
 
@@ -64,93 +56,11 @@ class _StaticKey:
             self.parts is other.parts or self.parts == other.parts)
 
 
-_DIRECT_SET = [True]  # whether Variables keep their array in ``_raw_value`` (flax 0.12)
-
-
-class _Slots:
-    """The Variables of a graph node behind one split ``State``, read and written in place.
-
-    ``nnx.split``/``nnx.update`` walk the whole object graph (about 0.2 ms for a small
-    MLP, per call and per object); a step function instead finds the Variables once, reads
-    their values into the split state's tree structure and writes results back into the
-    same Variables. Like ``nnx.cached_partial`` (and torch's DDP, whose hooks are bound to
-    the parameters at construction) this assumes the graph keeps its Variables: values
-    may change between steps, a replaced Variable or submodule is not seen.
-    """
-
-    __slots__ = ("variables", "treedef")
-
-    def __init__(self, node: Any, state: Any):
-        _, flat = graphlib.flatten(node, with_paths=True)
-        by_path = dict(zip(flat.paths, flat.leaves, strict=True))
-        self.variables = [by_path[p] for p in nnx.to_flat_state(state).paths]
-        self.treedef = jax.tree.structure(state)
-
-    @staticmethod
-    def usable(state: Any) -> bool:
-        """Whether every Variable holds one plain array (not a ref, tuple or lazy value)."""
-        values = [v.get_raw_value() for _, v in nnx.to_flat_state(state)]
-        return len(values) == len(jax.tree.leaves(state)) and all(
-            isinstance(x, (jax.Array, np.ndarray)) for x in values)
-
-    def read(self) -> Any:
-        return jax.tree.unflatten(self.treedef, self.values())
-
-    def values(self) -> list:
-        """The Variables' arrays, in the state's leaf order (no ``State`` is built)."""
-        return [v.get_raw_value() for v in self.variables]
-
-    def write_values(self, values: list) -> None:
-        """Set the Variables' arrays. The first goes through ``set_raw_value`` (which checks
-        that this trace level may mutate them); the others, bound to the same module at
-        the same level, are set directly: flax's per-Variable checks were two thirds of
-        the Python time of a small model's step."""
-        if len(values) != len(self.variables):
-            raise ValueError(f"{len(values)} values for {len(self.variables)} Variables")
-        for i, (v, x) in enumerate(zip(self.variables, values, strict=True)):
-            if i == 0 or not _DIRECT_SET[0]:
-                v.set_raw_value(x)
-                continue
-            object.__setattr__(v, "_raw_value", x)
-            if v.get_raw_value() is not x:  # a flax without that slot: use its setter
-                _DIRECT_SET[0] = False
-                v.set_raw_value(x)
-
-    def write(self, state: Any) -> bool:
-        """Write ``state``'s values into the Variables; ``False`` (nothing written) when
-        its structure is not the one read (the step added or removed variables)."""
-        leaves, treedef = jax.tree.flatten(state)
-        if treedef != self.treedef:
-            return False
-        self.write_values(leaves)
-        return True
-
-
 def _leaves_or_tree(tree: Any, treedef: Any) -> Any:
     """``tree``'s leaves when it has the structure read at bind time, else ``tree`` itself
-    (the step added or removed variables: the caller falls back to ``nnx.update``)."""
+    (the step added or removed variables: the binding writes it with ``nnx.update``)."""
     leaves, got = jax.tree.flatten(tree)
     return leaves if got == treedef else tree
-
-
-class _Bound:
-    """One step function's view of the module (and optimizer), found at its first call."""
-
-    def __init__(self, module: nnx.Module, optimizer: Any = None):
-        self.gdef, params, buffers = _split(module)
-        states = [params, buffers]
-        self.ogdef = None
-        if optimizer is not None:
-            self.ogdef, ostate = nnx.split(optimizer)
-            states.append(ostate)
-        self.fast = all(_Slots.usable(s) for s in states)
-        if self.fast:
-            try:  # graphlib.flatten is flax-internal: a future flax falls back to split/update
-                self.params = _Slots(module, params)
-                self.buffers = _Slots(module, buffers)
-                self.opt = None if optimizer is None else _Slots(optimizer, ostate)
-            except (AttributeError, TypeError, KeyError, ValueError):
-                self.fast = False
 
 
 def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
@@ -287,24 +197,18 @@ class DistributedDataParallel(EngineShell):
         ``(loss, None)`` after accumulating this replica's gradients locally.
         """
 
-        bound: list = []  # found at the first call
+        binder = Binder(self.module)
 
         def f(batch, *args):
             self._engine.remember(f, batch, args)
-            if not bound:
-                b = _Bound(self.module)
-                bound.append((b, _StaticKey("vg", b.gdef, loss_fn, has_aux),
-                              self._loss(b.gdef, loss_fn, has_aux)))
-            b, key, pure = bound[0]
-            if b.fast:
-                params, buffers = b.params.read(), b.buffers.read()
-            else:
-                gdef, params, buffers = _split(self.module)
-                key, pure = ("vg", gdef, loss_fn, has_aux), self._loss(gdef, loss_fn, has_aux)
+            b = binder.get()
+            if "vg" not in b.cache:
+                b.cache["vg"] = (_StaticKey("vg", b.gdef, loss_fn, has_aux),
+                                 self._loss(b.gdef, loss_fn, has_aux))
+            key, pure = b.cache["vg"]
+            params, buffers = b.read(flat=False)
             out = self._engine.grad_step(key, pure, params, buffers, batch, args)
-            if not (b.fast and b.buffers.write(out["buffers"])):
-                nnx.update(self.module, out["buffers"])
-                bound.clear()  # the structure may have changed: find the Variables again
+            binder.write(b, out["buffers"])
             value = (out["loss"], out["aux"]) if has_aux else out["loss"]
             return value, out["grads"]
 
@@ -335,85 +239,59 @@ class DistributedDataParallel(EngineShell):
                 "wrt=nnx.Param)")
 
         sharded, upd_kw = _sharded_optimizer(optimizer.tx, self.process_group)
-
-        def pieces(gdef, ogdef):
-            def update(p, grads, os, b):
-                model = _merge(gdef, p, b)
-                opt = nnx.merge(ogdef, os)
-                opt.update(model, grads, **upd_kw)
-                return _split(model)[1], nnx.split(opt)[1]
-
-            return (_StaticKey("train", gdef, ogdef, loss_fn, has_aux),
-                    self._loss(gdef, loss_fn, has_aux), update)
-
-        def flat_pieces(b):
-            """``pieces`` over flat lists of arrays: the ``State`` trees are rebuilt at
-            trace time only, so a step neither builds nor flattens ``State`` objects (and
-            their Variables) in Python (about half of DDP's per-step host time)."""
-            key, pure, update = pieces(b.gdef, b.ogdef)
-            pt, bt, ot = b.params.treedef, b.buffers.treedef, b.opt.treedef
-
-            def fpure(p, bufs, batch, extra):
-                value, (aux, new_b) = pure(jax.tree.unflatten(pt, p),
-                                           jax.tree.unflatten(bt, bufs), batch, extra)
-                return value, (aux, _leaves_or_tree(new_b, bt))
-
-            def fupdate(p, grads, os, bufs):
-                new_p, new_o = update(jax.tree.unflatten(pt, p), jax.tree.unflatten(pt, grads),
-                                      jax.tree.unflatten(ot, os), jax.tree.unflatten(bt, bufs))
-                return _leaves_or_tree(new_p, pt), _leaves_or_tree(new_o, ot)
-
-            return _StaticKey("flat", key, pt, bt, ot), fpure, fupdate
-
-        bound: list = []  # found at the first call: the module's and optimizer's Variables
+        flat = not sharded  # a sharded (ZeRO) state needs its tree for its PartitionSpecs
+        binder = Binder(self.module, optimizer)
 
         def step(batch, *args):
             self._engine.remember(step, batch, args)
-            if not bound:
-                b = _Bound(self.module, optimizer)
-                bound.append((b, *(flat_pieces(b) if b.fast and not sharded
-                                   else pieces(b.gdef, b.ogdef))))
-            b, key, pure, update = bound[0]
-            if b.fast and not sharded:
-                out = self._engine.grad_step(key, pure, b.params.values(), b.buffers.values(),
-                                             batch, args, update=update,
-                                             opt_state=b.opt.values())
-                new_b, new_p, new_o = out["buffers"], out["params"], out["opt_state"]
-                synced = self._engine.require_backward_grad_sync
-                if isinstance(new_b, list):
-                    b.buffers.write_values(new_b)
-                else:  # the step changed the module's variables: nnx.update, bind again
-                    nnx.update(self.module, new_b)
-                    bound.clear()
-                if synced and isinstance(new_p, list) and isinstance(new_o, list):
-                    b.params.write_values(new_p)
-                    b.opt.write_values(new_o)
-                elif synced:
-                    as_tree = (lambda x, t: jax.tree.unflatten(t.treedef, x)
-                               if isinstance(x, list) else x)
-                    nnx.update(self.module, as_tree(new_p, b.params))
-                    nnx.update(optimizer, as_tree(new_o, b.opt))
-                    bound.clear()
-                return (out["loss"], out["aux"]) if has_aux else out["loss"]
-            if b.fast:
-                params, buffers, ostate = b.params.read(), b.buffers.read(), b.opt.read()
-            else:
-                gdef, params, buffers = _split(self.module)
-                ogdef, ostate = nnx.split(optimizer)
-                key, pure, update = pieces(gdef, ogdef)
+            b = binder.get()
+            if "train" not in b.cache:
+                b.cache["train"] = self._train_pieces(b, loss_fn, has_aux, upd_kw, flat)
+            key, pure, update = b.cache["train"]
+            params, buffers, ostate = b.read(flat)
             specs = optimizer.tx.state_partition_specs(ostate) if sharded else None
             out = self._engine.grad_step(key, pure, params, buffers, batch, args,
                                          update=update, opt_state=ostate, opt_specs=specs)
-            synced = self._engine.require_backward_grad_sync
-            if not (b.fast and b.buffers.write(out["buffers"])):
-                nnx.update(self.module, out["buffers"])
-                bound.clear()  # the structure may have changed: find the Variables again
-            if synced and not (b.fast and b.params.write(out["params"])
-                               and b.opt.write(out["opt_state"])):
-                nnx.update(self.module, out["params"])
-                nnx.update(optimizer, out["opt_state"])
-                bound.clear()
+            if self._engine.require_backward_grad_sync:
+                binder.write(b, out["buffers"], out["params"], out["opt_state"])
+            else:  # no_sync: gradients only accumulate, parameters stay
+                binder.write(b, out["buffers"])
             return (out["loss"], out["aux"]) if has_aux else out["loss"]
 
         return step
 
+    def _train_pieces(self, b: Binding, loss_fn: Callable, has_aux: bool, upd_kw: dict,
+                      flat: bool) -> tuple:
+        """``(key, loss, update)`` of a train step for binding ``b``.
+
+        ``update(params, grads, opt_state, buffers) -> (params, opt_state)`` runs
+        ``nnx.Optimizer.update`` on a merged module. With ``flat`` (and a fast binding)
+        both take and return flat lists of arrays, the ``State`` trees being rebuilt at
+        trace time only, so a step neither builds nor flattens ``State`` objects in
+        Python (about half of DDP's per-step host time).
+        """
+        gdef, ogdef = b.gdef, b.ogdef
+        pure = self._loss(gdef, loss_fn, has_aux)
+
+        def update(p, grads, os, bufs):
+            model = _merge(gdef, p, bufs)
+            opt = nnx.merge(ogdef, os)
+            opt.update(model, grads, **upd_kw)
+            return _split(model)[1], nnx.split(opt)[1]
+
+        key = _StaticKey("train", gdef, ogdef, loss_fn, has_aux)
+        if not (flat and b.fast):
+            return key, pure, update
+        pt, bt, ot = b.treedefs
+
+        def fpure(p, bufs, batch, extra):
+            value, (aux, new_b) = pure(jax.tree.unflatten(pt, p), jax.tree.unflatten(bt, bufs),
+                                       batch, extra)
+            return value, (aux, _leaves_or_tree(new_b, bt))
+
+        def fupdate(p, grads, os, bufs):
+            new_p, new_o = update(jax.tree.unflatten(pt, p), jax.tree.unflatten(pt, grads),
+                                  jax.tree.unflatten(ot, os), jax.tree.unflatten(bt, bufs))
+            return _leaves_or_tree(new_p, pt), _leaves_or_tree(new_o, ot)
+
+        return _StaticKey("flat", key, pt, bt, ot), fpure, fupdate
