@@ -158,10 +158,35 @@ class Future(Generic[T]):
             try:
                 nxt.set_result(callback(f))
             except BaseException as e:  # noqa: BLE001 - forwarded to the waiter
-                nxt.set_exception(e)
+                nxt.set_exception(e if f._exc is e else as_runtime_error(e))
 
         self.add_done_callback(chain)
         return nxt
+
+
+_RUNTIME_VARIANTS: dict[type, type] = {}
+
+
+def as_runtime_error(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of its own type *and* ``RuntimeError`` (torch reports an
+    error raised in a ``then`` callback as ``RuntimeError``; ``except TypeError`` still
+    works). Returned as is when already a RuntimeError or when no such type can exist."""
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    cls = type(exc)
+    try:
+        variant = _RUNTIME_VARIANTS.get(cls)
+        if variant is None:
+            variant = _RUNTIME_VARIANTS[cls] = type(cls.__name__, (cls, RuntimeError),
+                                                    {"__module__": cls.__module__})
+        new = variant.__new__(variant, *exc.args)
+        new.args = exc.args
+        new.__dict__.update(getattr(exc, "__dict__", {}))
+    except TypeError:  # a layout that cannot be combined with RuntimeError
+        return exc
+    new.__cause__ = exc
+    new.__traceback__ = exc.__traceback__
+    return new
 
 
 def _safe_call(cb: Callable[[Future], Any], fut: Future) -> None:

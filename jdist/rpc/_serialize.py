@@ -30,10 +30,19 @@ _LOAD = threading.local()  # the agent decoding in this thread (for RRefs)
 _jax_types: tuple = ()
 
 
+def _imported(name: str) -> bool:
+    """Whether module ``name`` is imported *completely*: while another thread is still
+    running its import, importing from it here would break that import (a "partially
+    initialized module" error in the importing thread), and no array of it exists yet."""
+    mod = sys.modules.get(name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing",
+                                           False)
+
+
 def _jax_array_types() -> tuple:
     """Concrete jax array types, once jax is imported (never imports jax itself)."""
     global _jax_types
-    if not _jax_types and "jax" in sys.modules:
+    if not _jax_types and _imported("jax"):
         try:
             from jax._src.array import ArrayImpl
 

@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from jdist.errors import DistAutogradError
+from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._context import DistAutogradContext as DistAutogradContext
 from jdist.rpc.autograd._ddp_stage import ddp_stage as ddp_stage
@@ -161,6 +161,12 @@ def backward(context_id: int, loss_fn: Any, *args: Any, has_aux: bool = False,
         raise DistAutogradError("No tensors provided for gradient computation: jdist's "
                                 "backward(context_id, loss_fn, *args) takes the function that "
                                 "computes the loss")
+    if isinstance(loss_fn, (list, tuple)):
+        raise LossTypeError(f"requires_grad not set on the arrays given: jdist arrays carry no "
+                            f"autograd graph, so torch's list of loss tensors "
+                            f"({type(loss_fn).__name__} of {len(loss_fn)}) cannot be "
+                            "differentiated; pass the function that computes the loss, "
+                            "backward(context_id, loss_fn, *args)")
     ctx = _lookup(context_id, agent)
     if not callable(loss_fn):
         raise TypeError(f"backward(): incompatible function arguments: loss_fn must be "
