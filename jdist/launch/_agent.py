@@ -50,6 +50,7 @@ __all__ = ["run", "LaunchError"]
 _POLL_S = 0.05
 _REMOTE_POLL_S = 0.2
 _BEAT_S = 1.0
+_LAST_CALL_S = 30.0  # --nnodes MIN:MAX: wait this long for more nodes once MIN joined
 
 
 class LaunchError(RuntimeError):
@@ -77,6 +78,8 @@ class _Agent:
         self.store: Store = PrefixStore("jdist-run", self._open_store(env_token))
         self.round = 0
         self.silent_node: int | None = None
+        self.members: list[int] = list(range(cfg.nnodes))  # node ranks of this attempt
+        self.lock = threading.Lock()
         self._stop_beats = threading.Event()
 
     # --- heartbeats ----------------------------------------------------------------------
@@ -88,24 +91,35 @@ class _Agent:
 
     def _beat_loop(self, store: Store) -> None:
         cfg = self.cfg
-        others = [i for i in range(cfg.nnodes) if i != cfg.node_rank]
-        seen = {i: (-1, time.monotonic()) for i in others}
+        seen: dict[int, tuple[int, float]] = {}
+        dead: set[int] = set()
         try:
             while not self._stop_beats.wait(_BEAT_S):
                 store.add(f"hb/{cfg.node_rank}", 1)
                 now = time.monotonic()
-                for i in others:
+                with self.lock:
+                    members = list(self.members)
+                for i in members:
+                    if i == cfg.node_rank or i in dead:
+                        continue
                     count = store.add(f"hb/{i}", 0)
-                    if count != seen[i][0]:
+                    if count != seen.get(i, (-1, now))[0]:
                         seen[i] = (count, now)
                     elif now - seen[i][1] > cfg.heartbeat_timeout:
+                        dead.add(i)
                         self.silent_node = i
+                        if store.add(f"node/{i}/reported", 1) > 1:
+                            continue  # another launcher reported it (maybe a round ago)
                         how = (f"stopped: the launcher of node {i} stopped responding (no "
                                f"heartbeat for {now - seen[i][1]:.0f}s)")
                         blob = json.dumps(Failure(-1, -1, i, 1, how, "", self.round)._asdict())
-                        store.set("job/abort", "1")
+                        store.set(f"node/{i}/dead", "1")
+                        alive = len([m for m in members if m not in dead])
+                        if alive < cfg.min_nodes:
+                            store.set("job/abort", "1")
                         store.compare_set(f"round/{self.round}/failed", "", blob)
-                        return
+                        if alive < cfg.min_nodes:
+                            return
         except (StoreError, OSError):
             return  # the store host is gone; the main loop finds out by itself
         finally:
@@ -142,20 +156,24 @@ class _Agent:
             s.multi_set(["job/token", "job/run_id", "job/max_restarts", "job/nnodes"],
                         [token, cfg.run_id or secrets.token_hex(8), str(cfg.max_restarts),
                      str(cfg.nnodes)])
-        keys = [f"node/{i}/nproc" for i in range(cfg.nnodes)]
+        if cfg.node_rank == 0:
+            s.set("round/0/members", json.dumps(self._gather()))
         try:
-            s.wait(keys + ["job/token"], cfg.rdzv_timeout)
+            s.wait(["job/token", "round/0/members"], cfg.rdzv_timeout)
         except StoreTimeoutError:
-            missing = [i for i, k in enumerate(keys) if not s.check([k])]
-            raise LaunchError(
-                f"node ranks {missing} did not join within --rdzv-timeout "
-                f"{cfg.rdzv_timeout:g}s; start one launcher per node rank with the same "
-                f"--nnodes/--master-addr/--master-port") from None
+            raise LaunchError(f"node 0 did not start the job within --rdzv-timeout "
+                              f"{cfg.rdzv_timeout:g}s") from None
         nnodes0 = int(s.get("job/nnodes"))
         if nnodes0 != cfg.nnodes:
             raise LaunchError(f"node 0 runs --nnodes {nnodes0} but this launcher "
                               f"--nnodes {cfg.nnodes}; use the same value everywhere")
-        nprocs = [int(v) for v in s.multi_get(keys)]
+        members = json.loads(s.get("round/0/members"))
+        if cfg.node_rank not in members:
+            raise LaunchError(f"node {cfg.node_rank} joined after the job started with nodes "
+                              f"{members} (--nnodes {cfg.min_nodes}:{cfg.nnodes}); start it "
+                              f"within the rendezvous, or restart the job")
+        keys = [f"node/{i}/nproc" for i in range(cfg.nnodes)]
+        nprocs = [int(s.get(k)) if s.check([k]) else 0 for k in keys]
         token, run_id, max_restarts = (v.decode() for v in
                                        s.multi_get(["job/token", "job/run_id",
                                                     "job/max_restarts"]))
@@ -163,6 +181,37 @@ class _Agent:
             _say(f"node 0 runs --max-restarts {max_restarts}; using it instead of "
                  f"{cfg.max_restarts}")
         return nprocs, token, run_id, int(max_restarts)
+
+    def _gather(self) -> list[int]:
+        """Node 0: the node ranks that joined (all of them, or at least ``min_nodes``
+        and whoever else arrives within the last call)."""
+        cfg, s = self.cfg, self.store
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        last_call = None
+        while True:
+            joined = [i for i in range(cfg.nnodes) if s.check([f"node/{i}/nproc"])]
+            now = time.monotonic()
+            if len(joined) == cfg.nnodes:
+                return joined
+            if len(joined) >= cfg.min_nodes:
+                last_call = last_call or now + min(_LAST_CALL_S, cfg.rdzv_timeout)
+                if now > last_call:
+                    _say(f"starting with nodes {joined} of --nnodes "
+                         f"{cfg.min_nodes}:{cfg.nnodes}")
+                    return joined
+            if now > deadline:
+                missing = [i for i in range(cfg.nnodes) if i not in joined]
+                raise LaunchError(
+                    f"node ranks {missing} did not join within --rdzv-timeout "
+                    f"{cfg.rdzv_timeout:g}s; start one launcher per node rank with the same "
+                    f"--nnodes/--master-addr/--master-port")
+            time.sleep(_POLL_S)
+
+    def live(self) -> list[int]:
+        """This attempt's nodes that are not known to be gone."""
+        with self.lock:
+            members = list(self.members)
+        return [i for i in members if not self.store.check([f"node/{i}/dead"])]
 
     # --- one attempt ---------------------------------------------------------------------
     def start(self, job: JobInfo) -> WorkerGroup:
@@ -213,7 +262,7 @@ class _Agent:
         while True:  # wait for the other nodes: they may still fail
             if s.check([failed_key]):
                 return Failure(**json.loads(s.get(failed_key)))
-            if s.add(f"round/{r}/done", 0) >= cfg.nnodes:
+            if s.add(f"round/{r}/done", 0) >= len(self.live()):
                 return None
             time.sleep(_REMOTE_POLL_S)
 
@@ -222,8 +271,8 @@ class _Agent:
         cfg, s = self.cfg, self.store
         s.add(f"round/{r}/stopped", 1)
         deadline = time.monotonic() + cfg.rdzv_timeout
-        while s.add(f"round/{r}/stopped", 0) < cfg.nnodes:
-            if self.silent_node is not None:
+        while s.add(f"round/{r}/stopped", 0) < len(live := self.live()):
+            if len(live) < cfg.min_nodes:
                 raise LaunchError(f"the launcher of node {self.silent_node} stopped "
                                   f"responding; cannot restart without it")
             if time.monotonic() > deadline:
@@ -235,9 +284,9 @@ class _Agent:
         """Say goodbye; node 0 keeps its store up until the others left (or 10 s)."""
         try:
             self.store.add("job/exited", 1)
-            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1 and self.silent_node is None:
+            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1:  # (lost nodes are not waited for)
                 deadline = time.monotonic() + 10.0
-                while (self.store.add("job/exited", 0) < self.cfg.nnodes
+                while (self.store.add("job/exited", 0) < len(self.live())
                        and time.monotonic() < deadline):
                     time.sleep(_POLL_S)
         except StoreError:
@@ -282,24 +331,41 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         nprocs, token, run_id, max_restarts = agent.rendezvous()
         s = agent.store
         agent.start_heartbeats()
-        world = sum(nprocs)
-        offset = sum(nprocs[:cfg.node_rank])
+        used = 0  # restarts spent on failures (a lost node of MIN:MAX spends none)
         while True:
             if cfg.node_rank == 0:
+                if r > 0:
+                    s.set(f"round/{r}/members", json.dumps(agent.live()))
                 s.set(f"round/{r}/port", str(free_port(cfg.master_addr)))
             port = int(s.get(f"round/{r}/port"))
+            members = json.loads(s.get(f"round/{r}/members"))
+            with agent.lock:
+                agent.members = members
             agent.round = r
-            job = JobInfo(world, offset, cfg.nnodes, cfg.node_rank, cfg.nproc_per_node,
-                          cfg.master_addr, port, token, run_id, r, max_restarts)
+            mine = members.index(cfg.node_rank)
+            job = JobInfo(sum(nprocs[i] for i in members),
+                          sum(nprocs[i] for i in members[:mine]), len(members), mine,
+                          cfg.nproc_per_node, cfg.master_addr, port, token, run_id, r,
+                          max_restarts)
             failure = agent.watch(agent.start(job), r)
             agent.group = None
             if failure is None:
                 agent.finish()
                 return 0
-            if r < max_restarts and not s.check(["job/abort"]):
+            lost = [i for i in members if i not in agent.live()]
+            if lost and failure.rank < 0 and not s.check(["job/abort"]):
+                left = len(members) - len(lost)
+                _say(f"the launcher of node {', '.join(map(str, lost))} stopped responding; "
+                     f"continuing with {left} nodes (--nnodes {cfg.min_nodes}:{cfg.nnodes}), "
+                     f"attempt {r + 2}")
+                agent.sync_stop(r)
+                r += 1
+                continue
+            if used < max_restarts and not s.check(["job/abort"]):
+                used += 1
                 who = f"rank {failure.rank}" if failure.rank >= 0 else "a launcher"
                 _say(f"{who} {failure.how}; restarting the job (attempt {r + 2} of "
-                     f"{max_restarts + 1})")
+                     f"{max_restarts + 1 + r + 1 - used})")
                 agent.sync_stop(r)
                 r += 1
                 continue

@@ -36,6 +36,12 @@ class LaunchConfig(NamedTuple):
     verbose: bool = False
     run_id: str | None = None
     detected: str = ""  # what was taken from the scheduler (SLURM), for the log
+    min_nnodes: int | None = None  # --nnodes MIN:MAX (None: exactly nnodes)
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes the job runs with (``nnodes`` unless ``--nnodes MIN:MAX``)."""
+        return self.nnodes if self.min_nnodes is None else self.min_nnodes
 
     def hidden(self, local_rank: int) -> int:
         """Streams of ``local_rank`` kept off the console (bit 1 stdout, 2 stderr)."""
@@ -75,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "them all when one fails.",
         allow_abbrev=False,
     )
-    p.add_argument("--nnodes", type=int, default=None,
-                   help="number of nodes (launchers) in the job (default 1; under srun, "
-                        "the step's node count)")
+    p.add_argument("--nnodes", default=None,
+                   help="number of nodes (launchers) in the job, N or MIN:MAX (default 1; "
+                        "under srun, the step's node count). With MIN:MAX the job starts "
+                        "once MIN nodes joined (waiting 30 s more for the others) and goes "
+                        "on with the nodes left when a node's launcher is lost, down to MIN")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
                    help="this node's rank in [0, nnodes) (default 0; under srun, "
                         "SLURM_NODEID)")
@@ -213,6 +221,17 @@ def parse_args(argv: list[str] | None = None,
         if a.master_addr is not None or a.master_port is not None:
             p.error("give --rdzv-endpoint or --master-addr/--master-port, not both")
         a.master_addr, a.master_port = host, int(port)
+    min_nnodes = None
+    if a.nnodes is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", a.nnodes)
+        if m is None:
+            p.error(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}")
+        a.nnodes = int(m.group(2) or m.group(1))
+        if m.group(2) is not None:
+            min_nnodes = int(m.group(1))
+            if not 1 <= min_nnodes <= a.nnodes:
+                p.error(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got "
+                        f"{min_nnodes}:{a.nnodes}")
     detected = "" if a.standalone else _from_slurm(
         a, p, os.environ if environ is None else environ)
     a.nnodes = 1 if a.nnodes is None else a.nnodes
@@ -264,4 +283,5 @@ def parse_args(argv: list[str] | None = None,
         log_dir=a.log_dir, tee=tee is not None, module=a.module,
         script=a.script, script_args=tuple(a.script_args), redirects=redirects,
         tee_std=tee, verbose=a.verbose, run_id=a.rdzv_id, detected=detected,
+        min_nnodes=min_nnodes,
     )

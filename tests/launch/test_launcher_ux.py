@@ -227,3 +227,47 @@ def test_torchrun_spellings():
     cfg = parse_args(["--log-dir", "d", "s.py"], {})
     assert cfg.hidden(0) == 3  # --log-dir alone: files only, as before
     assert parse_args(["--standalone", "s.py"], {}).master_port is None
+
+
+_ELASTIC = """\
+    import json, os, sys, time
+    attempt = os.environ["JDIST_RESTART_COUNT"]
+    if attempt == "0":
+        with open(os.path.join(sys.argv[1], "pid" + os.environ["RANK"]), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+    keys = ["RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "JDIST_RESTART_COUNT",
+            "TORCHELASTIC_RESTART_COUNT"]
+    print("ENV " + json.dumps({k: os.environ[k] for k in keys}))
+"""
+
+
+def test_nnodes_min_max_goes_on_without_a_lost_node(tmp_path):
+    from jdist.store import free_port
+
+    script = tmp_path / "elastic.py"
+    script.write_text(textwrap.dedent(_ELASTIC))
+    common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--master-port", str(free_port()),
+              "--heartbeat-timeout", "2", "--shutdown-timeout", "1", "--rdzv-timeout", "60"]
+    procs = [subprocess.Popen([sys.executable, "-m", "jdist.launch", *common, "--node-rank",
+                               str(n), str(script), str(tmp_path)], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1, 2)]
+    files = [tmp_path / f"pid{r}" for r in range(3)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    procs[2].kill()  # node 2's launcher vanishes; its worker dies with it
+    outs = [p.communicate(timeout=60) for p in procs[:2]]
+    procs[2].communicate(timeout=10)
+    for p, (_, err) in zip(procs, outs, strict=False):
+        assert p.returncode == 0, "\n=====\n".join(e for _, e in outs)
+        assert "the launcher of node 2 stopped responding; continuing with 2 nodes" in err
+    envs = [json.loads(m) for o, _ in outs for m in re.findall(r"ENV (\{.*\})", o)]
+    assert sorted((e["RANK"], e["GROUP_RANK"]) for e in envs) == [("0", "0"), ("1", "1")]
+    assert {(e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in envs} == {("2", "2")}
+    assert {(e["JDIST_RESTART_COUNT"], e["TORCHELASTIC_RESTART_COUNT"])
+            for e in envs} == {("1", "1")}
+    pid2 = int(files[2].read_text())
+    assert not os.path.exists(f"/proc/{pid2}") or "Z" in open(f"/proc/{pid2}/stat").read()
