@@ -29,6 +29,7 @@ from jdist.rpc._protocol import ControlOp, WorkerInfo
 from jdist.rpc._rendezvous import PREFIX, check_name, rendezvous, store_barrier
 from jdist.rpc._rref import RRef
 from jdist.rpc._state import current_agent, state
+from jdist.rpc.autograd._hooks import install as install_autograd
 
 __all__ = [
     "init_rpc",
@@ -132,6 +133,7 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
                          f"got {rank}")
     key = auth_key or options.auth_key() or _shared_key(store, rank, options.rendezvous_timeout)
     agent = RpcAgent(name, rank, world_size, options, key)
+    install_autograd(agent)  # the core knows no autograd: its hooks are set here
     agent.start()
     if on_started is not None:
         on_started(agent)

@@ -151,7 +151,7 @@ class DistributedOptimizer:
         self._optimizers: dict[int, RRef] = {}
         errors = []
         if me in by_owner:  # built here: tx need not pickle
-            self._optimizers[me] = owned_rref(
+            self._optimizers[me] = RRef.owned_by(
                 self._agent, LocalOptimizer(tx, args, kwargs, by_owner[me]))
         for w, f in futs.items():
             try:
@@ -197,12 +197,7 @@ class DistributedOptimizer:
 @C._internal
 def _owner_create(tx: Any, args: tuple, kwargs: dict, rrefs: list[RRef]) -> RRef:
     opt = LocalOptimizer(tx, args, kwargs, rrefs)
-    return owned_rref(rrefs[0]._agent, opt)
-
-
-def owned_rref(agent: Any, value: Any) -> RRef:
-    """``RRef(value)`` owned by ``agent`` (kept for callers: :meth:`RRef.owned_by`)."""
-    return RRef.owned_by(agent, value)
+    return RRef.owned_by(rrefs[0]._agent, opt)
 
 
 def _check_picklable(tx: Any, args: tuple, kwargs: dict) -> None:

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jdist.rpc._dist_optim import owned_rref
 from jdist.rpc._futures import Future
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._rref import RRef
@@ -73,7 +72,7 @@ def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
 
 
 def _param_rrefs(module_rref: RRef) -> list[RRef]:
-    return [owned_rref(module_rref._agent, v)
+    return [RRef.owned_by(module_rref._agent, v)
             for v in param_variables(module_rref.local_value())]
 
 
@@ -97,7 +96,7 @@ class RemoteModule:
     def __init__(self, remote_device: Any, module_cls: Any, args: tuple | None = None,
                  kwargs: dict | None = None, *, agent: Any = None):
         if agent is None:
-            from jdist.rpc._api import current_agent
+            from jdist.rpc._state import current_agent
 
             agent = current_agent()
         if not callable(module_cls):

@@ -68,7 +68,7 @@ def _agent(agent: Any) -> Any:
     ctx = C.current()
     if ctx is not None:
         return ctx.agent
-    from jdist.rpc._api import current_agent
+    from jdist.rpc._state import current_agent
 
     return current_agent()
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jdist.errors import DistAutogradError
-from jdist.rpc import dist_autograd
+from jdist.rpc import RRef, dist_autograd
 from jdist.rpc.autograd import _context as C
 from tests.rpc.conftest import make_agents, stop_all
 
@@ -132,8 +132,10 @@ def test_context_errors(agents):
                 pass
         with pytest.raises(TypeError, match="float scalar"):
             dist_autograd.backward(cid, lambda: jnp.ones(3))
-        with pytest.raises(TypeError, match="must be callable"):
+        with pytest.raises(TypeError, match="pass the function that computes the loss"):
             dist_autograd.backward(cid, [jnp.ones(())])
+        with pytest.raises(TypeError, match="must be callable"):
+            dist_autograd.backward(cid, jnp.ones(()))
     with pytest.raises(DistAutogradError, match=f"Could not find autograd context with id: {cid}"):
         dist_autograd.backward(cid, lambda: jnp.ones(()), agent=a0)
     with dist_autograd.context(a0) as cid2:
@@ -190,9 +192,8 @@ def test_worker_dying_mid_backward_fails_with_named_error():
 
 
 def owned_param(agent):
-    from jdist.rpc._dist_optim import owned_rref
 
-    return owned_rref(agent, nnx.Param(jnp.asarray(X)))
+    return RRef.owned_by(agent, nnx.Param(jnp.asarray(X)))
 
 
 def test_rpc_inside_jit_is_refused_and_gradient_map(agents):

@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from jdist.errors import DistAutogradError
-from jdist.rpc import DistributedOptimizer, RemoteModule, dist_autograd
-from jdist.rpc._dist_optim import owned_rref
+from jdist.rpc import DistributedOptimizer, RemoteModule, RRef, dist_autograd
 from tests.rpc.conftest import make_agents, stop_all
 
 
@@ -47,7 +46,7 @@ def test_sgd_matches_torch_reference(agents):
     """torch 2.13 [V]: SGD lr 0.5, remote param 1 -> 0 (grad 2), local 0 -> -1.5 (grad 3)."""
     a0 = agents[0]
     remote_p = a0.remote("w1", make_param, (1.0,))
-    local_p = owned_rref(a0, make_param(0.0))
+    local_p = RRef.owned_by(a0, make_param(0.0))
     opt = DistributedOptimizer(optax.sgd, [remote_p, local_p], learning_rate=0.5)
     assert [w.name for w in opt.owners] == ["w0", "w1"]
 
@@ -81,7 +80,7 @@ def test_remote_module_adam_matches_single_process(agents):
     np.testing.assert_allclose(rm.forward_async(x).wait(), ref_remote(x), rtol=1e-6)
     params = rm.remote_parameters()
     assert len(params) == 2 and all(p.owner().name == "w2" for p in params)
-    local_ref = owned_rref(a0, local)
+    local_ref = RRef.owned_by(a0, local)
     opt = DistributedOptimizer(optax.adam, params + [local_ref], learning_rate=0.1)
 
     def loss_fn(local_ref):
@@ -135,6 +134,6 @@ def test_bad_inputs(agents):
     with pytest.raises(ValueError, match="unknown worker name 'nope'"):
         RemoteModule("nope/cpu", Lin, (1, 1, 0), agent=a0)
     # an optax instance is fine for a local owner (nothing to pickle)
-    opt = DistributedOptimizer(optax.sgd(0.1), [owned_rref(a0, make_param(1.0))])
+    opt = DistributedOptimizer(optax.sgd(0.1), [RRef.owned_by(a0, make_param(1.0))])
     with dist_autograd.context(a0) as cid:
         opt.step(cid)  # no gradients in this context: nothing changes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jdist.errors import RpcTimeoutError, WorkerUnavailableError
-from jdist.rpc import _agent, _serve
+from jdist.rpc import _client, _serve
 from tests.rpc.conftest import make_agents, stop_all
 
 _AGENTS: dict = {}
@@ -49,7 +49,7 @@ def sleep_then(seconds, value):
 @pytest.fixture
 def tcp3(monkeypatch):
     # these agents share one process, where polling is off; treat them as remote peers
-    monkeypatch.setattr(_agent, "same_process", lambda address: address is None)
+    monkeypatch.setattr(_client, "same_process", lambda address: address is None)
     agents = make_agents(3, transport="tcp", num_worker_threads=4)
     _AGENTS.clear()
     _AGENTS.update({a.info.name: a for a in agents})
@@ -146,7 +146,7 @@ def test_when_nothing_polls():
 
 
 def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
-    monkeypatch.setattr(_agent, "same_process", lambda address: address is None)
+    monkeypatch.setattr(_client, "same_process", lambda address: address is None)
     agents = make_agents(2, transport="tcp", busy_poll_us=0)
     try:
         fut = agents[0].rpc_async("w1", echo, (2,))

@@ -1,8 +1,9 @@
 """Distributed autograd contexts: ids, per-worker tables, the thread's current context.
 
-No jax here: the RPC agent imports this module to learn which context id to put on an
-outgoing call (:func:`current_context_id`) and to enter a context around an incoming
-one (:func:`enter_context`). Everything is per agent, so several agents in one process
+No jax here, and nothing above it: ``_hooks`` (installed on each agent by
+``start_agent``) asks it which context id to put on an outgoing call
+(:func:`current_context_id`) and enters a context around an incoming one
+(:func:`enter_context`). Everything is per agent, so several agents in one process
 (the in-process tests) keep separate tables, as separate processes would.
 
 A context id is ``(worker id << 48) | counter``: globally unique, as torch's. A context
@@ -205,59 +206,3 @@ def set_tracing(trace: Any) -> Any:
     prev = getattr(_tls, "trace", None)
     _tls.trace = trace
     return prev
-
-
-def _differentiable_context(agent: Any, func: Any) -> DistAutogradContext | None:
-    """The context a call of ``func`` through ``agent`` is differentiable in, or None:
-    it must be made inside a differentiable trace of this worker's live current context,
-    and not be one of dist_autograd's own internal calls."""
-    ctx = current()
-    if tracing() is None or ctx is None or ctx.agent is not agent or ctx.released:
-        return None
-    if getattr(func, "_jdist_autograd_internal", False):
-        return None
-    return ctx
-
-
-def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
-    """``agent.rpc_async`` asks this first: a Future when the call is differentiable.
-
-    A call is differentiable when it is made inside a differentiable trace of this
-    worker's current context (``dist_autograd.backward``'s loss function, or a function
-    this worker runs for a differentiable RPC). Otherwise ``None``: a plain call.
-    """
-    ctx = _differentiable_context(agent, func)
-    if ctx is None:
-        return None
-    from jdist.rpc._rref import rref_fetch
-
-    if func is rref_fetch:  # to_here(): differentiable only for a remote() made in a trace
-        link = getattr(args[0], "_ad_link", None) if args else None
-        if link is None:
-            return None
-        from jdist.rpc.autograd._engine import differentiable_fetch
-
-        return differentiable_fetch(ctx, args[0], link, timeout)
-    from jdist.rpc.autograd._engine import differentiable_call
-
-    return differentiable_call(ctx, to, func, args, kwargs, timeout)
-
-
-def remote_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
-    """``agent.remote`` asks this first: an RRef when the call is differentiable."""
-    ctx = _differentiable_context(agent, func)
-    if ctx is None:
-        return None
-    from jdist.rpc.autograd._engine import differentiable_remote
-
-    return differentiable_remote(ctx, to, func, args, kwargs, timeout)
-
-
-def install(agent: Any) -> None:
-    """Point ``agent``'s hooks at this module (called by the agent's constructor)."""
-    agent.context_id_hook = lambda: current_context_id(agent)
-    agent.enter_context_hook = lambda cid: enter_context(agent, cid)
-    agent.call_hook = lambda to, func, args, kwargs, timeout: call_hook(
-        agent, to, func, args, kwargs, timeout)
-    agent.remote_hook = lambda to, func, args, kwargs, timeout: remote_hook(
-        agent, to, func, args, kwargs, timeout)

@@ -1,0 +1,264 @@
+"""The caller side of the agent: requests, their futures and deadlines, replies, and
+the RRef control messages (sent in order by one thread, acknowledged).
+
+Mixed into :class:`jdist.rpc._agent.RpcAgent` (it uses the agent's connections, worker
+table and hooks). ``rpc_async`` pickles ``(func, args, kwargs)`` with RRefs through the
+fork protocol, registers a Future and a deadline under a fresh request id and sends the
+call from the calling thread; the reply (``_on_reply``, on whichever thread read it)
+completes the Future; ``_expire_timers`` fails the ones whose deadline passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import logging
+import time
+from typing import Any, NamedTuple
+
+from jdist.errors import RpcError, RpcTimeoutError, WorkerUnavailableError
+from jdist.rpc import _protocol as P
+from jdist.rpc import _serialize as S
+from jdist.rpc._futures import Future, others_running
+from jdist.rpc._options import resolve_timeout
+from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._remote_error import rebuild_exception
+from jdist.rpc._rref import RRef, collect_fork_acks
+from jdist.rpc.transport import Comm, CommClosedError
+
+__all__ = ["CallClient", "Pending", "same_process", "LOCAL_ADDRESSES"]
+
+log = logging.getLogger("jdist.rpc")
+
+LOCAL_ADDRESSES: set[str] = set()  # listening addresses of the agents in this process
+
+
+def same_process(address: str | None) -> bool:
+    """Whether ``address`` is an agent of this process (or unknown)."""
+    return address is None or address in LOCAL_ADDRESSES
+
+
+class Pending(NamedTuple):
+    future: Future
+    worker: WorkerInfo
+    fn: str
+    timeout: float | None
+
+
+class CallClient:
+    """Caller half of :class:`RpcAgent` (see there for the attributes it uses)."""
+
+    def _dumps(self, obj: Any, dest: int) -> tuple[bytes, list]:
+        def reduce_rref(r: RRef) -> tuple:
+            return S.load_hook, (tuple(self.rrefs.persistent_id(r, dest)),)
+
+        return S.dumps(obj, {RRef: reduce_rref})
+
+    def _loads(self, frames: list) -> Any:
+        return S.loads(frames[1], frames[2:], self.rrefs.persistent_load)
+
+    def _loads_call(self, frames: list) -> tuple[Any, list]:
+        """Decode a call; also the fork confirmations its RRef arguments wait for (torch
+        runs a function only once the owners know every user RRef it was given)."""
+        prev = collect_fork_acks([])
+        try:
+            return self._loads(frames), collect_fork_acks(prev)
+        except BaseException:
+            collect_fork_acks(prev)
+            raise
+
+    def _fail(self, rid: int, exc: BaseException) -> None:
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is not None:
+            p.future.set_exception(exc)
+
+    def _send_request(self, worker: WorkerInfo, rid: int, frames: list,
+                      timeout: float | None = None) -> None:
+        try:
+            self._conn_to(worker.id).send(frames, timeout or self._send_timeout())
+        except CommClosedError as e:
+            self._mark_dead(worker.id, str(e))
+            self._fail(rid, WorkerUnavailableError(f"worker {worker} is unavailable: {e}"))
+        except RpcError as e:
+            self._fail(rid, e)
+
+    def _encode_call(self, worker: WorkerInfo, msg: Any, func: Any, args: Any,
+                     kwargs: Any) -> list:
+        name = getattr(func, "__qualname__", "")
+        if not callable(func) or "<lambda>" in name or "<locals>" in name:
+            S.check_callable_picklable(func, str(worker))
+        try:
+            payload, bufs = self._dumps((func, tuple(args or ()), dict(kwargs or {})),
+                                        worker.id)
+        except RpcError:  # an RRef or Future that cannot travel: its own message
+            raise
+        except Exception as e:
+            S.check_callable_picklable(func, str(worker))
+            raise TypeError(f"cannot send the arguments of {S.describe_callable(func)} to "
+                            f"{worker}: {e}. Pass picklable values (numpy/jax arrays, "
+                            "pytrees of them, plain Python objects).") from e
+        return P.encode(msg, payload, bufs)
+
+    def _send_timeout(self) -> float | None:
+        """Bound on handing one message to a peer that does not read (then it's cut off)."""
+        return self.options.rpc_timeout or None
+
+    def _context_id(self) -> int:
+        return self.context_id_hook() if self.context_id_hook is not None else P.NO_CONTEXT
+
+    def rpc_async(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
+                  timeout: float | None = -1) -> Future:
+        """Send ``func(*args, **kwargs)`` to ``to``; a Future of its result."""
+        if self.call_hook is not None:
+            fut = self.call_hook(to, func, args, kwargs, timeout)
+            if fut is not None:
+                return fut
+        worker = self.worker_info(to)
+        t = resolve_timeout(timeout, self.options.rpc_timeout)
+        fn = S.describe_callable(func)
+        rid = next(self._ids)
+        frames = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
+                                   args, kwargs)
+        fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
+        self._send_request(worker, rid, frames, t)
+        comm = self._conns.get(worker.id)
+        if comm is not None and self.polls(worker.id):
+            fut._poll = functools.partial(self._poll_reply, comm)  # the reply's connection
+        return fut
+
+    def polls(self, rank: int) -> bool:
+        """Whether a thread waiting for a message from ``rank`` polls first: not for a
+        peer in this process (it needs this process's GIL to answer)."""
+        return self._poll_s > 0 and not same_process(self._addresses.get(rank))
+
+    def _poll_reply(self, comm: Comm, fut: Future, timeout: float | None) -> None:
+        """Before ``fut.wait`` blocks: read the reply's connection in this thread for up
+        to ``busy_poll_us``, so a reply that comes soon wakes no thread. Only for a lone
+        request (with several in flight the I/O thread is busy anyway, and reads in
+        parallel with this thread) and while no other RPC function runs here."""
+        if len(self._pending) > 1 or others_running():
+            return
+        limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
+        comm.poll_until(lambda: fut._done or others_running(), limit)
+
+    def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
+                      desc: str) -> Future:
+        fut: Future = Future(_executor=self._executor, _desc=desc)
+        with self._lock:
+            if self.state != "running":
+                fut.set_exception(RpcError(f"RPC agent {self.info} is {self.state}; "
+                                           f"cannot call {fn}"))
+                return fut
+            self._pending[rid] = Pending(fut, worker, fn, timeout)
+            if timeout is not None:
+                heapq.heappush(self._timers, (time.monotonic() + timeout, rid))
+        return fut
+
+    def remote(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
+               timeout: float | None = -1) -> RRef:
+        """Run ``func`` on ``to`` and keep the result there; return an RRef to it."""
+        if self.remote_hook is not None:
+            rref = self.remote_hook(to, func, args, kwargs, timeout)
+            if rref is not None:
+                return rref
+        worker = self.worker_info(to)
+        t = resolve_timeout(timeout, self.options.rpc_timeout)
+        fn = S.describe_callable(func)
+        rref_id = self.rrefs.new_id()
+        if worker.id == self.info.id:
+            return self._remote_local(rref_id, func, args, kwargs, fn)
+        fork = self.rrefs.new_id()
+        rid = next(self._ids)
+        frames = self._encode_call(worker, P.Remote(rid, fn, rref_id, fork, self._context_id()),
+                                   func, args, kwargs)
+        rref = RRef._make(self, worker, rref_id, fork, False)
+        fut = self._register_rid(rid, worker, fn, t, f"remote({worker}, {fn})")
+        rref._created = fut
+        fut.add_done_callback(rref._on_confirmed)
+        self._send_request(worker, rid, frames, t)
+        return rref
+
+    def _remote_local(self, rref_id, func, args, kwargs, fn: str) -> RRef:
+        value = self.rrefs.create_owned(rref_id).future
+        rref = RRef._make(self, self.info, rref_id, None, True)
+        self._executor.submit(self._run_into, value, func, tuple(args or ()),
+                              dict(kwargs or {}), fn, P.NO_CONTEXT)
+        return rref
+
+    def send_control(self, to: int, op: int, rref_id=(-1, -1), fork=(-1, -1),
+                     parent: int = -1) -> Future:
+        """Queue an RRef control message (sent in order by one thread); acked Future."""
+        worker = self._workers[to]
+        rid = next(self._ids)
+        fut = self._register_rid(rid, worker, f"rref-control-{P.ControlOp(op).name}",
+                                 self.options.rpc_timeout or None, f"control to {worker}")
+        with self._lock:
+            self._ctl_pending.add(fut)
+        fut.add_done_callback(self._ctl_done)
+        if not fut.done():
+            frames = P.encode(P.Control(rid, int(op), tuple(rref_id), tuple(fork), parent))
+            try:
+                self._ctl.submit(self._send_request, worker, rid, frames)
+            except RuntimeError:
+                self._fail(rid, RpcError(f"RPC agent {self.info} is shutting down"))
+        return fut
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self.released.get()
+            if item is None:
+                return
+            self._releasing = True
+            try:
+                if item[0] == "owner":
+                    self.rrefs.handle_released(item[1])
+                elif self.state == "running":
+                    _, owner, rref_id, fork = item
+                    self.send_control(owner, P.ControlOp.USER_DELETE, rref_id, fork)
+            except Exception:
+                log.debug("jdist.rpc: RRef release failed", exc_info=True)
+            finally:
+                del item
+                self._releasing = not self.released.empty()
+
+    def _ctl_done(self, fut: Future) -> None:
+        with self._lock:
+            self._ctl_pending.discard(fut)
+
+    # ------------------------------------------------------------------ replies
+    def _on_reply(self, msg: Any, frames: list) -> None:
+        with self._lock:
+            p = self._pending.pop(msg.rid, None)
+        try:
+            body = self._loads(frames)
+        except Exception as e:
+            body = e
+        if p is None:
+            return  # timed out already (any RRefs in it are released by GC)
+        if isinstance(body, Exception):
+            p.future.set_exception(RpcError(f"could not decode the reply of {p.fn} from "
+                                            f"{p.worker}: {body!r}"))
+        elif isinstance(msg, P.Result):
+            p.future.set_result(body)
+        else:
+            p.future.set_exception(rebuild_exception(body))
+
+    async def _expire_timers(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                while self._timers and self._timers[0][0] <= now:
+                    _, rid = heapq.heappop(self._timers)
+                    p = self._pending.pop(rid, None)
+                    if p is not None:
+                        expired.append(p)
+            for p in expired:
+                p.future.set_exception(RpcTimeoutError(
+                    f"RPC ran for more than the set timeout ({p.timeout * 1000:g} ms): the "
+                    f"RPC to {p.worker} running {p.fn} timed out after {p.timeout:g} s; "
+                    "pass a larger timeout= (0 = none) or check that the function is not "
+                    "stuck"))
