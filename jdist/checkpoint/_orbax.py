@@ -67,11 +67,16 @@ def _handler(rank: int):
     from orbax.checkpoint._src.handlers.composite_checkpoint_handler import CompositeOptions
 
     mp = ocp.options.MultiprocessingOptions(primary_host=rank, active_processes={rank})
+    # directories made synchronously: Orbax's asynchronous creation signals completion
+    # through the job-wide key-value store under keys that are the same on every
+    # process, so two ranks saving at once would read each other's signals
+    sync_dirs = ocp.options.AsyncOptions(create_directories_asynchronously=False)
     handler = ocp.CompositeCheckpointHandler(
         arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
                                            type_handler_registry=_registry()),
         meta=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-        composite_options=CompositeOptions(multiprocessing_options=mp))
+        composite_options=CompositeOptions(multiprocessing_options=mp,
+                                           async_options=sync_dirs))
     return handler, mp
 
 
@@ -82,18 +87,23 @@ def _process_index() -> int:
 
 
 class Writer:
-    """Saves this rank's parts, asynchronously or not, at most one in flight."""
+    """Saves this rank's parts, in a background thread or not, at most one in flight.
+
+    The write itself is Orbax's synchronous ``Checkpointer.save`` (temporary directory,
+    then rename), run in a thread of ours when ``async_save``: Orbax's own
+    ``AsyncCheckpointer`` coordinates through process-wide signals that assume one
+    primary process, while here every rank writes a part of its own.
+    """
 
     def __init__(self, async_save: bool):
         import orbax.checkpoint as ocp
 
-        rank = _process_index()
-        handler, mp = _handler(rank)
+        handler, mp = _handler(_process_index())
         self.async_save = bool(async_save)
-        self._ck = (ocp.AsyncCheckpointer(handler, multiprocessing_options=mp)
-                    if self.async_save else ocp.Checkpointer(handler,
-                                                             multiprocessing_options=mp))
+        self._ck = ocp.Checkpointer(handler, multiprocessing_options=mp)
         self.in_flight: str | None = None
+        self._thread: threading.Thread | None = None
+        self._error: list = []
 
     def save(self, path: str, arrays: dict, meta: dict) -> None:
         import orbax.checkpoint as ocp
@@ -101,34 +111,35 @@ class Writer:
         items = {"meta": ocp.args.JsonSave(meta)}
         if arrays:
             items["arrays"] = ocp.args.PyTreeSave(arrays)
-        self._ck.save(path, args=ocp.args.Composite(**items))
-        self.in_flight = path if self.async_save else None
+        args = ocp.args.Composite(**items)
+        if not self.async_save:
+            self._ck.save(path, args=args)
+            return
+
+        def write():
+            try:
+                self._ck.save(path, args=args)
+            except BaseException as e:  # surfaced by wait() in the training thread
+                self._error.append(e)
+
+        self.in_flight = path
+        self._thread = threading.Thread(target=write, name="jdist-checkpoint-write",
+                                        daemon=True)
+        self._thread.start()
 
     def wait(self, timeout: float) -> None:
         """Wait until the save in flight is on disk (raises TimeoutError naming it)."""
-        if self.in_flight is None:
+        if self._thread is None:
             return
-        if not self.async_save:
-            self.in_flight = None
-            return
-        err: list = []
-
-        def run():
-            try:
-                self._ck.wait_until_finished()
-            except BaseException as e:  # surfaced in the caller's thread
-                err.append(e)
-
-        t = threading.Thread(target=run, name="jdist-checkpoint-wait", daemon=True)
-        t.start()
-        t.join(timeout)
-        path, self.in_flight = self.in_flight, None
-        if t.is_alive():
+        self._thread.join(timeout)
+        if self._thread.is_alive():
             raise TimeoutError(
-                f"the checkpoint write of {path} did not finish within {timeout:g} s "
-                "(a slow or hung file system?); pass a larger timeout to CheckpointManager")
-        if err:
-            raise err[0]
+                f"the checkpoint write of {self.in_flight} did not finish within "
+                f"{timeout:g} s (a slow or hung file system?); pass a larger timeout to "
+                "CheckpointManager")
+        self._thread, self.in_flight = None, None
+        if self._error:
+            raise self._error.pop()
 
     def close(self) -> None:
         self._ck.close()
