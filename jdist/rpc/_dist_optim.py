@@ -45,7 +45,14 @@ def _build_tx(tx: Any, args: tuple, kwargs: dict) -> optax.GradientTransformatio
                             f"{args!r} {kwargs!r} make sense only with a factory such as "
                             "optax.sgd")
         return tx
-    out = tx(*args, **kwargs)
+    try:
+        out = tx(*args, **kwargs)
+    except TypeError as e:
+        if "lr" in kwargs and "learning_rate" not in kwargs:
+            raise TypeError(f"{e}: optax factories take learning_rate=, not torch's lr=; "
+                            f"write DistributedOptimizer({getattr(tx, '__name__', tx)}, "
+                            f"params, learning_rate={kwargs['lr']!r})") from e
+        raise
     if not isinstance(out, optax.GradientTransformation):
         raise TypeError(f"tx(*args, **kwargs) must return an optax.GradientTransformation, "
                         f"got {type(out).__name__} from {tx!r}")
@@ -138,6 +145,8 @@ class DistributedOptimizer:
         if not (callable(tx) or isinstance(tx, optax.GradientTransformation)):
             raise TypeError(f"tx must be an optax factory (optax.sgd) or an "
                             f"optax.GradientTransformation, got {tx!r}")
+        if not isinstance(tx, optax.GradientTransformation):
+            _build_tx(tx, args, kwargs)  # a bad argument (torch's lr=) fails here, named
         self._agent = params_rref[0]._agent
         by_owner: dict[int, list[RRef]] = {}
         for r in params_rref:

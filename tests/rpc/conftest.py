@@ -52,7 +52,7 @@ def stop_all(agents, graceful=True, timeout=10.0):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout + 10)
+        t.join((timeout or 50) + 10)
     return out
 
 

@@ -20,6 +20,7 @@ from jdist.errors import (
     WorkerUnavailableError,
 )
 from jdist.rpc import Future, WorkerInfo
+from jdist.rpc import _protocol as P
 from jdist.rpc.functions import async_execution
 from tests.rpc.conftest import make_agents, stop_all
 
@@ -364,6 +365,42 @@ def test_graceful_shutdown_names_live_missing_worker():
         assert "WorkerInfo(id=1, name=w1)" in str(errs[0])
         assert agents[0].state == "closed"
     finally:
+        stop_all(agents, graceful=False)
+
+
+def test_graceful_shutdown_gives_up_on_a_silent_worker_only():
+    """timeout=None waits for live workers while they answer pings; one whose I/O stops
+    answering for shutdown_timeout is named. A worker that answers is waited for."""
+    agents = make_agents(2, shutdown_timeout=1.0)
+    hang = threading.Event()
+    real = agents[1].rrefs.handle_control
+
+    def stuck(op, *a):  # w1's I/O thread blocks on the first ping: a hung process
+        if op == P.ControlOp.PING:
+            hang.wait(30)
+        return real(op, *a)
+
+    late = threading.Timer(2.5, lambda: stop_all(agents[1:], graceful=True, timeout=None))
+    try:
+        late.start()  # w1 answers pings and calls shutdown after 2.5 s > shutdown_timeout
+        t0 = time.monotonic()
+        assert stop_all(agents[:1], graceful=True, timeout=None) == {}
+        assert time.monotonic() - t0 >= 2.0
+    finally:
+        late.join(30)
+        stop_all(agents, graceful=False)
+    agents = make_agents(2, shutdown_timeout=1.0)
+    agents[1].rrefs.handle_control = stuck
+    try:
+        t0 = time.monotonic()
+        errs = stop_all(agents[:1], graceful=True, timeout=None)
+        took = time.monotonic() - t0
+        assert isinstance(errs[0], RpcTimeoutError), errs
+        assert "WorkerInfo(id=1, name=w1)" in str(errs[0]) and "did not answer for 1 s" in \
+            str(errs[0])
+        assert 1.0 <= took < 10, took
+    finally:
+        hang.set()
         stop_all(agents, graceful=False)
 
 

@@ -123,6 +123,8 @@ def test_remote_module_adam_matches_single_process(agents):
 def test_bad_inputs(agents):
     a0 = agents[0]
     remote_p = a0.remote("w1", make_param, (1.0,))
+    with pytest.raises(TypeError, match=r"learning_rate=, not torch's lr=.*learning_rate=0.1"):
+        DistributedOptimizer(optax.sgd, [RRef.owned_by(a0, make_param(1.0))], lr=0.1)
     with pytest.raises(TypeError, match="pass the factory"):
         DistributedOptimizer(optax.sgd(0.1), [remote_p])
     with pytest.raises(TypeError, match="wrap local parameters in RRef"):
