@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives._axis import axis_of as axis_of
+from jdist.collectives._axis import bound_size
 from jdist.collectives._types import ReduceOp, check_op_dtype
 
 __all__ = [
@@ -51,44 +52,13 @@ _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 # ----------------------------------------------------------------------------- axes
 
 
-def axis_of(group: AxisName) -> str | tuple[str, ...]:
-    """The mesh axis name(s) that ``group`` stands for.
-
-    Args:
-      group: an axis name, a non-empty tuple of axis names, a ``ProcessGroup`` or
-        ``None`` (the default group, else the embedded local group: axis ``"dp"``).
-
-    Returns:
-      A ``str`` or a tuple of ``str``, as ``lax`` collectives accept.
-    """
-    if group is None or isinstance(group, ProcessGroup):
-        return resolve_group(group).axis_name
-    if isinstance(group, str):
-        return group
-    if isinstance(group, tuple) and group and all(isinstance(a, str) for a in group):
-        return group[0] if len(group) == 1 else group
-    if isinstance(group, list):
-        raise TypeError(
-            f"group must be an axis name, a tuple of axis names or a ProcessGroup, got the "
-            f"list {group!r}; pass tuple({group!r}) instead"
-        )
-    raise TypeError(
-        f"group must be an axis name (str), a non-empty tuple of axis names, a jdist "
-        f"ProcessGroup or None, got {group!r}"
-    )
-
-
 def _size(axes, api: str) -> int:
     """Size of the bound axis (product over a tuple); a clear error when it is unbound."""
-    try:
-        return int(lax.axis_size(axes))
-    except NameError as e:
-        raise NameError(
-            f"jdist.collectives.functional.{api}: mesh axis {axes!r} is not bound here. "
-            f"In-graph collectives must run inside jax.shard_map over a mesh with axis "
-            f"{axes!r}; pass group=<your mesh's axis name>, or use the eager "
-            f"jdist.{api} on host arrays instead"
-        ) from e
+    return bound_size(
+        axes, f"jdist.collectives.functional.{api}",
+        f"In-graph collectives must run inside jax.shard_map over a mesh with axis {axes!r}; "
+        f"pass group=<your mesh's axis name>, or use the eager jdist.{api} on host arrays "
+        f"instead")
 
 
 def _varying(x) -> frozenset:

@@ -31,13 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives._axis import axis_of, bound_size
 from jdist.collectives._types import ReduceOp
 from jdist.optim._compression import Compression, Compressor
-from jdist.optim._zero import require_axis
 
-__all__ = ["DistributedOptimizer", "DistributedOptimizerState", "fused_allreduce",
-           "group_axis"]
+__all__ = ["DistributedOptimizer", "DistributedOptimizerState", "fused_allreduce"]
 
 
 class DistributedOptimizerState(NamedTuple):
@@ -49,16 +47,6 @@ class DistributedOptimizerState(NamedTuple):
     inner: Any
 
 
-def group_axis(group) -> Any:
-    """The mesh axis name of ``group`` (a ProcessGroup, an axis name, or None = default)."""
-    if group is None or isinstance(group, ProcessGroup):
-        return resolve_group(group).axis_name
-    if isinstance(group, (str, tuple)):
-        return group
-    raise TypeError(f"group must be a jdist ProcessGroup, a mesh axis name or None, got "
-                    f"{type(group).__name__}: {group!r}")
-
-
 def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Compression.none,
                     prescale: float = 1.0, postscale: float = 1.0):
     """Sum (or average) a pytree over ``axis``, fused per (compressed) dtype (see module doc).
@@ -68,13 +56,14 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    require_axis(axis, "DistributedOptimizer.update",
-                 "wrap the train step in jax.shard_map (or use DDP, which averages itself)")
+    size = bound_size(
+        axis, "DistributedOptimizer.update",
+        f"It must run inside jax.shard_map over the group's mesh axis {axis!r}; wrap the "
+        "train step in jax.shard_map (or use DDP, which averages itself)")
     packed = [compression.compress(x) for x in leaves]
     groups: dict = {}
     for i, (y, _) in enumerate(packed):
         groups.setdefault(jnp.dtype(y.dtype), []).append(i)
-    size = jax.lax.axis_size(axis)
     post = postscale / size if op == ReduceOp.AVG else postscale
     out = [None] * len(leaves)
     for dtype, idxs in groups.items():
@@ -133,7 +122,7 @@ def DistributedOptimizer(tx: optax.GradientTransformation, *, group=None, compre
     if not isinstance(compression, Compressor):
         raise TypeError(f"compression must be None or a jdist.optim.Compression member "
                         f"(none, fp16, bf16), got {compression!r}")
-    axis = group_axis(group)
+    axis = axis_of(group)
     tx = optax.with_extra_args_support(tx)
     f = float(gradient_predivide_factor)
 

@@ -44,9 +44,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey
 
+from jdist.collectives._axis import bound_size, is_bound
 from jdist.collectives._group import ProcessGroup, resolve_group
 
-__all__ = ["ZeroRedundancyOptimizer", "ZeroState", "flat_partition", "require_axis"]
+__all__ = ["ZeroRedundancyOptimizer", "ZeroState", "flat_partition"]
 
 
 class ZeroState(NamedTuple):
@@ -129,13 +130,16 @@ class ZeroRedundancyOptimizer:
         self._steps: dict = {}
 
     # ---- the pure transformation -------------------------------------------------
-    def _set_layout(self, params):
+    def _layout_for(self, params) -> _Layout:
+        """The flat partition of ``params``: static (from shapes, dtypes and the tree
+        structure only), passed to the traced functions as an argument. Only the eager
+        entry points (``init`` outside ``shard_map``, ``init_global``, ``step``) remember
+        it in :attr:`layout`, for the specs and state dicts."""
         layout = flat_partition(params, self.num_replicas)
         if self.layout is not None and (layout.shapes, layout.dtypes, layout.treedef) != (
                 self.layout.shapes, self.layout.dtypes, self.layout.treedef):
             raise ValueError("this ZeroRedundancyOptimizer was initialized for other "
                              "parameters; make one optimizer per parameter tree")
-        self.layout = layout
         return layout
 
     def _shard(self, flat: dict) -> dict:
@@ -144,24 +148,21 @@ class ZeroRedundancyOptimizer:
                                                 v.shape[0] // self.num_replicas)
                 for k, v in flat.items()}
 
-    def _init_local(self, params):
-        layout = self._set_layout(params)
+    def _init_local(self, params, layout: _Layout):
         return ZeroState(self.tx.init(self._shard(_flatten(params, layout, self.num_replicas))))
 
     def init(self, params) -> ZeroState:
         """Local shard state inside ``shard_map``; the global sharded state outside."""
-        try:
-            jax.lax.axis_index(self.axis)
-        except NameError:
+        if not is_bound(self.axis):
             return self.init_global(params)
-        return self._init_local(params)
+        return self._init_local(params, self._layout_for(params))
 
     def init_global(self, params) -> ZeroState:
         """The state as global arrays sharded over the group's mesh (call outside shard_map)."""
-        layout = self._set_layout(params)
+        layout = self.layout = self._layout_for(params)
         specs = self.state_partition_specs(self._state_shapes(layout))
-        fn = jax.jit(jax.shard_map(self._init_local, mesh=self.group.mesh, in_specs=(P(),),
-                                   out_specs=specs, check_vma=False))
+        fn = jax.jit(jax.shard_map(lambda p: self._init_local(p, layout), mesh=self.group.mesh,
+                                   in_specs=(P(),), out_specs=specs, check_vma=False))
         return fn(_replicated(params, self.group.mesh))
 
     def update(self, grads, state: ZeroState, params=None, *,
@@ -183,8 +184,7 @@ class ZeroRedundancyOptimizer:
         replicated trees (e.g. ``nnx.state(model, nnx.Param)`` and the grads from
         ``ddp.value_and_grad``); returns ``(new_params, new_state)``.
         """
-        if self.layout is None:
-            self._set_layout(params)
+        self.layout = self._layout_for(params)
         mesh = self.group.mesh
         specs = self.state_partition_specs(state)
         key = (jax.tree.structure(params), jax.tree.structure(state))
@@ -206,9 +206,10 @@ class ZeroRedundancyOptimizer:
         if not isinstance(state, ZeroState):
             raise TypeError(f"expected the ZeroState from ZeroRedundancyOptimizer.init, got "
                             f"{type(state).__name__}")
-        require_axis(self.axis, "ZeroRedundancyOptimizer.update",
-                      "outside it, use zero.step(params, grads, state)")
-        layout = self.layout or self._set_layout(params)
+        bound_size(self.axis, "ZeroRedundancyOptimizer.update",
+                   f"It must run inside jax.shard_map over the group's mesh axis "
+                   f"{self.axis!r}; outside it, use zero.step(params, grads, state)")
+        layout = self._layout_for(params)
         n = self.num_replicas
         g = _flatten(grads, layout, n)
         if average:
@@ -298,15 +299,6 @@ class ZeroRedundancyOptimizer:
         specs = self.state_partition_specs(flat)
         return jax.tree.map(
             lambda x, s: _global(np.asarray(x), NamedSharding(self.group.mesh, s)), flat, specs)
-
-
-def require_axis(axis, what: str, hint: str) -> None:
-    """Raise a clear error when ``axis`` is not bound (called outside ``shard_map``)."""
-    try:
-        jax.lax.axis_size(axis)
-    except NameError:
-        raise ValueError(f"{what} must run inside jax.shard_map over the group's mesh axis "
-                         f"{axis!r} (the axis is not bound here); {hint}") from None
 
 
 def _on_mesh(tree, mesh):

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdist.collectives._axis import bound_size
 from jdist.collectives._group import ProcessGroup
 from jdist.ddp.hooks._base import CommHook, GradBucket
 
@@ -42,7 +43,8 @@ def reduce_axis(state: Any, bucket: GradBucket, hook_name: str):
 
     Raises:
       TypeError: ``state`` is neither ``None`` nor a ProcessGroup.
-      ValueError: the group reduces over another mesh axis than the DDP buckets.
+      ValueError: the group reduces over another mesh axis than the DDP buckets, or the
+        hook was called outside DDP's ``shard_map`` (an ``UnboundAxisError``).
     """
     if state is not None and not isinstance(state, ProcessGroup):
         raise TypeError(
@@ -55,13 +57,10 @@ def reduce_axis(state: Any, bucket: GradBucket, hook_name: str):
             f"{state.axis_name!r}, but DDP reduces this bucket over {bucket.axis_name!r}; "
             f"register the hook with state=None or with the DDP's own process group"
         )
-    try:
-        jax.lax.axis_size(bucket.axis_name)
-    except NameError:
-        raise ValueError(
-            f"{hook_name} runs inside DDP's shard_map, where mesh axis "
-            f"{bucket.axis_name!r} is bound; it was called outside (register it with "
-            f"ddp.register_comm_hook(state, hook) instead of calling it directly)") from None
+    bound_size(bucket.axis_name, hook_name,
+               "The hook runs inside DDP's shard_map, where that axis is bound; it was called "
+               "outside (register it with ddp.register_comm_hook(state, hook) instead of "
+               "calling it directly)")
     return bucket.axis_name
 
 
