@@ -77,6 +77,8 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
           quick=("--steps", "10", "--num-embeddings", "10000")),
     Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",
           "benchmarks/ddp.py", quick=("--steps", "5"), quick_timeout=360.0),
+    Bench("data", "Feeding a DDP step: torch DataLoader, grain, ArrayLoader (vs torch "
+          "DataLoader + torch DDP)", "benchmarks/data.py", quick_timeout=300.0),
 )
 NAMES = tuple(b.name for b in BENCHES)
 QUICK_BUDGET = 570.0  # seconds: --quick writes its report within 10 minutes
