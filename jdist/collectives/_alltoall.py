@@ -88,10 +88,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group: ProcessGroup | None
         def fn():
             fp = _fp(g, "all_to_all", None, stacked.shape, stacked.dtype)
             values = _split(_exchange(g, "all_to_all", stacked, as_jax, fp), as_jax)
-            if outs is None:
-                return values
-            _fill_list(outs, values, "all_to_all")
-            return outs
+            return _fill_list(outs, values, "all_to_all")
 
         return dispatch(g, "all_to_all", fn, async_op)
     if outs is None:
@@ -105,8 +102,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group: ProcessGroup | None
 
     def fn_uneven():
         values = _exchange_uneven(g, "all_to_all", list(inputs), receive, dtype, as_jax)
-        _fill_list(outs, values, "all_to_all")
-        return outs
+        return _fill_list(outs, values, "all_to_all")
 
     return dispatch(g, "all_to_all", fn_uneven, async_op)
 

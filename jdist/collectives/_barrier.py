@@ -20,20 +20,10 @@ import time
 
 from jdist.collectives import _engine as eng
 from jdist.collectives._eager import _fp, dispatch
-from jdist.collectives._group import ProcessGroup, group_state
+from jdist.collectives._group import ProcessGroup, group_state, timeout_seconds
 from jdist.errors import CollectiveTimeoutError
 
 __all__ = ["barrier"]
-
-
-def _seconds(timeout, default: float) -> float:
-    if timeout is None:
-        return default
-    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-        raise ValueError(f"barrier: timeout must be a positive datetime.timedelta or "
-                         f"number of seconds, got {timeout!r}")
-    return float(seconds)
 
 
 def _whereabouts(wd, g: ProcessGroup, seq: int, missing: list[int]) -> dict[int, str]:
@@ -114,7 +104,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_id
     g = eng.member_group(group, "barrier")
     if g is None:
         return None
-    seconds = _seconds(timeout, g.timeout)
+    seconds = timeout_seconds(timeout, g.timeout, "barrier")
 
     def fn():
         fp = _fp(g, "barrier")

@@ -75,9 +75,11 @@ def _write_back(target, value) -> None:
         np.copyto(target, value, casting="unsafe")
 
 
-def _fill_list(out_list, values, what: str) -> None:
+def _fill_list(out_list, values, what: str):
+    """Fill ``out_list`` in place with ``values`` (as torch); return it, or ``values``
+    when there is no list."""
     if out_list is None:
-        return
+        return values
     if len(out_list) != len(values):
         raise ValueError(
             f"jdist.{what}: the output list has {len(out_list)} entries but the group has "
@@ -90,6 +92,7 @@ def _fill_list(out_list, values, what: str) -> None:
                 out_list[i] = v
         else:
             out_list[i] = v
+    return out_list
 
 
 def _check_op(op: ReduceOp, dtype, what: str) -> None:
@@ -279,10 +282,7 @@ def all_gather(tensor_list, tensor, group: ProcessGroup | None = None,
     def fn():
         fp = _fp(g, "all_gather", None, x.shape, x.dtype)
         values = _split(_gathered(g, "all_gather", x, as_jax, fp), as_jax)
-        if tensor_list is None:
-            return values
-        _fill_list(tensor_list, values, "all_gather")
-        return tensor_list
+        return _fill_list(tensor_list, values, "all_gather")
 
     return dispatch(g, "all_gather", fn, async_op)
 
@@ -339,10 +339,7 @@ def gather(tensor, gather_list=None, dst: int | None = None,
         values = _split(_gathered(g, "gather", x, as_jax, fp), as_jax)
         if g.rank != root:
             return None
-        if gather_list is None:
-            return values
-        _fill_list(gather_list, values, "gather")
-        return gather_list
+        return _fill_list(gather_list, values, "gather")
 
     return dispatch(g, "gather", fn, async_op)
 

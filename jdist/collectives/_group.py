@@ -38,6 +38,7 @@ __all__ = [
     "get_group_rank",
     "get_process_group_ranks",
     "new_group",
+    "timeout_seconds",
 ]
 
 DEFAULT_AXIS = "dp"
@@ -279,6 +280,23 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
 def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
     """The WORLD ranks of ``group``'s members, in group-rank order."""
     return list(_group_or_default(group, "jdist.get_process_group_ranks()").ranks)
+
+
+def timeout_seconds(timeout, default: float, what: str, allow_zero: bool = False) -> float:
+    """Seconds from a ``timedelta`` or a number; ``None`` gives ``default``.
+
+    Raises:
+      ValueError: not a number/timedelta, negative, or 0 where ``allow_zero`` is off.
+    """
+    if timeout is None:
+        return float(default)
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0
+            or (seconds == 0 and not allow_zero)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what}: timeout must be a datetime.timedelta or seconds {bound}, "
+                         f"got {timeout!r}")
+    return float(seconds)
 
 
 def new_group(ranks=None, timeout=None, backend=None) -> ProcessGroup | _NonGroupMember:

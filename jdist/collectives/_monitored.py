@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from jdist.collectives import _engine as eng
-from jdist.collectives._group import ProcessGroup, group_state
+from jdist.collectives._group import ProcessGroup, group_state, timeout_seconds
 from jdist.errors import CollectiveTimeoutError
 
 __all__ = ["monitored_barrier"]
@@ -35,16 +35,6 @@ def _poll(ready, deadline: float) -> bool:
             return False
         time.sleep(sleep)
         sleep = min(sleep * 2, 0.02)
-
-
-def _seconds(timeout, default: float) -> float:
-    if timeout is None:
-        return default
-    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-        raise ValueError(f"monitored_barrier: timeout must be a datetime.timedelta or "
-                         f"seconds >= 0, got {timeout!r}")
-    return float(seconds)
 
 
 def _lead(g: ProcessGroup, wd, prefix: str, seconds: float, wait_all_ranks: bool) -> None:
@@ -135,7 +125,7 @@ def monitored_barrier(group: ProcessGroup | None = None, timeout=None,
     g = eng.member_group(group, "monitored_barrier")
     if g is None:
         return None
-    seconds = _seconds(timeout, g.timeout)
+    seconds = timeout_seconds(timeout, g.timeout, "monitored_barrier", allow_zero=True)
     wd = group_state.runtime.get("watchdog")
     if g.size() == 1 or wd is None:
         return None
