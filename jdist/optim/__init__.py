@@ -1,10 +1,16 @@
 """Distributed optimizers (``jdist.optim``): Horovod's all-reduce wrapper and ZeRO-1.
 
 Both are optax-style transformations used inside ``shard_map`` over the group's axis.
+
+``AllReduceOptimizer`` (alias ``DistributedOptimizer``, Horovod's name) all-reduces the
+gradients, then steps. It is NOT torch's ``torch.distributed.optim.DistributedOptimizer``:
+that one, which steps RRef-held parameters with a distributed-autograd context's
+gradients, is :class:`jdist.rpc.DistributedOptimizer`.
 """
 
 from jdist.optim._compression import Compression as Compression
 from jdist.optim._compression import Compressor as Compressor
+from jdist.optim._distributed import AllReduceOptimizer as AllReduceOptimizer
 from jdist.optim._distributed import DistributedOptimizer as DistributedOptimizer
 from jdist.optim._distributed import DistributedOptimizerState as DistributedOptimizerState
 from jdist.optim._distributed import fused_allreduce as fused_allreduce
@@ -13,6 +19,7 @@ from jdist.optim._zero import ZeroState as ZeroState
 from jdist.optim._zero import flat_partition as flat_partition
 
 __all__ = [
+    "AllReduceOptimizer",
     "Compression",
     "Compressor",
     "DistributedOptimizer",

@@ -1,4 +1,4 @@
-"""Horovod-style gradient compression for :func:`DistributedOptimizer`.
+"""Horovod-style gradient compression for :func:`AllReduceOptimizer` (``DistributedOptimizer``).
 
 A compressor is ``compress(x) -> (y, ctx)`` and ``decompress(y, ctx) -> x``; only
 floating-point arrays are cast (as Horovod's ``Compression.fp16``), others pass through.

@@ -1,6 +1,17 @@
 """Horovod's ``DistributedOptimizer`` as an optax transformation (usable in ``shard_map``).
 
-``DistributedOptimizer(tx)`` averages the gradients across the replicas of ``group``
+**Not torch's ``DistributedOptimizer``.** Two different things share that name:
+
+- :func:`AllReduceOptimizer` (this module; also importable as
+  ``jdist.optim.DistributedOptimizer``, Horovod's name) wraps an optax transformation so
+  that ``update`` first averages the gradients over the replicas of a mesh axis
+  (all-reduce), inside ``jax.shard_map``; it is data parallelism without DDP.
+- :class:`jdist.rpc.DistributedOptimizer` is torch's
+  ``torch.distributed.optim.DistributedOptimizer``: it steps parameters held in RRefs
+  on their owners with the gradients of a distributed-autograd context
+  (``step(context_id)``); nothing is all-reduced.
+
+``AllReduceOptimizer(tx)`` averages the gradients across the replicas of ``group``
 and then runs ``tx``. The average is fused per dtype (after compression): one ``psum``
 over all leaves of a dtype, which XLA's all-reduce combiner compiles into one combined
 (variadic) all-reduce on CPU, and into chunks of
@@ -35,7 +46,8 @@ from jdist.collectives._axis import axis_of, bound_size
 from jdist.collectives._types import ReduceOp
 from jdist.optim._compression import Compression, Compressor
 
-__all__ = ["DistributedOptimizer", "DistributedOptimizerState", "fused_allreduce"]
+__all__ = ["AllReduceOptimizer", "DistributedOptimizer", "DistributedOptimizerState",
+           "fused_allreduce"]
 
 
 class DistributedOptimizerState(NamedTuple):
@@ -81,12 +93,16 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
     return jax.tree.unflatten(treedef, out)
 
 
-def DistributedOptimizer(tx: optax.GradientTransformation, *, group=None, compression=None,
-                         backward_passes_per_step: int = 1,
-                         gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.AVG,
-                         average_aggregated_gradients: bool = False
-                         ) -> optax.GradientTransformationExtraArgs:
+def AllReduceOptimizer(tx: optax.GradientTransformation, *, group=None, compression=None,
+                       backward_passes_per_step: int = 1,
+                       gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.AVG,
+                       average_aggregated_gradients: bool = False
+                       ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``tx`` so gradients are averaged across replicas first (Horovod semantics).
+
+    Horovod's ``hvd.DistributedOptimizer``; ``jdist.optim.DistributedOptimizer`` is the
+    same function under Horovod's name. For torch's RPC ``DistributedOptimizer`` (RRefs,
+    ``step(context_id)``) use :class:`jdist.rpc.DistributedOptimizer`.
 
     Args:
       tx: the optax transformation to run on the averaged gradients.
@@ -105,8 +121,11 @@ def DistributedOptimizer(tx: optax.GradientTransformation, *, group=None, compre
       ValueError / TypeError: bad arguments, with the value and the fix.
     """
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
-        raise TypeError(f"DistributedOptimizer expects an optax GradientTransformation, got "
-                        f"{type(tx).__name__}; pass e.g. optax.sgd(0.1)")
+        hint = (" (for torch's RPC DistributedOptimizer, which takes an optax factory and "
+                "RRefs, use jdist.rpc.DistributedOptimizer)" if callable(tx) else "")
+        raise TypeError(f"AllReduceOptimizer (jdist.optim.DistributedOptimizer) expects an "
+                        f"optax GradientTransformation, got {type(tx).__name__}; pass e.g. "
+                        f"optax.sgd(0.1){hint}")
     k = backward_passes_per_step
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"backward_passes_per_step must be an int >= 1, got {k!r}")
@@ -154,3 +173,6 @@ def DistributedOptimizer(tx: optax.GradientTransformation, *, group=None, compre
         return new, DistributedOptimizerState(step, acc, inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DistributedOptimizer = AllReduceOptimizer  # Horovod's name (not torch's RPC one: see above)

@@ -166,3 +166,17 @@ def test_equals_ddp_averaged_grads_then_tx():
                               check_vma=False))
     want, _ = tx.update(jax.device_get(ddp_grads), tx.init(params), params)
     tree_allclose(f(params, stacked), want, rtol=1e-5, atol=1e-6)
+
+
+def test_allreduce_optimizer_is_horovods_distributed_optimizer_not_torchs():
+    import jdist.optim
+    import jdist.rpc
+
+    assert jdist.optim.DistributedOptimizer is jdist.optim.AllReduceOptimizer
+    assert "AllReduceOptimizer" in jdist.optim.__all__
+    assert "jdist.rpc.DistributedOptimizer" in jdist.optim.AllReduceOptimizer.__doc__
+    # torch's RPC call shape (an optax factory, not a transformation) points to jdist.rpc
+    with pytest.raises(TypeError, match=r"optax.sgd\(0.1\) \(for torch's RPC "
+                                        r"DistributedOptimizer.*use jdist.rpc.Distributed"):
+        jdist.optim.AllReduceOptimizer(optax.sgd)
+    assert jdist.rpc.DistributedOptimizer is not jdist.optim.DistributedOptimizer
