@@ -393,8 +393,18 @@ class TCPStore(Store):
         self._server = None
 
     def __repr__(self) -> str:
-        role = "master" if self._server is not None else "client"
-        return f"TCPStore({self._host!r}, {self._port}, {role})"
+        """torch's form: ``TCPStore(client=TCPClient(SocketImpl(fd=.., addr=[host]:..,
+        remote=[host]:..)), server=TCPServer(port=..))`` (``server=<nullptr>`` on a
+        client)."""
+        sock = self._client.sock
+        try:
+            fd, local = sock.fileno(), sock.getsockname()[1]
+            client = (f"TCPClient(SocketImpl(fd={fd}, addr=[{self._host}]:{local}, "
+                      f"remote=[{self._host}]:{self._port}))")
+        except (AttributeError, OSError):
+            client = "TCPClient(closed)"
+        server = f"TCPServer(port={self._port})" if self._server is not None else "<nullptr>"
+        return f"TCPStore(client={client}, server={server})"
 
     # --- the contract --------------------------------------------------------------------
     def set(self, key: str, value: Value) -> None:

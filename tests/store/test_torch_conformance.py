@@ -232,6 +232,20 @@ def test_tcp_store_address_already_in_use():
     TCPStore("localhost", 0, 1, True, use_libuv=True).close()
 
 
+def test_tcp_store_repr():
+    """TCPStoreTest.test_repr."""
+    import re
+
+    store1 = _tcp_store()
+    client = (r"TCPStore\(client=TCPClient\(SocketImpl\(fd=\d+, addr=\[?localhost\]?:\d+, "
+              r"remote=\[?localhost\]?:\d+\)\), ")
+    assert re.match(client + r"server=TCPServer\(port=\d+\)\)", repr(store1)), repr(store1)
+    store2 = TCPStore(store1.host, store1.port, world_size=2, is_master=False)
+    assert re.match(client + r"server=<nullptr>\)", repr(store2)), repr(store2)
+    store2.close()
+    store1.close()
+
+
 def test_tcp_store_take_over_listen_socket():
     """TCPStoreTest.test_take_over_listen_socket."""
     import socket
