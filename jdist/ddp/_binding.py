@@ -1,7 +1,7 @@
 """A DDP step's binding to an NNX module (and optimizer): read the arrays, write the outputs.
 
-``nnx.split`` / ``nnx.update`` walk the whole object graph on every call (about 0.2 ms
-for a small MLP, per call and per object). A step function instead binds once, at its
+``nnx.split`` / ``nnx.update`` walk the whole object graph on every call, per call and
+per object. A step function instead binds once, at its
 first call: it finds the module's (and the optimizer's) Variables, then reads their
 arrays as flat lists in the split states' leaf order and writes the step's outputs back
 into the same Variables. Like ``nnx.cached_partial`` (and torch's DDP, whose hooks are

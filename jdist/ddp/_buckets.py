@@ -1,7 +1,8 @@
 """Gradient buckets: torch's assignment rules, as pure functions over parameter metadata.
 
 torch's ``Reducer`` groups parameters into buckets so that one collective carries many
-small gradients (see ``reference/torch-distributed.md``, "Bucketing rules"):
+small gradients (torch's ``_compute_bucket_assignment_by_size`` and the ``Reducer``'s
+bucket rebuild):
 
 - parameters are walked in a given order with **one open bucket per dtype**; a bucket
   closes as soon as its byte count **reaches** the current limit (so it may exceed it);

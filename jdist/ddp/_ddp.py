@@ -108,11 +108,10 @@ class DistributedDataParallel(EngineShell):
         buffers). Either way each bucket is reduced by one all-reduce fired from the
         backward pass. Without the copy, XLA's all-reduce combiner merges the bucket's
         gradients into one variadic all-reduce (see :mod:`jdist.ddp._xla`), which saves
-        the copy (about 15% of a small MLP's step on one process); but gloo runs a
-        variadic all-reduce as one collective per array, so across processes on CPU the
-        copy is much cheaper than the extra collectives (a 2-process MLP step: 35 ms
-        flat, 61 ms without). ``None`` (default): flat when the group spans several
-        processes on CPU, no copy otherwise.
+        the copy on one process; but gloo runs a variadic all-reduce as one collective
+        per array, so across processes on CPU the copy is much cheaper than the extra
+        collectives (``benchmarks/ddp.py`` (b) times both). ``None`` (default): flat
+        when the group spans several processes on CPU, no copy otherwise.
 
     After a step the module holds the new parameters as global arrays replicated over
     the group's devices; with several processes they span other processes' devices too

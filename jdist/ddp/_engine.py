@@ -350,11 +350,11 @@ class Engine:
         With one process every participant of the step's collectives is one of its own
         devices, launched by the same call: no peer can be missing, so no watchdog is
         needed (the waiter thread of :func:`~jdist.ddp._wait.wait_ready` costs a thread
-        hand-off per step, 3-5% of a small MLP's step on a busy CPU). There it waits only
+        hand-off per step, noticeable for a small model on a busy CPU). There it waits only
         on XLA:CPU, whose in-process collectives can deadlock when many programs are in
         flight, and blocks on one output that has a shard on every device (the outputs
-        of one execution are ready together on each device; blocking on every leaf cost
-        ~20 us a step). On GPU and TPU the step returns at once, keeping JAX's
+        of one execution are ready together on each device; blocking on every leaf costs
+        more host time). On GPU and TPU the step returns at once, keeping JAX's
         asynchronous dispatch (the host queues the next step while the device runs this
         one, as a torch training loop does); reading the loss waits for it.
         """

@@ -123,8 +123,8 @@ def _flat(cts: Sequence[jax.Array], dtype) -> jax.Array:
 
     Written as in-place ``dynamic_update_slice`` writes into one buffer rather than a
     ``concatenate``: XLA's CPU backend emits the concatenation as a partitioned loop fusion
-    that was up to 2x slower per step (two replicas' copies competing for the same cores),
-    while each update is a plain copy of one gradient into place.
+    that was slower per step (two replicas' copies competing for the same cores), while
+    each update is a plain copy of one gradient into place (``benchmarks/ddp.py``).
     """
     n = sum(int(c.size) for c in cts)
     buf = jnp.zeros((n,), dtype)

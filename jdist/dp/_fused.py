@@ -18,8 +18,8 @@ chunk: keys unchanged), replica 0's state updates (BatchNorm statistics, RNG cou
 written back to an NNX module, gradients land on ``device_ids[0]`` and the loss on
 ``output_device``.
 
-This departs from DESIGN.md's list of DataParallel methods by adding one; it is the
-JAX-native counterpart of DDP's ``ddp.value_and_grad``.
+``value_and_grad`` is a method torch's DataParallel does not have: the JAX-native
+counterpart of DDP's ``ddp.value_and_grad``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ over all leaves of a dtype, which XLA's all-reduce combiner compiles into one co
 (variadic) all-reduce on CPU, and into chunks of
 ``xla_gpu_all_reduce_combine_threshold_bytes`` on GPU. This is Horovod's tensor fusion
 done by the compiler: no copy into a fusion buffer (concatenating into one flat buffer
-measured several times slower on XLA:CPU) and no background negotiation, since the
+is much slower on XLA:CPU) and no background negotiation, since the
 program is static. The lowered program lists one all-reduce per leaf; the compiled one
 (``comm_report(compiled)``) shows the fused collective.
 
