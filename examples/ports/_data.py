@@ -62,3 +62,32 @@ def batch_ps_trainer_data(rank: int, num_batches: int, batch_size: int = 20,
     labels[np.arange(batch_size), hot] = 1
     return [(rs.randn(batch_size, 3, image_hw, image_hw).astype(np.float32), labels)
             for _ in range(num_batches)]
+
+
+def hybrid_batches(rank: int, epoch: int, num_batches: int = 10,
+                   num_embeddings: int = 100, num_classes: int = 8):
+    """rpc/ddp_rpc: one epoch of a trainer's variable-size bags (the original's
+    ``get_next_batch``, seeded): 20..50 indices cut into bags of 1..10 at ``offsets``,
+    one target class per bag."""
+    rs = np.random.RandomState(10000 * rank + epoch)
+    for _ in range(num_batches):
+        num_indices = rs.randint(20, 51)
+        indices = rs.randint(0, num_embeddings, size=num_indices).astype(np.int64)
+        offsets, start = [], 0
+        while start < num_indices:
+            offsets.append(start)
+            start += rs.randint(1, 11)
+        target = rs.randint(0, num_classes, size=len(offsets)).astype(np.int64)
+        yield indices, np.asarray(offsets, np.int64), target
+
+
+def pipeline_batches(num_batches: int, batch_size: int, num_classes: int = 10,
+                     image_hw: int = 8, seed: int = 0):
+    """rpc/pipeline: (NCHW images, one-hot labels); the label indices are drawn once,
+    as the original's ``one_hot_indices``."""
+    rs = np.random.RandomState(seed)
+    hot = rs.randint(0, num_classes, size=batch_size)
+    labels = np.zeros((batch_size, num_classes), np.float32)
+    labels[np.arange(batch_size), hot] = 1
+    return [(rs.randn(batch_size, 3, image_hw, image_hw).astype(np.float32), labels)
+            for _ in range(num_batches)]

@@ -34,21 +34,35 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
+_GIVEN: set[int] = set()
+
+
+def fresh_port() -> int:
+    """A free port not handed out before by this process (a port is free again once its
+    probe socket closes, so two quick calls of ``free_port`` can return the same one)."""
+    from jdist.launch import free_port
+
+    for _ in range(100):
+        port = free_port()
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no fresh free port after 100 tries (given: {len(_GIVEN)})")
+
+
 def command(lib: str, name: str, nproc: int, args: list[str], out: str,
             launcher_args: list[str] = ()) -> list[str]:
     """The launch command of ``lib`` ("jdist" or "torch") for program ``name``."""
-    from jdist.launch import free_port
-
     if lib == "jdist":
         script = os.path.join(HERE, f"{name}.py")
         launcher = ["-m", "jdist.launch", "--nproc-per-node", str(nproc), "--devices-per-proc", "1",
-                    "--master-port", str(free_port())]
+                    "--master-port", str(fresh_port())]
     elif lib == "torch":
         script = os.path.join(HERE, f"{name}_torch.py")
         # the c10d rendezvous: torchrun's default static one could not restart (the
         # restarted gloo ranks met the first attempt's stale addresses)
         launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{fresh_port()}"]
     else:
         raise ValueError(f"lib must be 'jdist' or 'torch', got {lib!r}")
     return [sys.executable, *launcher, *launcher_args, script, *args, "--out", out]

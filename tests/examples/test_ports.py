@@ -117,3 +117,31 @@ def test_rpc_batch_parameter_server(tmp_path):
     assert_params_close(mine[0]["params"], theirs[0]["params"])
     losses = mine[0]["trainers"][0]["losses"]
     assert losses[-1] < losses[0]  # the fetched models were the updated ones
+
+
+def test_ddp_rpc_hybrid_model(tmp_path):
+    """master + ps + two DDP trainers; variable-size bags; --deterministic (a barrier
+    of the trainers after each step) so both runs read the same table."""
+    from examples.ports._run import fresh_port
+
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(16, 8)
+    start = torch.nn.EmbeddingBag(100, 16, mode="sum").weight.detach().numpy().copy()
+    init = save_init(str(tmp_path / "init.npz"), {
+        "emb.weight": torch.from_numpy(start),
+        **{f"fc.{k}": v for k, v in fc.state_dict().items()}})
+
+    def args(lib, out):
+        return ["--smoke", "--deterministic", "--init", init,
+                "--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port())]
+
+    mine, theirs = run_both("ddp_rpc", 4, args, timeout=300)
+    assert mine["log"].count("Training done for epoch 0") == 2
+    np.testing.assert_allclose(mine[2]["table"], theirs[2]["table"], rtol=TOL, atol=TOL)
+    assert np.abs(theirs[2]["table"] - start).max() > 1e-3
+    for a, b in zip(mine[2]["trainers"], theirs[2]["trainers"], strict=True):
+        np.testing.assert_allclose(a["losses"], b["losses"], rtol=TOL)
+        assert_params_close(a["fc"], b["fc"])
+    # DDP kept the dense layer identical on both trainers
+    for k, v in mine[2]["trainers"][0]["fc"].items():
+        np.testing.assert_array_equal(v, mine[2]["trainers"][1]["fc"][k])
