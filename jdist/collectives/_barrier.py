@@ -67,10 +67,10 @@ def _arrive(g: ProcessGroup, seq: int, seconds: float) -> None:
             about = "; ".join(f"rank {r} {why}"
                               for r, why in _whereabouts(wd, g, seq, missing).items())
             raise CollectiveTimeoutError(
-                f"barrier (collective #{seq}) on group {g.name!r} timed out after "
-                f"{seconds:g} s: ranks {missing} did not reach it ({about}). Make every "
-                f"member call barrier, or raise the group's timeout (new_group(timeout=), "
-                f"init_process_group(timeout=))")
+                f"[Rank {me}]: barrier (collective #{seq}) on group {g.name!r}: Timed out "
+                f"waiting {int(seconds * 1000)}ms for ranks {missing}, which did not reach "
+                f"it ({about}). Make every member call barrier, or raise the timeout "
+                f"(barrier(timeout=), new_group(timeout=), init_process_group(timeout=))")
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
         with lock:

@@ -360,10 +360,26 @@ def lone_barrier_honours_group_timeout(dist, rank, group):
     if rank != 0:
         return None
     t = time.monotonic()
-    e = _raises(CollectiveTimeoutError, r"timed out after 1 s: ranks \[1\] did not reach it",
+    e = _raises(CollectiveTimeoutError, r" Timed out waiting 1000ms for ranks \[1\]",
                 lambda: dist.barrier(group=sub), "lone barrier")
     assert isinstance(e, RuntimeError) and isinstance(e, TimeoutError)
     return time.monotonic() - t
+
+
+def barrier_timeouts(dist, rank, group):
+    """test_barrier_timeout_full_group and test_barrier_timeout_arg (via
+    _test_barrier_timeout): only group rank 0 calls; it raises torch's " Timed out "
+    text, not before the timeout."""
+    timeout = timedelta(seconds=1)
+    full = dist.new_group(timeout=timeout)
+    pg = dist.new_group(timeout=timedelta(seconds=300))
+    if dist.get_rank(full) != 0:
+        return
+    expected = time.time() + timeout.total_seconds()
+    _raises(Exception, " (Timed out|closed|timeout) ", lambda: dist.barrier(full), "full")
+    assert time.time() >= expected - 0.1
+    _raises(RuntimeError, "Timed out waiting 1ms",
+            lambda: dist.barrier(pg, timeout=timedelta(milliseconds=1)), "timeout arg")
 
 
 # ------------------------------------------------------------------ the job
@@ -411,6 +427,8 @@ def conformance() -> dict:
     monitored_barrier_wait_all_ranks(dist, rank, group)
     dist.barrier(timeout=30)
     lone = lone_barrier_honours_group_timeout(dist, rank, group)
+    dist.barrier(timeout=30)
+    barrier_timeouts(dist, rank, group)
     dist.barrier(timeout=30)
     dist.destroy_process_group()
     return {"rank": rank, "lone_barrier_s": lone}

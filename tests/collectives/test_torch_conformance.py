@@ -4,8 +4,8 @@ The cases (``conformance_cases.py``) follow ``distributed_test.py`` and
 ``test_c10d_gloo.py`` with torch's inputs and assertions: complex dtypes, ``[]`` lists
 on non-root ranks, uneven ``reduce_scatter``, both ``reduce_scatter_tensor`` input
 forms, ``get_backend`` and collectives on non-members, ``scatter_object_list``'s
-wording, the five ``monitored_barrier`` cases, and a lone ``barrier`` on a group with
-a 1 s timeout (issue #15).
+wording, the five ``monitored_barrier`` cases, torch's barrier-timeout cases, and a lone
+``barrier`` on a group with a 1 s timeout (issue #15).
 """
 
 from __future__ import annotations
