@@ -89,6 +89,43 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
 }
 
 
+# public error classes outside jdist.errors (the subpackage's own, by its __all__)
+OTHER: dict[str, tuple[type[BaseException], ...]] = {
+    # torch.multiprocessing.spawn: ProcessRaisedException / ProcessExitedException
+    # (Exception); jdist's is a RuntimeError as well
+    "jdist.launch.SpawnError": (Exception, RuntimeError),
+    # torch.load / DCP on an unreadable or corrupt checkpoint: RuntimeError
+    "jdist.checkpoint.CheckpointError": (RuntimeError,),
+    "jdist.checkpoint.CheckpointCorruptError": (RuntimeError,),
+    # load_state_dict with missing/unexpected keys or other shapes: RuntimeError
+    "jdist.checkpoint.CheckpointMismatchError": (RuntimeError,),
+}
+PACKAGES = ("jdist", "jdist.collectives", "jdist.store", "jdist.launch", "jdist.rpc",
+            "jdist.ddp", "jdist.dp", "jdist.optim", "jdist.sampler", "jdist.testing",
+            "jdist.checkpoint")
+
+
+def test_every_subpackage_error_class_is_what_torch_raises():
+    import importlib
+
+    seen = {}
+    for pkg in PACKAGES:
+        try:
+            mod = importlib.import_module(pkg)
+        except ImportError:  # a subpackage that is not there (yet)
+            continue
+        for name in getattr(mod, "__all__", ()):
+            obj = getattr(mod, name, None)
+            if (inspect.isclass(obj) and issubclass(obj, Exception)
+                    and not issubclass(obj, Warning) and obj.__module__ != errors.__name__):
+                seen.setdefault(obj, f"{pkg}.{name}")
+    for cls, where in seen.items():
+        key = next((k for k in OTHER if k.rsplit(".", 1)[1] == cls.__name__), None)
+        assert key is not None, f"add {where} to OTHER (with the torch situation)"
+        for base in OTHER[key]:
+            assert issubclass(cls, base), f"{where} must be a {base.__name__}"
+
+
 def _public_error_classes():
     out = {}
     for name in errors.__all__:
