@@ -42,14 +42,12 @@ num_classes = 10
 
 
 class ShardBase(nnx.Module):
-    def __init__(self, init=None):
+    def __init__(self):
         self._lock = threading.Lock()
-        self.init = init
 
-    def _load(self):
-        if self.init is not None:
-            state_dict_to_nnx(self.init, self)
-        self.init = None
+    def _load(self, init):
+        if init is not None:
+            state_dict_to_nnx(init, self)
 
     def parameter_rrefs(self):
         params = nnx.variables(self, nnx.Param)
@@ -59,16 +57,20 @@ class ShardBase(nnx.Module):
     def weights(self):
         return {k: np.asarray(v) for k, v in nnx.state(self, nnx.Param).flat_state()}
 
+    def running_means(self):
+        return {k[0]: np.asarray(v) for k, v in nnx.state(self, nnx.BatchStat).flat_state()
+                if k[-1] == "mean"}
+
 
 class Shard1(ShardBase):
     """Conv 3 -> 8, BatchNorm, ReLU, 2x2 max-pool."""
 
     def __init__(self, init=None):
-        super().__init__(init)
+        super().__init__()
         rngs = nnx.Rngs(1)
         self.conv = nnx.Conv(3, 8, (3, 3), padding=1, use_bias=False, rngs=rngs)
         self.bn = nnx.BatchNorm(8, momentum=0.9, epsilon=1e-5, rngs=rngs)
-        self._load()
+        self._load(init)
 
     def forward(self, x_rref):
         x = jnp.transpose(x_rref.to_here(), (0, 2, 3, 1))
@@ -81,12 +83,12 @@ class Shard2(ShardBase):
     """Conv 8 -> 16, BatchNorm, ReLU, global average pool, Linear 16 -> classes."""
 
     def __init__(self, init=None):
-        super().__init__(init)
+        super().__init__()
         rngs = nnx.Rngs(2)
         self.conv = nnx.Conv(8, 16, (3, 3), padding=1, use_bias=False, rngs=rngs)
         self.bn = nnx.BatchNorm(16, momentum=0.9, epsilon=1e-5, rngs=rngs)
         self.fc = nnx.Linear(16, num_classes, rngs=rngs)
-        self._load()
+        self._load(init)
 
     def forward(self, x_rref):
         x = jnp.transpose(x_rref.to_here(), (0, 2, 3, 1))
@@ -141,7 +143,9 @@ def run_master(args):
         losses.append(float(loss))
     return {"losses": losses, "times": times,
             "p1": model.p1_rref.rpc_sync().weights(),
-            "p2": model.p2_rref.rpc_sync().weights()}
+            "p2": model.p2_rref.rpc_sync().weights(),
+            "means": [model.p1_rref.rpc_sync().running_means(),
+                      model.p2_rref.rpc_sync().running_means()]}
 
 
 def run_worker(rank, world_size, args):

@@ -37,6 +37,10 @@ class ShardBase(nn.Module):
     def parameter_rrefs(self):
         return [RRef(p) for p in self.parameters()]
 
+    def running_means(self):
+        return {k.split(".")[0]: v.detach().numpy().copy()
+                for k, v in self.state_dict().items() if k.endswith("running_mean")}
+
     def weights(self):
         return {k: v.detach().numpy().copy() for k, v in self.state_dict().items()
                 if "running" not in k and "num_batches" not in k}
@@ -114,7 +118,9 @@ def run_master(args):
         losses.append(float(loss))
     return {"losses": losses, "times": times,
             "p1": model.p1_rref.rpc_sync().weights(),
-            "p2": model.p2_rref.rpc_sync().weights()}
+            "p2": model.p2_rref.rpc_sync().weights(),
+            "means": [model.p1_rref.rpc_sync().running_means(),
+                      model.p2_rref.rpc_sync().running_means()]}
 
 
 def main():

@@ -145,3 +145,25 @@ def test_ddp_rpc_hybrid_model(tmp_path):
     # DDP kept the dense layer identical on both trainers
     for k, v in mine[2]["trainers"][0]["fc"].items():
         np.testing.assert_array_equal(v, mine[2]["trainers"][1]["fc"][k])
+
+
+def test_rpc_pipeline(tmp_path):
+    """Two shards on two workers, 4 micro-batches per batch; the master hands worker1's
+    output RRef to worker2: both shards must get their gradients (torch's update)."""
+    from rpc_pipeline_torch import Shard1, Shard2
+
+    torch.manual_seed(0)
+    s1, s2 = Shard1(), Shard2()
+    init = save_init(str(tmp_path / "init.npz"), {
+        **{f"p1.{k}": v for k, v in s1.state_dict().items()},
+        **{f"p2.{k}": v for k, v in s2.state_dict().items()}})
+    mine, theirs = run_both("rpc_pipeline", 3, ["--smoke", "--init", init], timeout=300)
+    np.testing.assert_allclose(mine[0]["losses"], theirs[0]["losses"], rtol=TOL)
+    for shard, start in (("p1", s1), ("p2", s2)):
+        assert_params_close(mine[0][shard], theirs[0][shard])
+        moved = max(np.abs(theirs[0][shard][k] - start.state_dict()[k].numpy()).max()
+                    for k in theirs[0][shard])
+        assert moved > 1e-4, shard
+    # BatchNorm running means: torch updates them once per micro-batch forward
+    for a, b in zip(mine[0]["means"], theirs[0]["means"], strict=True):
+        np.testing.assert_allclose(a["bn"], b["bn"], rtol=TOL, atol=TOL)
