@@ -7,7 +7,10 @@ polls it until all are there or the group's timeout (``new_group(timeout=)``, el
 where they are. XLA's collectives have one process-wide timeout, so a group with a
 shorter one could not otherwise be honoured. Once all have arrived, the members
 all-gather their fingerprints (one tiny collective), so a rank that reached the barrier
-from a different sequence of collectives is reported as a mismatch.
+from a different sequence of collectives is reported as a mismatch; so is a member
+found (through its heartbeat) inside another collective with the barrier's number: the
+wait stops and the fingerprint check meets that collective, so both sides raise
+:class:`~jdist.errors.CollectiveMismatchError` within about a heartbeat interval.
 
 Keys: ``jdist/bar/<generation>/<group>/<seq>/{n,<rank>}``. After passing a barrier each
 member deletes its own keys of the group's previous barrier (every member has left it
@@ -47,11 +50,25 @@ def _whereabouts(wd, g: ProcessGroup, seq: int, missing: list[int]) -> dict[int,
     return out
 
 
-def _arrive(g: ProcessGroup, seq: int, seconds: float) -> None:
-    """Count this member in at barrier ``seq``; wait for the others up to ``seconds``."""
+def _elsewhere(wd, g: ProcessGroup, seq: int, prefix: str) -> bool:
+    """Whether a member that has not arrived published collective ``seq`` as another
+    collective (so the fingerprint check, not the timeout, should report it)."""
+    with wd.lock:
+        missing = [r for r in g.ranks if not wd.store.check([prefix + str(r)])]
+    return any(pos is not None and pos[0] == seq and pos[1] != "barrier"
+               for pos in wd.positions(missing, g.name).values())
+
+
+def _arrive(g: ProcessGroup, seq: int, seconds: float) -> bool:
+    """Count this member in at barrier ``seq``; wait for the others up to ``seconds``.
+
+    Returns False early when a missing member is inside another collective numbered
+    ``seq``: the caller then runs the fingerprint check, which meets that member's
+    collective and raises ``CollectiveMismatchError`` on both sides.
+    """
     wd = group_state.runtime.get("watchdog")
     if wd is None or g.size() == 1:
-        return
+        return True
     store, lock = wd.store, wd.lock
     base = f"jdist/bar/{group_state.generation}/{g.name}/"
     prefix, me, n = f"{base}{seq}/", g.ranks[g.rank], g.size()
@@ -59,8 +76,12 @@ def _arrive(g: ProcessGroup, seq: int, seconds: float) -> None:
         store.set(prefix + str(me), "1")
         count = store.add(prefix + "n", 1)
     deadline = time.monotonic() + seconds
-    pause = 0.0005
+    pause, look = 0.0005, time.monotonic() + wd.interval
     while count < n:
+        if time.monotonic() > look:  # heartbeats publish positions once per interval
+            look = time.monotonic() + wd.interval
+            if _elsewhere(wd, g, seq, prefix):
+                return False
         if time.monotonic() > deadline:
             with lock:
                 missing = [r for r in g.ranks if not store.check([prefix + str(r)])]
@@ -82,6 +103,7 @@ def _arrive(g: ProcessGroup, seq: int, seconds: float) -> None:
             store.delete_key(f"{base}{last}/{me}")
             if g.rank == 0:
                 store.delete_key(f"{base}{last}/n")
+    return True
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids=None,

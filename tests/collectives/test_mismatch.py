@@ -42,6 +42,8 @@ def _mismatch_child() -> dict:
                                        jdist.ReduceOp.SUM),
         # above the fusing limit the check runs as its own program first
         "large": lambda: jdist.all_reduce(np.ones(100_000 + r, np.float32)),
+        # a barrier meets another collective: found through the heartbeat, not the timeout
+        "barrier": lambda: jdist.barrier() if r == 0 else jdist.all_reduce(np.ones(3)),
     }
     for name, call in cases.items():
         t = time.monotonic()
@@ -91,6 +93,9 @@ def test_mismatch_raises_on_every_rank():
         assert "op=SUM" in msg and "op=MAX" in msg, msg
         msg, _ = res["large"]
         assert "shape=(100000,)" in msg and "shape=(100001,)" in msg, msg
+        msg, dt = res["barrier"]
+        assert "running barrier" in msg and "running all_reduce" in msg, msg
+        assert dt < TIMEOUT, (r, dt)  # before the group timeout
         # checked: one fused program run; JDIST_DEBUG=OFF: one plain run, no check
         assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 0), res
     msg, dt = results[0]["straggler"]
