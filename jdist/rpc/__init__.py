@@ -2,7 +2,7 @@
 
 ``init_rpc`` starts a worker; ``rpc_sync`` / ``rpc_async`` / ``remote`` run functions on
 other workers; :class:`RRef` names remote values (reference counted across workers);
-``shutdown`` ends it, bounded. See ``jdist/rpc/README.md`` for the message flow.
+``shutdown`` ends it. See ``docs/design-rpc.md`` for the message flow.
 """
 
 from jdist.rpc import functions as functions

@@ -152,7 +152,8 @@ def start_agent(name: str, rank: int, world_size: int, options: RpcBackendOption
 
 
 def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
-             rpc_backend_options: RpcBackendOptions | None = None, *,
+             rpc_backend_options: RpcBackendOptions | None = None,
+             _torch_options: RpcBackendOptions | None = None, *,
              backend: BackendType | None = None) -> None:
     """Start this process's RPC agent and meet the other workers.
 
@@ -162,14 +163,21 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
       world_size: number of workers (default ``$WORLD_SIZE``).
       rpc_backend_options: :class:`RpcBackendOptions` (default: env://, 60 s timeout,
         16 threads, secret from ``$JDIST_AUTH_TOKEN``).
-      backend: ``None`` or ``BackendType.TENSORPIPE`` (torch's argument; keyword-only
-        here, since torch's second positional argument is ``backend``).
+      backend: ``None`` or ``BackendType.TENSORPIPE`` (torch's argument). torch's
+        positional order ``init_rpc(name, backend, rank, world_size, options)`` is
+        recognised when the second argument is a ``BackendType``.
 
     Raises:
       AlreadyInitializedError: already initialized (call ``shutdown()`` first).
       RendezvousError: the name is taken, or world sizes disagree.
       RendezvousTimeoutError: some workers never arrived (named).
     """
+    if isinstance(rank, BackendType):  # torch's order: (name, backend, rank, ws, options)
+        backend, rank, world_size, rpc_backend_options = (rank, world_size,
+                                                          rpc_backend_options, _torch_options)
+    elif _torch_options is not None:
+        raise TypeError("init_rpc takes (name, rank, world_size, rpc_backend_options), or "
+                        "torch's (name, backend, rank, world_size, rpc_backend_options)")
     if backend is not None and not isinstance(backend, BackendType):
         raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}; "
                         "pass jdist.rpc.BackendType.TENSORPIPE or leave it out")

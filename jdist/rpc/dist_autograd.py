@@ -36,11 +36,12 @@ Differences from torch:
   context exits (torch's FAST mode can hang or error on it);
 - ``rpc_async`` inside the loss function completes before it returns;
 - ``remote()`` inside the loss function is differentiable through ``to_here()`` calls
-  made in the same loss function (the cotangents of all of them are summed and sent
-  once); ``remote()`` to the worker itself there raises (call the function directly),
-  and RRef proxies on such an RRef are not differentiable;
-- changes a loss function makes to a module's non-parameter state (batch statistics)
-  are not kept: it sees a copy whose parameters are traced.
+  made in the same loss function or on a worker the RRef is handed to in a
+  differentiable call (the cotangents of all of them are summed and sent once);
+  ``remote()`` to the worker itself there raises (call the function directly);
+- a function differentiated here sees a copy of each module whose parameters are
+  traced; the copy's other state afterwards (dropout RNG counters, batch statistics)
+  is written back to the module, as a plain call would leave it.
 """
 
 from __future__ import annotations

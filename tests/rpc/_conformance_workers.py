@@ -232,6 +232,17 @@ def test_wrong_types(env):
 
 
 @case
+def torch_positional_init_rpc(env):
+    """torch's order: init_rpc(name, backend, rank, world_size, rpc_backend_options)."""
+    rpc.init_rpc(worker_name(env.rank), rpc.BackendType.TENSORPIPE, env.rank, WS,
+                 env.options())
+    try:
+        check(rpc.get_worker_info() == WorkerInfo(env.rank, worker_name(env.rank)))
+    finally:
+        rpc.shutdown()
+
+
+@case
 def test_duplicate_name_2(env):
     with Raises(RuntimeError, "is not unique"):
         rpc.init_rpc(name=worker_name(env.rank % (WS - 1)), rank=env.rank, world_size=WS,
