@@ -1,12 +1,12 @@
 """Feeding a DDP step: samples per second from each jdist loader path vs torch's.
 
-Run: ``PYTHONPATH=. python benchmarks/data.py [--quick] [--samples 16384] [--epochs 2]``
+Run: ``PYTHONPATH=. python benchmarks/data.py [--quick] [--samples 16384] [--epochs 3]``
 
 One process, one device, one compute thread in each framework (the loaders' workers
 are extra processes), the same memory-mapped file of float32 features and the same
 MLP. Each path trains whole epochs (one untimed warm-up epoch first: compilation,
-worker start-up) and reports the median time per step of the timed epochs and the
-samples per second over them:
+worker start-up; then the paths take turns, one epoch each per round) and reports the
+median time per step of its timed epochs and the samples per second over them:
 
 * torch ``DataLoader`` (2 workers, ``forkserver``, persistent) with jdist's sampler and
   ``numpy_collate``, through ``ResumableLoader(place=ddp)`` into jdist's DDP step;
@@ -60,6 +60,15 @@ class MemmapRows:
         self.__init__(state["path"], state["n"])
 
 
+def _context():
+    """forkserver workers (JAX runs in this process), torch preloaded in the server."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "torch"])
+    return ctx
+
+
 def _labels(x: np.ndarray) -> np.ndarray:
     return (np.floor(x[:, 0] * 1000) % CLASSES).astype(np.int32)
 
@@ -74,14 +83,21 @@ def make_file(directory: str, n: int) -> str:
     return path
 
 
-def _epochs(run_epoch, epochs: int) -> dict:
-    """One warm-up epoch, then ``epochs`` timed ones: median step ms and samples/s."""
-    run_epoch(0)
-    steps, start = [], time.perf_counter()
+def _interleaved(paths: dict, epochs: int) -> dict:
+    """One warm-up epoch of every path, then ``epochs`` timed rounds, each running one
+    epoch of every path in turn (so that load from other processes hits all alike):
+    per path, the median step ms and the samples per second over its timed epochs."""
+    for run_epoch in paths.values():
+        run_epoch(0)
+    steps = {name: [] for name in paths}
+    spent = dict.fromkeys(paths, 0.0)
     for e in range(1, epochs + 1):
-        steps += run_epoch(e)
-    total = time.perf_counter() - start
-    return {"ms": 1e3 * statistics.median(steps), "sps": len(steps) * BATCH / total}
+        for name, run_epoch in paths.items():
+            start = time.perf_counter()
+            steps[name] += run_epoch(e)
+            spent[name] += time.perf_counter() - start
+    return {name: {"ms": 1e3 * statistics.median(steps[name]),
+                   "sps": len(steps[name]) * BATCH / spent[name]} for name in paths}
 
 
 def _timed_loop(batches, step) -> list[float]:
@@ -94,7 +110,7 @@ def _timed_loop(batches, step) -> list[float]:
     return out
 
 
-def jdist_paths(path: str, n: int, epochs: int, workers: int) -> dict:
+def jdist_paths(path: str, n: int, workers: int, out: dict) -> None:
     import jax
     import optax
     from flax import nnx
@@ -123,7 +139,6 @@ def jdist_paths(path: str, n: int, epochs: int, workers: int) -> dict:
 
     x = np.load(path, mmap_mode="r")
     data = {"x": x, "y": _labels(np.asarray(x[:, :1]))}
-    out = {}
 
     def run(make, name):
         sampler = DistributedSampler(n, 1, 0, seed=0, drop_last=True)
@@ -133,13 +148,13 @@ def jdist_paths(path: str, n: int, epochs: int, workers: int) -> dict:
             sampler.set_epoch(e)
             return _timed_loop(loader, step)
 
-        out[name] = _epochs(epoch, epochs)
+        out[name] = epoch
 
     def torch_loader(sampler, prefetch=1):
         return ResumableLoader(DataLoader(
             MemmapRows(path, n), batch_size=BATCH, sampler=sampler, num_workers=workers,
             collate_fn=numpy_collate, drop_last=True, persistent_workers=workers > 0,
-            multiprocessing_context="forkserver" if workers else None),
+            multiprocessing_context=_context() if workers else None),
             place=ddp, prefetch=prefetch)
 
     run(torch_loader, "torch DataLoader + jdist sampler")
@@ -155,9 +170,9 @@ def jdist_paths(path: str, n: int, epochs: int, workers: int) -> dict:
     if grain is not None:
         from jdist.sampler import grain_loader
 
-        # one loader over the warm-up epoch and the timed ones (grain streams epochs)
+        # one endless loader (grain streams epochs); each round takes one epoch of it
         sampler = DistributedSampler(n, 1, 0, seed=0, drop_last=True)
-        loader = grain_loader(MemmapRows(path, n), sampler, worker_count=workers, epochs=epochs + 1,
+        loader = grain_loader(MemmapRows(path, n), sampler, worker_count=workers, epochs=None,
                               operations=[grain.transforms.Batch(BATCH, drop_remainder=True)])
         per_epoch = n // BATCH
         feed = iter(ResumableLoader(loader, place=ddp))
@@ -165,17 +180,16 @@ def jdist_paths(path: str, n: int, epochs: int, workers: int) -> dict:
         def grain_epoch(e):
             return _timed_loop(itertools.islice(feed, per_epoch), step)
 
-        out["grain + GrainSampler"] = _epochs(grain_epoch, epochs)
+        out["grain + GrainSampler"] = grain_epoch
     # the floor: the step alone on a batch already on the device
     from jdist.sampler import batch_sharding
     from jdist.sampler._place import place
 
     ready = place({"x": np.asarray(x[:BATCH]), "y": data["y"][:BATCH]}, batch_sharding(ddp))
-    out["step alone"] = _epochs(lambda e: _timed_loop([ready] * (n // BATCH), step), epochs)
-    return out
+    out["step alone"] = lambda e: _timed_loop([ready] * (n // BATCH), step)
 
 
-def torch_baseline(path: str, n: int, epochs: int, workers: int) -> dict:
+def torch_baseline(path: str, n: int, workers: int, out: dict):
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -194,7 +208,7 @@ def torch_baseline(path: str, n: int, epochs: int, workers: int) -> dict:
           "loader": DataLoader(MemmapRows(path, n), batch_size=BATCH, sampler=sampler,
                                num_workers=workers, drop_last=True,
                                persistent_workers=workers > 0,
-                               multiprocessing_context="forkserver" if workers else None)}
+                               multiprocessing_context=_context() if workers else None)}
     del model
 
     def step(b):
@@ -207,9 +221,9 @@ def torch_baseline(path: str, n: int, epochs: int, workers: int) -> dict:
         sampler.set_epoch(e)
         return _timed_loop(st["loader"], step)
 
-    try:
-        return {"torch DataLoader + torch DDP": _epochs(epoch, epochs)}
-    finally:
+    out["torch DataLoader + torch DDP"] = epoch
+
+    def close():
         st.clear()  # the DDP reducer goes before the group (torch can abort otherwise)
         import gc
 
@@ -218,15 +232,17 @@ def torch_baseline(path: str, n: int, epochs: int, workers: int) -> dict:
         if os.path.exists(store):
             os.remove(store)
 
+    return close
+
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="8192 samples, 1 timed epoch")
+    p.add_argument("--quick", action="store_true", help="4096 samples, 2 timed rounds")
     p.add_argument("--samples", type=int, default=16384)
-    p.add_argument("--epochs", type=int, default=2, help="timed epochs (after a warm-up)")
+    p.add_argument("--epochs", type=int, default=3, help="timed rounds (after a warm-up)")
     p.add_argument("--workers", type=int, default=2, help="loader worker processes")
     a = p.parse_args(argv)
-    n, epochs = (8192, 1) if a.quick else (a.samples, a.epochs)
+    n, epochs = (4096, 2) if a.quick else (a.samples, a.epochs)
     if "jax" not in sys.modules:  # one compute thread for XLA, as for torch: on a shared
         # machine, spinning intra-op pools of both frameworks measure contention instead
         # of the loaders (torch with 2 threads on 2 busy cores ran its step 20x slower)
@@ -237,8 +253,14 @@ def main(argv=None) -> None:
         p.error(f"need --samples >= {2 * BATCH} and --epochs >= 1")
     with tempfile.TemporaryDirectory(prefix="jdist-bench-data-") as tmp:
         path = make_file(tmp, n)
-        base = torch_baseline(path, n, epochs, a.workers)["torch DataLoader + torch DDP"]
-        ours = jdist_paths(path, n, epochs, a.workers)
+        paths: dict = {}
+        close = torch_baseline(path, n, a.workers, paths)
+        try:
+            jdist_paths(path, n, a.workers, paths)
+            ours = _interleaved(paths, epochs)
+        finally:
+            close()
+        base = ours.pop("torch DataLoader + torch DDP")
     print(f"{n} samples x {FEATURES} float32 (memory-mapped), batch {BATCH}, MLP "
           f"{FEATURES}-{HIDDEN}-{CLASSES}, {epochs} timed epoch(s), {a.workers} loader "
           f"workers, {os.cpu_count()} cpus")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 
@@ -111,10 +112,13 @@ def main(argv=None) -> dict:
 
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
                                  seed=0, drop_last=True)
+    # workers fork from a clean server process that has torch and numpy loaded already
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["numpy", "torch"])
     loader = DataLoader(train_set, batch_size=per_process, sampler=sampler,
                         num_workers=args.workers, collate_fn=numpy_collate, drop_last=True,
                         persistent_workers=args.workers > 0,
-                        multiprocessing_context="forkserver" if args.workers else None)
+                        multiprocessing_context=context if args.workers else None)
     feed = ResumableLoader(loader, place=ddp)  # checks per_process % local_devices
     epochs, max_steps = (2, 3) if args.smoke else (args.epochs, None)
     losses, seen, state = [], [], None

@@ -11,32 +11,11 @@ state says; nothing is read and thrown away to fast-forward).
 
 from __future__ import annotations
 
-import weakref
-
 from jdist.sampler._collate import batch_rows
 from jdist.sampler._place import Prefetcher, batch_sharding, check_divides, local_devices
 from jdist.sampler._place import place as place_batch
 
 __all__ = ["ResumableLoader"]
-
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _claim(sampler, loader) -> None:
-    """One ResumableLoader per sampler: a second one over the same sampler raises."""
-    try:
-        owner = _OWNERS.get(sampler)
-    except TypeError:  # not weak-referenceable: nothing to check
-        return
-    other = owner() if owner is not None else None
-    if other is not None and other is not loader:
-        raise ValueError(
-            f"{sampler!r} already feeds another loader ({other!r}); a sampler tracks one "
-            "pass, so two loaders cannot share it: give each loader its own sampler (the "
-            "same arguments give the same order)"
-        )
-    _OWNERS[sampler] = weakref.ref(loader)
-
 
 class ResumableLoader:
     """Wraps a loader whose order comes from ``sampler``; adds exact mid-epoch resume.
@@ -62,9 +41,14 @@ class ResumableLoader:
     ``consumed`` at the samples handed to the loop; ``load_state_dict`` loads it into
     the sampler, and the next pass yields the rest of that epoch.
 
+    Two loaders over one ``DistributedSampler`` fail when they are read together: the
+    sampler raises ``RuntimeError`` as soon as an older pass is read after a newer one
+    began (give each loader its own sampler). Making a new loader over the same sampler,
+    for example once per epoch, is fine.
+
     Raises:
-      ValueError: ``sampler`` already feeds another ResumableLoader; ``place`` splits
-        batches over devices and the loader's batch size does not divide over them.
+      ValueError: ``place`` splits batches over devices and the loader's batch size (or
+        an epoch's last batch, without ``drop_last``) does not divide over them.
       TypeError: no jdist sampler found (pass ``sampler=``).
     """
 
@@ -93,7 +77,6 @@ class ResumableLoader:
         self._taken = 0  # samples handed to the loop in the current pass
         self._pass = 0
         self._epoch = None
-        _claim(sampler, self)
 
     def _check_batch_size(self) -> None:
         size = getattr(self.loader, "batch_size", None)

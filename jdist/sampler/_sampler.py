@@ -6,7 +6,6 @@ epoch and the progress through the current epoch.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import warnings
 
@@ -22,9 +21,6 @@ from jdist.sampler._indices import (
 )
 
 __all__ = ["DistributedSampler", "RepeatedEpochWarning"]
-
-_FIRST_CHUNK = 8  # a pass checks for a newer pass every chunk; chunks double up to
-_MAX_CHUNK = 1024  # this, so sharing is caught within a batch or two and costs ~nothing
 
 _NO_GROUP = (
     "Default process group has not been initialized, please make sure to call "
@@ -126,8 +122,9 @@ class DistributedSampler:
         )
         self._start = 0  # where the next __iter__ begins (set by load_state_dict)
         self._base = 0  # offset of the current pass in the epoch
-        self._iterator = None  # the current pass's list iterator (None before its start)
-        self._pass = 0  # number of the newest pass; an older pass read again raises
+        self._iterator = None  # the current pass's list iterator (None: no pass yet)
+        self._pass = 0  # number of the newest pass
+        self._live = None  # (order, iterator, box) of the newest pass, cut by the next one
         self._completed = False  # a pass ran to the end of this epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -163,27 +160,26 @@ class DistributedSampler:
     def __iter__(self):
         start = self._start
         order = self.indices()  # raises before any state changes
+        if self._live is not None:  # cut the previous pass: reading it again raises
+            old_order, old_it, old_box = self._live
+            old_box[1] = operator.length_hint(old_it)
+            old_order.clear()
         self._start = 0
         self._base = start
-        self._iterator = None
         self._pass += 1
-        return self._walk(order[start:].tolist(), self._pass)
+        order = order[start:].tolist()
+        self._iterator = iter(order)
+        box = [self._pass, 0, len(order)]  # pass number, unread when cut, length
+        self._live = (order, self._iterator, box)
+        return self._walk(self._iterator, box)
 
-    def _walk(self, order: list, token: int):
-        """One pass: ``order`` in chunks; before each chunk, check no newer pass began."""
-        it = iter(order)
-        if self._pass == token:
-            self._iterator = it
-        size = _FIRST_CHUNK
-        left = len(order)
-        while left > 0:
-            if self._pass != token:
-                self._shared(token, len(order) - left)
-            yield from itertools.islice(it, size)
-            left -= size
-            size = min(2 * size, _MAX_CHUNK)
-        if self._pass != token:
-            return
+    def _walk(self, it, box):
+        """One pass; if a newer pass cut it short, raise where the next index was due."""
+        yield from it
+        if box[1]:
+            self._shared(box)
+        if box[0] != self._pass:
+            return  # it ended before a newer pass began; that pass owns the state now
         if self._completed and self.shuffle:
             warnings.warn(
                 f"DistributedSampler ran through epoch {self.epoch} a second time, in the "
@@ -196,12 +192,13 @@ class DistributedSampler:
             )
         self._completed = True
 
-    def _shared(self, token: int, done: int) -> None:
+    def _shared(self, box) -> None:
+        token, unread, length = box
         raise RuntimeError(
-            f"{self!r} is read by two consumers: pass {token} ({done} of its indices "
-            f"handed out) was read again after a newer iter(sampler) began pass "
-            f"{self._pass}. A sampler tracks one pass (state_dict() records its "
-            "progress), so two loaders cannot share one: give each DataLoader its own "
+            f"{self!r} is read by two consumers: pass {token} ({length - unread} of its "
+            f"{length} indices handed out) was read again after a newer iter(sampler) "
+            f"began pass {self._pass}. A sampler tracks one pass (state_dict() records "
+            "its progress), so two loaders cannot share one: give each DataLoader its own "
             "DistributedSampler (the same arguments give the same order)"
         )
 
@@ -231,7 +228,7 @@ class DistributedSampler:
         if self._start:
             return self._start
         if self._iterator is None:
-            return self._base  # no pass yet, or a pass not started
+            return self._base
         return self._base + (
             self.num_samples - self._base - operator.length_hint(self._iterator)
         )

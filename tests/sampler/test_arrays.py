@@ -152,8 +152,13 @@ def test_bad_inputs(tmp_path, mesh8):
     sampler.set_epoch(1)
     with pytest.raises(ValueError, match="length changed from 60 to 70"):
         next(iter(loader))
-    with pytest.raises(ValueError, match="already feeds another loader"):
-        ArrayLoader(sampler, grows, 10)
+    # a sampler shared by two loaders read together (here: through prefetch threads)
+    sampler = DistributedSampler(60, 1, 0)
+    one, two = (iter(ArrayLoader(sampler, data, 4, prefetch=1)) for _ in range(2))
+    next(one)
+    next(two)
+    with pytest.raises(RuntimeError, match="read by two consumers"):
+        list(one)
 
 
 _CHILD = r"""

@@ -160,7 +160,7 @@ def test_a_peek_before_set_epoch_is_not_a_repeat():
 def test_a_sampler_shared_by_two_loaders_raises():
     sampler = DistributedSampler(100, 2, 0)
     first, second = iter(sampler), iter(sampler)
-    with pytest.raises(RuntimeError, match=r"read by two consumers: pass 1 \(0 of its "
+    with pytest.raises(RuntimeError, match=r"read by two consumers: pass 1 \(0 of its 50 "
                                            r"indices handed out\).*pass 2.*give each "
                                            "DataLoader its own DistributedSampler"):
         next(first)
@@ -177,8 +177,20 @@ def test_a_sampler_shared_by_two_loaders_raises():
     order = sampler.indices().tolist()
     it = iter(sampler)
     assert [next(it) for _ in range(30)] == order[:30]
-    assert sampler.consumed() == 30  # progress stays exact across the chunked pass
+    assert sampler.consumed() == 30
     assert list(it) == order[30:] and sampler.consumed() == 50
+    sampler.set_epoch(1)
+    order = sampler.indices().tolist()
+    done = iter(sampler)
+    assert list(done) == order
+    again = iter(sampler)  # a pass read to its end is not cut short by a newer one
+    assert list(done) == [] and next(again) == order[0]
+    it = iter(sampler)
+    next(it)
+    iter(sampler)
+    with pytest.raises(RuntimeError, match=r"pass 4 \(1 of its 50 indices handed out\).*"
+                                           "began pass 5"):
+        next(it)
 
 
 def test_exact_eval_mode_lengths_and_cover():

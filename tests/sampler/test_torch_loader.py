@@ -7,6 +7,7 @@ few (worker start-up is slow); each checks several epochs in one launch.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import warnings
 
 import numpy as np
@@ -31,6 +32,13 @@ class Indexed(Dataset):
     def __getitem__(self, i):
         self.reads.append(int(i))
         return {"i": np.int64(i), "x": np.arange(1, 4, dtype=np.float32) * i}
+
+
+# JAX runs in this process (other tests), so fork would warn that it may deadlock:
+# workers start from a forkserver process instead, as docs/data.md recommends, which
+# has torch and this module loaded already (workers then start in a fraction of a second)
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "numpy", __name__])
 
 
 def _indices(loader) -> list[int]:
@@ -64,7 +72,8 @@ def test_dataloader_with_workers_matches_torch(persistent):
     ours = DistributedSampler(data, 3, 1, seed=7)
     theirs = TorchSampler(data, 3, 1, seed=7)
     mine = DataLoader(data, batch_size=4, sampler=ours, num_workers=2,
-                      persistent_workers=persistent, collate_fn=numpy_collate)
+                      persistent_workers=persistent, collate_fn=numpy_collate,
+                      multiprocessing_context=CONTEXT)
     ref = DataLoader(data, batch_size=4, sampler=theirs)
     for epoch in (0, 1, 2):
         ours.set_epoch(epoch)
@@ -120,7 +129,9 @@ def test_resume_mid_epoch_yields_the_uninterrupted_tail(workers):
 
     def make(sampler, workers=workers):
         return ResumableLoader(DataLoader(data, batch_size=batch, sampler=sampler,
-                                          num_workers=workers, collate_fn=numpy_collate))
+                                          num_workers=workers, collate_fn=numpy_collate,
+                                          multiprocessing_context=CONTEXT if workers
+                                          else None))
 
     full = DistributedSampler(data, world, rank, seed=3)
     full.set_epoch(1)
@@ -166,11 +177,15 @@ def test_state_after_the_epoch_changed_is_the_new_epoch_start():
 def test_bad_inputs_are_clear_errors():
     data = Indexed(20)
     sampler = DistributedSampler(data, 2, 0)
-    first = ResumableLoader(DataLoader(data, batch_size=2, sampler=sampler))
-    with pytest.raises(ValueError, match="already feeds another loader.*give each loader "
-                                         "its own sampler"):
-        ResumableLoader(DataLoader(data, batch_size=2, sampler=sampler))
-    del first
+    first = ResumableLoader(DataLoader(data, batch_size=2, sampler=sampler), prefetch=0)
+    second = ResumableLoader(DataLoader(data, batch_size=2, sampler=sampler), prefetch=1)
+    a, b = iter(first), iter(second)
+    next(a)
+    next(b)  # a newer pass began: the older one may not be read any more
+    with pytest.raises(RuntimeError, match="read by two consumers.*give each DataLoader "
+                                           "its own DistributedSampler"):
+        next(a)
+    assert len(list(b)) == 4  # the newer pass is whole (10 indices in 5 batches)
     with pytest.raises(TypeError, match="needs the jdist sampler"):
         ResumableLoader(DataLoader(data, batch_size=2, sampler=TorchSampler(data, 2, 0)))
     # the dataset grows between epochs: named, with the fix
