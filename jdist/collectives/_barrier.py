@@ -24,7 +24,7 @@ import time
 from jdist.collectives import _engine as eng
 from jdist.collectives._eager import _fp, dispatch
 from jdist.collectives._group import ProcessGroup, group_state, timeout_seconds
-from jdist.errors import CollectiveTimeoutError
+from jdist.errors import CollectiveTimeoutError, PeerFailedError, StoreError
 
 __all__ = ["barrier"]
 
@@ -50,11 +50,21 @@ def _whereabouts(wd, g: ProcessGroup, seq: int, missing: list[int]) -> dict[int,
     return out
 
 
-def _elsewhere(wd, g: ProcessGroup, seq: int, prefix: str) -> bool:
-    """Whether a member that has not arrived published collective ``seq`` as another
-    collective (so the fingerprint check, not the timeout, should report it)."""
+def _missing(wd, g: ProcessGroup, prefix: str) -> list[int]:
     with wd.lock:
-        missing = [r for r in g.ranks if not wd.store.check([prefix + str(r)])]
+        return [r for r in g.ranks if not wd.store.check([prefix + str(r)])]
+
+
+def _look(wd, g: ProcessGroup, seq: int, prefix: str) -> bool:
+    """While waiting: raise if a missing member's process is gone; True if a missing
+    member published collective ``seq`` as another collective (so the fingerprint check,
+    not the timeout, should report it)."""
+    missing = _missing(wd, g, prefix)
+    dead = wd.diagnose(missing, wait=0.0)
+    if dead:
+        who = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(dead.items()))
+        raise PeerFailedError(f"barrier on group {g.name!r} cannot complete: {who}. Look at "
+                              f"that rank's own error first")
     return any(pos is not None and pos[0] == seq and pos[1] != "barrier"
                for pos in wd.positions(missing, g.name).values())
 
@@ -80,11 +90,10 @@ def _arrive(g: ProcessGroup, seq: int, seconds: float) -> bool:
     while count < n:
         if time.monotonic() > look:  # heartbeats publish positions once per interval
             look = time.monotonic() + wd.interval
-            if _elsewhere(wd, g, seq, prefix):
+            if _look(wd, g, seq, prefix):
                 return False
         if time.monotonic() > deadline:
-            with lock:
-                missing = [r for r in g.ranks if not store.check([prefix + str(r)])]
+            missing = _missing(wd, g, prefix)
             about = "; ".join(f"rank {r} {why}"
                               for r, why in _whereabouts(wd, g, seq, missing).items())
             raise CollectiveTimeoutError(
@@ -106,6 +115,18 @@ def _arrive(g: ProcessGroup, seq: int, seconds: float) -> bool:
     return True
 
 
+def _store_lost(g: ProcessGroup, exc: BaseException) -> PeerFailedError:
+    wd = group_state.runtime["watchdog"]
+    dead = wd.diagnose(g.ranks, wait=0.0)
+    host = wd.store_host_rank
+    if host is not None and host != wd.rank:
+        dead.setdefault(host, "the store it hosts is unreachable")
+    who = "; ".join(f"rank {r} is gone ({why})" for r, why in sorted(dead.items()))
+    return PeerFailedError(f"barrier on group {g.name!r} lost the job's store: "
+                           f"{who or 'no dead rank found'}. Look at that rank's own error "
+                           f"first. (store error: {exc})")
+
+
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids=None,
             timeout=None):
     """Block until every member reaches the barrier, at most the group's timeout.
@@ -121,6 +142,7 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_id
       CollectiveTimeoutError (a ``RuntimeError``): some members did not arrive in time;
         names them and the collective each was last in.
       CollectiveMismatchError: members reached it from different collective sequences.
+      PeerFailedError: a member that did not arrive has died (found on its host).
     """
     del device_ids
     g = eng.member_group(group, "barrier")
@@ -132,7 +154,10 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_id
         fp = _fp(g, "barrier")
         seq = int(fp[1])
         eng.note(g, seq, "barrier")
-        _arrive(g, seq, seconds)
+        try:
+            _arrive(g, seq, seconds)
+        except StoreError as exc:  # the store's host is gone (or unreachable)
+            raise _store_lost(g, exc) from exc
         eng.fingerprint_check(g, "barrier", fp)
 
     return dispatch(g, "barrier", fn, async_op)

@@ -112,7 +112,7 @@ def _dying_rank() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _survivor() -> dict:
+def _survivor(call: str = "all_reduce") -> dict:
     import jdist
     from jdist.errors import PeerFailedError
 
@@ -121,6 +121,8 @@ def _survivor() -> dict:
     t = time.monotonic()
     try:
         for _ in range(1000):
+            if call == "barrier":  # the store-based arrival finds the dead pid
+                jdist.barrier()
             jdist.all_reduce(np.ones(3))
             time.sleep(0.01)
         return {"error": "no error"}
@@ -144,7 +146,7 @@ def _survivor_or_victim(victim: int) -> dict:
     if rank == victim:
         return {"victim_exit": _grandchild("_dying_rank").returncode}
     if victim != 0:
-        return _survivor()
+        return _survivor("barrier")
     proc = _grandchild("_survivor")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return {**(json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}),
