@@ -52,6 +52,14 @@ def _rank_world() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+def _crcs(arrays: dict, meta: dict) -> None:
+    """Fill in every piece's CRC-32 (in the writer's thread: it reads every byte)."""
+    for entry in meta["items"].values():
+        for leaf in entry["leaves"] + entry.get("hook", []):
+            for piece in leaf["pieces"]:
+                piece["crc"] = _leaves.crc(arrays[piece["name"]])
+
+
 class CheckpointManager:
     """Saves and restores one training state; every rank of the job makes one.
 
@@ -147,7 +155,7 @@ class CheckpointManager:
         path = os.path.join(_layout.step_dir(self.directory, step),
                             _layout.part_name(self.rank, self.world))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._writer.save(path, arrays, meta)
+        self._writer.save(path, arrays, meta, prepare=_crcs)
         return True
 
     def _part(self, step: int, state: dict) -> tuple[dict, dict]:
@@ -161,7 +169,7 @@ class CheckpointManager:
                 name = f"a{len(arrays)}"
                 a = np.array(a, copy=True)  # the training step may reuse device buffers
                 arrays[name] = a
-                recs.append({"name": name, "index": index, "crc": _leaves.crc(a)})
+                recs.append({"name": name, "index": index, "crc": None})  # see _crcs
             return {"path": path, **_leaves.describe(x), "place": place, "pieces": recs}
 
         for name, value in state.items():

@@ -72,7 +72,7 @@ def _handler(rank: int):
     # process, so two ranks saving at once would read each other's signals
     sync_dirs = ocp.options.AsyncOptions(create_directories_asynchronously=False)
     handler = ocp.CompositeCheckpointHandler(
-        arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
+        arrays=ocp.PyTreeCheckpointHandler(multiprocessing_options=mp, use_compression=False,
                                            type_handler_registry=_registry()),
         meta=ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         composite_options=CompositeOptions(multiprocessing_options=mp,
@@ -105,20 +105,26 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._error: list = []
 
-    def save(self, path: str, arrays: dict, meta: dict) -> None:
+    def save(self, path: str, arrays: dict, meta: dict, prepare=None) -> None:
+        """Write ``arrays`` and ``meta``; ``prepare(arrays, meta)`` runs first, in the
+        writer's thread (the arrays are the caller's copies, no longer shared)."""
         import orbax.checkpoint as ocp
 
-        items = {"meta": ocp.args.JsonSave(meta)}
-        if arrays:
-            items["arrays"] = ocp.args.PyTreeSave(arrays)
-        args = ocp.args.Composite(**items)
+        def write_now():
+            if prepare is not None:
+                prepare(arrays, meta)
+            items = {"meta": ocp.args.JsonSave(meta)}
+            if arrays:
+                items["arrays"] = ocp.args.PyTreeSave(arrays)
+            self._ck.save(path, args=ocp.args.Composite(**items))
+
         if not self.async_save:
-            self._ck.save(path, args=args)
+            write_now()
             return
 
         def write():
             try:
-                self._ck.save(path, args=args)
+                write_now()
             except BaseException as e:  # surfaced by wait() in the training thread
                 self._error.append(e)
 
