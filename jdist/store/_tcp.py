@@ -262,7 +262,8 @@ class TCPStore(Store):
       port: the master's port; with ``is_master=True``, 0 picks a free one (read it
         back from :attr:`port`).
       world_size: number of store users; with ``wait_for_workers`` the master waits
-        in the constructor until that many have connected. None: don't wait.
+        in the constructor until that many have connected. None (or any negative
+        number, as torch): not fixed, don't wait. 0 is refused, in torch's words.
       is_master: start the server in this process (a background thread).
       timeout: default timeout of ``get``/``wait`` and of connecting
         (``timedelta`` or seconds; default 300 s).
@@ -276,9 +277,13 @@ class TCPStore(Store):
       max_value_bytes: the largest value (and request) accepted.
 
     Raises:
+      ValueError: ``world_size=0`` ("TCPStore world size cannot be 0"), a bad port.
+      StoreListenError: the master cannot listen on ``host_name:port`` (torch's "The
+        server socket has failed to listen on any local network address").
       StoreAuthError: the secret was refused (or the server failed to prove its own).
       StoreTimeoutError: the server could not be reached, or the workers did not
-        connect, within ``timeout``.
+        connect, within ``timeout`` ("Timed out after N seconds waiting for clients.
+        K/N clients joined.").
     """
 
     def __init__(self, host_name: str, port: int, world_size: int | None = None,
