@@ -1,273 +1,32 @@
-"""Run a function on several replicas: compiled programs, dispatched before any is awaited.
+"""torch's ``parallel_apply``: run every replica, dispatched before any is awaited.
 
-:class:`ReplicaProgram` is ``jax.jit(fn)`` made fit for DataParallel: non-array inputs
-become compile-time constants, non-array outputs (strings, Python objects) are carried
-around the compiled function, and, given a mesh, the program is one SPMD
-``jit(shard_map(fn))`` over it (parameters replicated, batch split along ``dim``), so
-``m`` equal replicas cost one dispatch instead of ``m``. Compiled programs are cached by
-``jax.jit`` per input signature; ``traces`` counts Python traces (tests use it to show
-that repeated calls do not recompile).
-
-:func:`parallel_apply` is torch's ``parallel_apply`` over a list of replicas: every
-replica's program is dispatched (JAX runs them asynchronously) before any result is
-awaited, and an exception in replica ``i`` is re-raised as
-``Caught <Type> in replica i on device d`` followed by the original traceback. Given the
-unmodified list ``replicate`` returned and inputs placed on the replicas' devices (as
-``scatter`` places them), the leading replicas with equal input shapes run as one SPMD
-program assembled from their buffers without copies.
+:func:`parallel_apply` runs ``fn`` over a list of replicas: every replica's program is
+dispatched (JAX runs them asynchronously) before any result is awaited, and an exception
+in replica ``i`` is re-raised as ``Caught <Type> in replica i on device d`` followed by
+the original traceback (:func:`replica_error`). Given the unmodified list ``replicate``
+returned and inputs placed on the replicas' devices (as ``scatter`` places them), the
+leading replicas with equal input shapes run as one SPMD program assembled from their
+buffers without copies (the fused form of :mod:`jdist.dp._programs`).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import functools
 import time
 import traceback
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist.collectives._group import DEFAULT_AXIS
+from jdist.dp._programs import Programs, ReplicaProgram, nnx_apply
 from jdist.dp._replicate import Replicas
-from jdist.dp._scatter_gather import (
-    dim_spec,
-    gather,
-    is_array,
-    mesh_for,
-    resolve_devices,
-    split_container,
-)
+from jdist.dp._scatter_gather import dim_spec, mesh_for, resolve_devices
+from jdist.dp._trees import OutputMeta, join_output, partition, rebuild
 
-__all__ = [
-    "OutputMeta", "ReplicaProgram", "Programs", "partition", "rebuild", "split_output",
-    "join_output", "check_same_output", "fold_keys", "nnx_apply", "replica_error", "parallel_apply",
-]
-
-
-def _dynamic(x: Any) -> bool:
-    return is_array(x) or isinstance(x, (jax.core.Tracer, np.generic))
-
-
-class _Dataclass:
-    """Pytree stand-in for a dataclass that is not a registered pytree (fields as children)."""
-
-    __slots__ = ("cls", "names", "values")
-
-    def __init__(self, cls: type, names: tuple, values: tuple) -> None:
-        self.cls, self.names, self.values = cls, names, values
-
-
-jax.tree_util.register_pytree_node(
-    _Dataclass, lambda d: (d.values, (d.cls, d.names)),
-    lambda aux, ch: _Dataclass(aux[0], aux[1], tuple(ch)))
-
-
-def _plain_dataclass(x: Any) -> bool:
-    return (dataclasses.is_dataclass(x) and not isinstance(x, type)
-            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)))
-
-
-def _encode(x: Any) -> Any:
-    if _plain_dataclass(x):
-        names = tuple(f.name for f in dataclasses.fields(x) if f.init)
-        return _Dataclass(type(x), names, tuple(_encode(getattr(x, n)) for n in names))
-    split = None if is_array(x) else split_container(x)
-    return x if split is None else split[1]([_encode(c) for c in split[0]])
-
-
-def _decode(x: Any) -> Any:
-    if isinstance(x, _Dataclass):
-        return x.cls(**{n: _decode(v) for n, v in zip(x.names, x.values, strict=True)})
-    split = None if is_array(x) else split_container(x)
-    return x if split is None else split[1]([_decode(c) for c in split[0]])
-
-
-def partition(tree: Any) -> tuple[list, tuple]:
-    """``(arrays, key)``: the array leaves of ``tree``, and a hashable rest to rebuild it.
-
-    Dataclasses that are not registered pytrees are looked into (their fields), as
-    ``scatter`` does.
-    """
-    encoded = any(_plain_dataclass(x) for x in jax.tree_util.tree_leaves(tree))
-    if encoded:
-        tree = _encode(tree)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dyn = [x for x in leaves if _dynamic(x)]
-    static = tuple((i, x) for i, x in enumerate(leaves) if not _dynamic(x))
-    for _, x in static:
-        try:
-            hash(x)
-        except TypeError:
-            raise TypeError(
-                f"non-array argument {x!r} of type {type(x).__name__} is not hashable; "
-                f"replicas receive non-array arguments as compile-time constants, so make "
-                f"it hashable (a tuple, a frozen dataclass) or an array") from None
-    return dyn, (treedef, static, encoded)
-
-
-def rebuild(dyn: Sequence, key: tuple) -> Any:
-    """Inverse of :func:`partition`."""
-    treedef, static = key[0], key[1]
-    fixed = dict(static)
-    it = iter(dyn)
-    leaves = [fixed[i] if i in fixed else next(it) for i in range(treedef.num_leaves)]
-    tree = jax.tree_util.tree_unflatten(treedef, leaves)
-    return _decode(tree) if len(key) > 2 and key[2] else tree
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def fold_keys(leaves: Sequence, index: Any) -> list:
-    """``leaves`` with ``index`` folded into every typed PRNG key array."""
-    return [jax.random.fold_in(x, index) if _is_key(x) else x for x in leaves]
-
-
-class OutputMeta(NamedTuple):
-    """How to rebuild a replica's output from the arrays a program returned.
-
-    Attributes:
-      treedef: the output's tree structure.
-      static: ``(leaf index, value)`` of each non-array leaf (strings, Python objects).
-      scalar: per returned array, whether it was a 0-d output unsqueezed to shape (1,).
-    """
-
-    treedef: Any
-    static: tuple
-    scalar: tuple
-
-
-def split_output(out: Any, expand: bool, dim: int) -> tuple[list, OutputMeta]:
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    arrays, static, scalar = [], [], []
-    for i, x in enumerate(leaves):
-        if not _dynamic(x):
-            static.append((i, x))
-            continue
-        x = jnp.asarray(x)
-        if expand and x.ndim == 0:
-            if dim != 0:
-                raise ValueError(
-                    f"a replica returned a scalar, which cannot be gathered along dim {dim}; "
-                    f"return arrays with a dimension {dim}, or use dim=0")
-            x = jnp.reshape(x, (1,))
-            scalar.append(True)
-        elif expand and x.ndim <= dim:
-            raise ValueError(
-                f"a replica returned an array of shape {tuple(x.shape)}, which has no "
-                f"dimension {dim} to gather along; return arrays with a dimension {dim}")
-        else:
-            scalar.append(False)
-        arrays.append(x)
-    return arrays, OutputMeta(treedef, tuple(static), tuple(scalar))
-
-
-def join_output(arrays: Sequence, meta: OutputMeta) -> Any:
-    """Rebuild an output from its arrays and :class:`OutputMeta`."""
-    return rebuild(arrays, (meta.treedef, meta.static))
-
-
-def check_same_output(meta_a: OutputMeta, meta_b: OutputMeta, m: int) -> None:
-    """Raise unless replica ``m``'s output (``meta_b``) is structured like replicas
-    0..m-1's (``meta_a``); dicts with other keys get torch's ``gather`` error."""
-    if (meta_a.treedef != meta_b.treedef or meta_a.scalar != meta_b.scalar
-            or [i for i, _ in meta_a.static] != [i for i, _ in meta_b.static]):
-        if meta_a.treedef != meta_b.treedef:  # dicts with other keys: torch's error
-            gather([jax.tree_util.tree_unflatten(t, [0] * t.num_leaves)
-                    for t in (meta_a.treedef, meta_b.treedef)], "cpu")
-        raise ValueError(
-            f"replica {m} returned an output structured differently from replicas 0..{m - 1} "
-            f"({meta_b.treedef} vs {meta_a.treedef}); every replica must return the same "
-            f"structure (dicts with the same keys, arrays in the same places)")
-
-
-class ReplicaProgram:
-    """``fn(params, args, kwargs) -> (out, aux)`` compiled for one device or one mesh.
-
-    Args:
-      fn: a pure function. ``out`` is any pytree (arrays are returned, other leaves are
-        carried in :class:`OutputMeta`); ``aux`` is a pytree of arrays (state updates).
-      mesh: None for a plain ``jit`` (runs where its inputs are); a 1-D ``"dp"`` mesh for
-        one ``jit(shard_map)`` program: params replicated, args split along ``dim``,
-        outputs concatenated along ``dim`` and ``aux`` stacked on a new leading axis.
-      dim: the batch dimension.
-      expand_scalars: unsqueeze 0-d outputs to shape (1,) (always on with a mesh).
-      fold_rng: fold each replica's index into the typed PRNG keys among the params, so
-        replicas draw independent random numbers (dropout), as torch's devices do.
-    """
-
-    def __init__(self, fn: Callable, mesh=None, dim: int = 0, expand_scalars: bool = False,
-                 fold_rng: bool = False):
-        self._fn = fn
-        self._mesh = mesh
-        self._dim = dim
-        self._expand = expand_scalars or mesh is not None
-        self._fold = fold_rng
-        self._meta: dict = {}
-        self._jitted = jax.jit(self._traced, static_argnums=3)
-        self.traces = 0
-
-    def _inner(self, p_dyn, a_dyn, index, key):
-        if self._fold:
-            if self._mesh is not None:
-                index = index + jax.lax.axis_index(DEFAULT_AXIS)
-            p_dyn = fold_keys(p_dyn, index)
-        params = rebuild(p_dyn, key[0])
-        args, kwargs = rebuild(a_dyn, key[1])
-        out, aux = self._fn(params, args, kwargs)
-        arrays, meta = split_output(out, self._expand, self._dim)
-        self._meta[key] = meta  # key includes the shapes: one entry per compiled program
-        if self._mesh is not None:
-            aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
-        return arrays, aux
-
-    def _traced(self, p_dyn, a_dyn, index, key):
-        self.traces += 1
-        if self._mesh is None:
-            return self._inner(p_dyn, a_dyn, index, key)
-        body = jax.shard_map(
-            functools.partial(self._inner, key=key), mesh=self._mesh,
-            in_specs=(PartitionSpec(), dim_spec(self._dim), PartitionSpec()),
-            out_specs=(dim_spec(self._dim), PartitionSpec(DEFAULT_AXIS)), check_vma=False)
-        return body(p_dyn, a_dyn, index)
-
-    def __call__(self, params: Any, args: tuple, kwargs: dict,
-                 index: int = 0) -> tuple[list, Any, OutputMeta]:
-        """Returns ``(arrays, aux, meta)``; ``join_output(arrays, meta)`` is the output.
-
-        ``index`` is the (first) replica's index, folded into PRNG keys with ``fold_rng``.
-        """
-        p_dyn, pkey = partition(params)
-        a_dyn, akey = partition((tuple(args), dict(kwargs)))
-        shapes = tuple((tuple(x.shape), x.dtype) for x in p_dyn + a_dyn)
-        key = (pkey, akey, shapes)  # static; the shapes are in jit's cache key anyway
-        arrays, aux = self._jitted(p_dyn, a_dyn, np.int32(index), key)
-        return arrays, aux, self._meta[key]
-
-
-def nnx_apply(graphdef: Any, call: Callable | None = None) -> Callable:
-    """A ``fn(state, args, kwargs) -> (out, changed_state)`` for an NNX module's graphdef.
-
-    ``call(module, *args, **kwargs)`` defaults to calling the module. ``changed_state``
-    holds the variables the call replaced (batch statistics, RNG counts, sown values).
-    """
-    def fn(state, args, kwargs):
-        # fresh Variables, owned by the current trace (merge would reuse the caller's)
-        state = jax.tree_util.tree_map(lambda a: a, state)
-        before = {path: v.get_value() for path, v in nnx.to_flat_state(state)}
-        module = nnx.merge(graphdef, state)
-        out = module(*args, **kwargs) if call is None else call(module, *args, **kwargs)
-        after = nnx.to_flat_state(nnx.state(module))
-        changed = [(p, v) for p, v in after if before.get(p, None) is not v.get_value()]
-        return out, nnx.from_flat_state(changed)
-    return fn
+__all__ = ["device_label", "replica_error", "parallel_apply"]
 
 
 def device_label(device: Any) -> str:
@@ -296,21 +55,6 @@ def replica_error(exc: BaseException, index: int, device: Any) -> BaseException:
         new = RuntimeError(msg)
     new.__cause__ = exc
     return new
-
-
-class Programs:
-    """A small LRU of compiled :class:`ReplicaProgram` s, keyed by function and placement."""
-
-    def __init__(self, maxsize: int = 64) -> None:
-        self._lru: collections.OrderedDict = collections.OrderedDict()
-        self._maxsize = maxsize
-
-    def get(self, key: Hashable, make: Callable[[], ReplicaProgram]) -> ReplicaProgram:
-        prog = self._lru.pop(key, None) or make()
-        self._lru[key] = prog
-        while len(self._lru) > self._maxsize:
-            self._lru.popitem(last=False)
-        return prog
 
 
 _programs = Programs()
