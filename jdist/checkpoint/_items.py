@@ -7,9 +7,11 @@ A state is a dict ``{name: value}``; each value is one of:
   a DDP ``train_step`` bound to them keeps working);
 - ``rngs``: an ``nnx.Rngs`` given as a state value: the same, but each rank's own
   (ranks usually draw different streams);
-- ``ddp``: a :class:`~jdist.ddp.DistributedDataParallel` or
-  :class:`~jdist.ddp.FunctionalDDP`: its NNX module (if any) and its comm hook's
-  per-replica state (PowerSGD error feedback and Q memories), restored in place;
+- ``ddp``: a :class:`~jdist.ddp.DistributedDataParallel` (its NNX module) or a
+  :class:`~jdist.ddp.FunctionalDDP` (its ``params``, ``buffers`` and ``opt_state``
+  pytrees; build ``opt_state = tx.init(params)`` in ``init()`` to have it saved), and
+  its comm hook's per-replica state (PowerSGD error feedback and Q memories), all
+  restored in place;
 - ``sampler``: anything with ``state_dict``/``load_state_dict``/``set_epoch``
   (:class:`~jdist.sampler.DistributedSampler`): each rank's ``state_dict()``;
 - ``np_rng``: a ``numpy.random.Generator``: each rank's bit generator state, restored
@@ -95,13 +97,23 @@ def _nnx_pure(node) -> Any:
     return nnx.state(node).to_pure_dict()
 
 
+_FUNCTIONAL = ("params", "buffers", "opt_state")
+
+
+def _ddp_tree(ddp) -> dict:
+    """What a DDP wrapper holds: its NNX module's state, or FunctionalDDP's pytrees."""
+    module = getattr(ddp, "module", None)
+    if module is not None:
+        return {"module": _nnx_pure(module)}
+    return {k: getattr(ddp, k) for k in _FUNCTIONAL if getattr(ddp, k, None) is not None}
+
+
 def array_leaves(kind: str, value: Any) -> list[tuple[str, Any]]:
     """``[(path, leaf), ...]`` of the arrays an item saves (hook state excluded)."""
     if kind in ("nnx", "rngs"):
         tree = _nnx_pure(value)
     elif kind == "ddp":
-        module = getattr(value, "module", None)
-        tree = {} if module is None else {"module": _nnx_pure(module)}
+        tree = _ddp_tree(value)
     elif kind == "per_rank":
         tree = value.tree
     elif kind == "tree":
@@ -124,10 +136,13 @@ def rebuild(kind: str, value: Any, new_leaves: list) -> Any:
     pytree shaped like ``value``."""
     from flax import nnx
 
+    if kind == "ddp" and getattr(value, "module", None) is None:  # FunctionalDDP
+        tree = jax.tree.unflatten(jax.tree.structure(_ddp_tree(value)), new_leaves)
+        for k, v in tree.items():
+            setattr(value, k, v)
+        return value
     if kind in ("nnx", "rngs", "ddp"):
-        node = getattr(value, "module", None) if kind == "ddp" else value
-        if node is None:
-            return value
+        node = value.module if kind == "ddp" else value
         state = nnx.state(node)
         pure = state.to_pure_dict()
         pure = jax.tree.unflatten(jax.tree.structure(pure), new_leaves)

@@ -255,3 +255,44 @@ def test_unsavable_value_names_the_entry(tmp_path):
     with CheckpointManager(tmp_path) as m, pytest.raises(TypeError,
                                                          match=r"state\['f'\] holds a"):
         m.save(1, {"f": object()})
+
+
+def _functional(tx):
+    import jax.numpy as jnp
+
+    from jdist.ddp import FunctionalDDP
+
+    rng = np.random.RandomState(0)
+    params = {"w1": rng.randn(4, 8).astype(np.float32) * 0.5,
+              "w2": rng.randn(8, 1).astype(np.float32) * 0.5}
+    ddp = FunctionalDDP(params)
+    ddp.opt_state = tx.init(ddp.params)  # built in init(), so that it is saved
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    return ddp, ddp.train_step(loss, tx)
+
+
+def test_functional_ddp_pytrees_resume_exactly(tmp_path):
+    tx = optax.adam(1e-2)
+    rng = np.random.RandomState(1)
+    batches = [{"x": rng.randn(16, 4).astype(np.float32),
+                "y": rng.randn(16, 1).astype(np.float32)} for _ in range(4)]
+    ref, ref_step = _functional(tx)
+    for b in batches:
+        ref_step(b)
+    ddp, step = _functional(tx)
+    with CheckpointManager(tmp_path, save_interval_steps=2) as m:
+        for i, b in enumerate(batches[:3]):
+            step(b)
+            m.save(i + 1, {"ddp": ddp})
+    again, step = _functional(tx)
+    with CheckpointManager(tmp_path) as m:
+        m.restore_or_init(lambda: {"ddp": again})
+        assert m.restored_step == 2
+    for b in batches[2:]:
+        step(b)
+    for a, b in zip(jax.tree.leaves((again.params, again.opt_state)),
+                    jax.tree.leaves((ref.params, ref.opt_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
