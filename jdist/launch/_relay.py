@@ -30,6 +30,15 @@ NOISE = re.compile(
 # a partial line that may become a noise line is held until it is complete
 _MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} ")
 _SETTLE_S = 0.03  # how long a partial line waits for its end before it is shown
+def _noise_start(line: bytes) -> int | None:
+    """Where a routine message starts in ``line`` (its log prefix), or None."""
+    m = NOISE.search(line)
+    if m is None:
+        return None
+    starts = [s.start() for s in _MAYBE_NOISE.finditer(line, 0, m.start() + 1)]
+    return starts[-1] if starts else m.start()
+
+
 _PIECE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|)")
 
 
@@ -104,8 +113,10 @@ class Relay:
         return bool(self.held) and not self._noise_candidate()
 
     def _noise_candidate(self) -> bool:
+        """The held piece may hold the start of a routine message (at any position:
+        C++ writes it into a line a progress bar left open): wait for the line's end."""
         return (not self.verbose and not self.held.endswith(b"\r")
-                and _MAYBE_NOISE.match(self.line + self.held) is not None)
+                and _MAYBE_NOISE.search(self.held) is not None)
 
     def flush(self) -> None:
         """No more data came for a moment: forward the held piece (a live bar update).
@@ -120,11 +131,24 @@ class Relay:
         else:
             self._piece(held, b"")
 
+    def _quiet(self, line: bytes, text: bytes) -> tuple[bytes, bytes] | None:
+        """``(line, text)`` without a routine message (None: nothing left to show)."""
+        cut = _noise_start(line) if not self.verbose else None
+        if cut is None:
+            return line, text
+        forwarded = len(line) - len(text)  # already on the console
+        line, text = line[:cut], text[:max(0, cut - forwarded)]
+        return (line, text) if line.strip() else None
+
     def _piece(self, text: bytes, end: bytes) -> None:
         if end in (b"\n", b"\r\n"):
             line, self.line = self.line + text, b""
-            if not self.verbose and NOISE.search(line):
+            kept = self._quiet(line, text)
+            if kept is None:
+                if self.console is not None and self.console.owner == (self.fd, self):
+                    self.console.emit(self, self.fd, self.prefix, b"", end)
                 return
+            line, text = kept
             if self.tail is not None:
                 self.tail.append(line + b"\n")
         elif end == b"\r":
@@ -137,13 +161,10 @@ class Relay:
     def close(self) -> None:
         """The child closed the stream: finish a partial last line."""
         text, self.held = self.held.rstrip(b"\r"), b""
-        line, self.line = self.line + text, b""
-        quiet = not self.verbose and NOISE.search(line)
-        if line and not quiet and self.tail is not None:
-            self.tail.append(line + b"\n")
-        if self.console is not None and ((text and not quiet)
-                                         or self.console.owner == (self.fd, self)):
-            self.console.emit(self, self.fd, self.prefix, b"" if quiet else text, b"\n")
+        if text or self.line:
+            self._piece(text, b"\n")
+        elif self.console is not None and self.console.owner == (self.fd, self):
+            self.console.emit(self, self.fd, self.prefix, b"", b"\n")  # end a bar's line
         for f in self.files:
             f.close()
 

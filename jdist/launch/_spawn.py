@@ -171,7 +171,8 @@ def spawn(
                       master_port=free_port(), token=base.get("JDIST_AUTH_TOKEN") or
                       secrets.token_hex(16), run_id=secrets.token_hex(8), restart_count=0,
                       max_restarts=0)
-        console = Console(_TextStream(sys.stdout), _TextStream(sys.stderr))
+        console = Console(*(_TextStream(st) if st is not None else None
+                            for st in (sys.stdout, sys.stderr)))
         for r in range(nprocs):
             payload = os.path.join(tmp, f"in{r}.pkl")
             with open(payload, "wb") as f:

@@ -157,8 +157,13 @@ def test_console_keeps_ranks_apart_and_holds_back_partial_noise():
     b.feed(b"ected to 1 peer ranks.\n")
     b.feed(b"x")
     b.close()
+    a.feed(b"\rbar 4")  # C++ writes a routine message into the bar's open line
+    a.flush()
+    a.feed(b"W1201 22:17:12.5 coordination_service.cc:185] Using experimental recoverable")
+    a.flush()
+    a.feed(b" task feature.\nafter\n")
     assert out.data == (b"\r[rank 0] bar 1\r[rank 0] bar 2\n[rank 1] line from 1\n"
-                        b"\r[rank 0] bar 3\n[rank 1] x\n")
+                        b"\r[rank 0] bar 3\n[rank 1] x\n\r[rank 0] bar 4\n[rank 0] after\n")
 
 
 _REPORT = """\

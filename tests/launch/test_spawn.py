@@ -103,8 +103,10 @@ _ORPHANS = """\
 
     def sit(out):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        with open(os.path.join(out, "pids" + os.environ["RANK"]), "w") as f:
+        path = os.path.join(out, "pids" + os.environ["RANK"])
+        with open(path + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {child.pid}")
+        os.replace(path + ".tmp", path)  # the test never reads half a file
         time.sleep(120)
 
     if __name__ == "__main__":
