@@ -214,8 +214,16 @@ class DistributedDataParallel(EngineShell):
         return f
 
     def train_step(self, loss_fn: Callable, optimizer: nnx.Optimizer,
-                   has_aux: bool = False) -> Callable:
+                   has_aux: bool = False, pad_batch_to: Any = None) -> Callable:
         """``step(batch, *args) -> loss``: forward, bucketed reduction, optimizer update.
+
+        ``pad_batch_to`` (shape buckets, :mod:`jdist.ddp._padding`): every new batch
+        shape compiles a new program; with an int (every batch padded to that many rows;
+        the choice across processes) or a list of sizes (the smallest that fits; one
+        process), variable-size batches compile once per size. ``loss_fn`` then returns
+        one loss per example of its shard (``(losses, aux)`` with ``has_aux``) and the
+        step's loss and gradients are exactly those of the mean over the real examples
+        (layers mixing examples, like batch statistics, do see the zero padding).
 
         One jitted program per step; ``self.module`` and ``optimizer`` are updated in
         place. Inside :meth:`no_sync` gradients only accumulate (no update). With a
@@ -237,6 +245,8 @@ class DistributedDataParallel(EngineShell):
                 f"{type(optimizer).__name__}; build one with nnx.Optimizer(ddp.module, tx, "
                 "wrt=nnx.Param)")
 
+        if pad_batch_to is not None:
+            return self._padded_step(loss_fn, optimizer, has_aux, pad_batch_to)
         sharded, upd_kw = _sharded_optimizer(optimizer.tx, self.process_group)
         flat = not sharded  # a sharded (ZeRO) state needs its tree for its PartitionSpecs
         binder = Binder(self.module, optimizer)
@@ -256,6 +266,21 @@ class DistributedDataParallel(EngineShell):
             else:  # no_sync: gradients only accumulate, parameters stay
                 binder.write(b, out["buffers"])
             return (out["loss"], out["aux"]) if has_aux else out["loss"]
+
+        return step
+
+    def _padded_step(self, loss_fn: Callable, optimizer: nnx.Optimizer, has_aux: bool,
+                     pad_batch_to: Any) -> Callable:
+        """``train_step`` over batches padded to a few sizes, with an exact mask."""
+        from jdist.ddp._padding import PadSizes, masked_mean, pad_batch
+
+        g = self.process_group
+        sizes = PadSizes(pad_batch_to, len(g.local_devices), g.size())
+        inner = self.train_step(masked_mean(loss_fn, g.axis_name, has_aux), optimizer,
+                                has_aux=has_aux)
+
+        def step(batch, *args):
+            return inner(pad_batch(batch, sizes), *args)
 
         return step
 
