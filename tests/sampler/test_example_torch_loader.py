@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from torch.utils.data import DistributedSampler as TorchSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp_torch_loader.py"
 
 
+@pytest.mark.slow
 def test_example_under_jdist_run_feeds_torchs_order(tmp_path):
     cmd = [sys.executable, "-m", "jdist.launch", "--standalone", "--nproc-per-node", "2",
            "--devices-per-proc", "2", str(EXAMPLE), "--smoke", "--out", str(tmp_path)]
