@@ -75,6 +75,8 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
     Bench("dp", "DataParallel (vs one device)", "benchmarks/dp.py", quick=("--reps", "5")),
     Bench("hybrid", "HybridModel: DDP + RPC (vs torch)", "benchmarks/hybrid.py",
           quick=("--steps", "10", "--num-embeddings", "10000")),
+    Bench("ports", "pytorch/examples programs ported (vs torch)", "benchmarks/ports.py",
+          quick_timeout=480.0),
     Bench("checkpoint", "Checkpoints: async saving, restart to the first step (vs none / "
           "a first launch)", "benchmarks/checkpoint.py", quick_timeout=300.0),
     Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",

@@ -1,0 +1,112 @@
+"""pytorch/examples' distributed programs (examples/ports/): jdist's port vs torch's run
+of the same program, time per training step, in the same run.
+
+Each program runs under ``jdist-run`` and its torch twin under ``torchrun``, one after
+the other (never at the same time), with the programs' own batch shapes (the HybridModel's
+bags vary in size from step to step). Prints, per program, the median time per step of
+each (the first fifth of the steps, at least one, not timed: compilation, connection
+set-up) and the ratio jdist / torch::
+
+    python benchmarks/ports.py [--quick] [--only ddp_example rpc_pipeline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
+    """``(name, processes, args or args(lib, out), what a step is)`` per program."""
+    from examples.ports._run import fresh_port
+
+    def tutorial(lib, out):
+        return (["2", "10", "--dataset-size", "512"] if quick else
+                ["3", "10", "--dataset-size", "2048"]) + \
+            ["--snapshot-path", os.path.join(out, "snapshot")]
+
+    def hybrid(lib, out):
+        size = ["--epochs", "1", "--batches", "6"] if quick else ["--epochs", "2",
+                                                                 "--batches", "10"]
+        return size + ["--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port())]
+
+    n = 10 if quick else 30
+    return [
+        ("ddp_example", 2, ["--steps", str(n)], "DDP step, ToyModel, batch 20 per process"),
+        ("ddp_tutorial", 2, tutorial, "DDP step, Linear(20, 1), batch 32 per process"),
+        ("rpc_parameter_server", 3, ["--steps", str(n)],
+         "trainer step: forward by RPC, dist backward, DistributedOptimizer (2 trainers)"),
+        ("rpc_batch_ps", 3, ["--num-batches", str(max(5, n // 3))],
+         "trainer step: local grads, @async_execution batched update (2 trainers)"),
+        ("ddp_rpc", 4, hybrid, "HybridModel step, variable-size bags (2 trainers)"),
+        ("rpc_pipeline", 3, ["--num-batches", "3" if quick else "6"],
+         "pipeline step: batch 32 in 4 micro-batches over 2 shards"),
+    ]
+
+
+def step_times(results: dict) -> np.ndarray:
+    """Every ``times`` list in the ranks' results (several trainers: all of them), each
+    without its first fifth (at least one step)."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if "times" in x:
+                t = list(x["times"])
+                found.append(t[max(1, len(t) // 5):])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk({k: v for k, v in results.items() if isinstance(k, int)})
+    return np.concatenate([np.asarray(t, float) for t in found if t] or [np.zeros(0)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument("--only", nargs="*", help="program names")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per program")
+    a = p.parse_args()
+    from benchmarks._parse import bench_json, row, table
+    from examples.ports._run import PortRunError, run_both
+
+    rows = []
+    print("pytorch/examples programs, jdist port (jdist-run) vs torch (torchrun), CPU, "
+          "median ms per step")
+    for name, nproc, args, what in _programs(a.quick):
+        if a.only and name not in a.only:
+            continue
+        tmp = tempfile.mkdtemp(prefix=f"bench_{name}_")
+        try:
+            mine, theirs = run_both(name, nproc, args, timeout=a.timeout,
+                                    concurrent=False, tmp=tmp)
+        except PortRunError as e:
+            print(f"  {name}: FAILED\n{str(e)[-3000:]}", flush=True)
+            continue
+        tj, tt = step_times(mine), step_times(theirs)
+        if not (tj.size and tt.size):
+            print(f"  {name}: no timed steps (jdist {tj.size}, torch {tt.size})")
+            continue
+        mj, mt = 1e3 * float(np.median(tj)), 1e3 * float(np.median(tt))
+        print(f"  {name:22s} jdist {mj:9.2f} ms  torch {mt:9.2f} ms  ratio {mj / mt:6.2f}"
+              f"  ({tj.size} / {tt.size} steps timed)", flush=True)
+        rows.append(row(f"{name}: {what}", "ms", mj, mt, mj / mt,
+                        f"{tj.size} jdist / {tt.size} torch steps timed"))
+    print(bench_json("ports", [table(
+        "pytorch/examples programs ported to jdist, time per step (each program's own "
+        "batch shapes)", "torch", "jdist / torch (time: lower is better)", rows)]))
+
+
+if __name__ == "__main__":
+    main()
