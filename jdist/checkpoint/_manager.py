@@ -272,7 +272,8 @@ class CheckpointManager:
             code, err, result = _OK, None, None
             try:
                 reader.load_all()
-                result = restore_items(reader, state, elastic=self.elastic,
+                result = restore_items(reader, state, world=self.world,
+                                       elastic=self.elastic,
                                        reset_hook_state_on_resize=
                                        self.reset_hook_state_on_resize)
             except CheckpointMismatchError as e:

@@ -174,7 +174,7 @@ def _hook_loader(reader: StepReader, name: str, ddp, saved: list, reset: bool):
     return load
 
 
-def restore_items(reader: StepReader, state: dict, *, elastic: bool,
+def restore_items(reader: StepReader, state: dict, *, world: int, elastic: bool,
                   reset_hook_state_on_resize: bool) -> tuple[dict, list]:
     """``(new state, actions)``: the restored values, and the in-place writes to run
     once every item checked out (so a mismatch leaves the given state untouched)."""
@@ -190,6 +190,12 @@ def restore_items(reader: StepReader, state: dict, *, elastic: bool,
             f"target: {missing}, not in the checkpoint: {extra}); pass the same entries as "
             "the saving run")
     out, actions = dict(state), []
+    per_rank = sorted(n for n, e in saved_items.items()
+                      if e["kind"] in ("np_rng", "per_rank", "rngs", "json"))
+    if reader.rank == 0 and world < reader.world and per_rank:
+        warnings.warn(f"the checkpoint was saved by {reader.world} ranks and this job has "
+                      f"{world}: the per-rank values {per_rank} of ranks {world}.."
+                      f"{reader.world - 1} are not restored anywhere", stacklevel=4)
     for name, value in state.items():
         kind = _items.kind_of(name, value)
         entry = saved_items[name]
@@ -202,7 +208,12 @@ def restore_items(reader: StepReader, state: dict, *, elastic: bool,
             actions.append(lambda n=name, v=value, s=states: out.__setitem__(
                 n, resume_sampler(v, s, min(reader.rank, len(s) - 1), len(s), n, elastic)))
             continue
-        if kind in ("np_rng", "json", "per_rank", "rngs"):
+        if kind == "json":
+            # this rank's value; a rank new to the world takes rank 0's (the step, ...)
+            out[name] = entry["json"] if own is not None else reader.meta(0)["items"][
+                name]["json"]
+            continue
+        if kind in ("np_rng", "per_rank", "rngs"):
             if own is None:
                 warnings.warn(f"state[{name!r}] is per rank and the checkpoint has no rank "
                               f"{reader.rank} (saved by {reader.world} ranks): this rank keeps "
@@ -211,9 +222,6 @@ def restore_items(reader: StepReader, state: dict, *, elastic: bool,
         if kind == "np_rng":
             actions.append(lambda v=value, s=entry["json"]: setattr(v.bit_generator,
                                                                      "state", s))
-            continue
-        if kind == "json":
-            out[name] = entry["json"]
             continue
         leaves = _items.array_leaves(kind, value)
         new = _restore_arrays(reader, name, kind, value, entry["leaves"], leaves)

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "train_resume.py")
 
 
+@pytest.mark.slow
 def test_example_restarts_after_the_kill_and_resumes_from_the_last_save(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
