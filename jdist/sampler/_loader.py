@@ -1,5 +1,9 @@
 """``batches``: a sampler plus in-memory arrays -> process-local batches, prefetched.
 
+For files larger than memory, resumable state at the batch in hand, or batches split
+over the devices the way DDP wants them, see :class:`jdist.sampler.ArrayLoader` and
+:class:`jdist.sampler.ResumableLoader` (docs/data.md).
+
 Deliberately small: no workers, no collation hooks, no transforms. It gathers rows of
 numpy arrays (any pytree of them) in the sampler's order, one fixed-size batch at a
 time, and puts the next batch on the devices while the caller works on the current one

@@ -72,6 +72,9 @@ class ResumableLoader:
         self.timeout = float(timeout)
         self.sharding = batch_sharding(place)
         self._devices = local_devices(self.sharding)
+        # torch's DataLoader(batch_size=None) yields one sample per index, unbatched
+        self._per_sample = (hasattr(loader, "batch_sampler") and loader.batch_sampler is None
+                            and getattr(loader, "batch_size", 0) is None)
         self._check_batch_size()
         self._begin = None  # position of the current pass's start (None: no pass yet)
         self._taken = 0  # samples handed to the loop in the current pass
@@ -97,7 +100,7 @@ class ResumableLoader:
         self.sampler.set_epoch(epoch)
 
     def _host(self, batch):
-        rows = batch_rows(batch)
+        rows = 1 if self._per_sample else batch_rows(batch)
         if self._devices > 1:
             check_divides(rows, self._devices, "a batch")
         return rows, place_batch(batch, self.sharding)

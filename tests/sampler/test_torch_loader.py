@@ -174,6 +174,15 @@ def test_state_after_the_epoch_changed_is_the_new_epoch_start():
     assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
 
 
+def test_unbatched_dataloader_counts_one_sample_per_item():
+    data = Indexed(12)
+    sampler = DistributedSampler(data, 2, 0, seed=1)
+    loader = ResumableLoader(DataLoader(data, batch_size=None, sampler=sampler), prefetch=0)
+    got = [int(b["i"]) for b in itertools.islice(loader, 4)]
+    assert got == sampler.indices()[:4].tolist()
+    assert loader.state_dict()["consumed"] == 4
+
+
 def test_bad_inputs_are_clear_errors():
     data = Indexed(20)
     sampler = DistributedSampler(data, 2, 0)
