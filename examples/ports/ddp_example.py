@@ -3,8 +3,8 @@
 A ``ToyModel`` (Linear 10 -> 10, ReLU, Linear 10 -> 5) wrapped in DDP, trained with SGD
 on an MSE loss; each process draws its own batch of 20. The lines a torch user changes:
 
-    torch                                         jdist
-    dist.init_process_group(backend)              jdist.init_process_group()
+    torch                                         jdist (`import jdist as dist`)
+    dist.init_process_group(backend)              dist.init_process_group()
     ddp_model = DDP(model, device_ids=[rank])     ddp_model = DistributedDataParallel(model)
     optimizer = optim.SGD(params, lr=0.001)       optimizer = nnx.Optimizer(model,
                                                       optax.sgd(0.001), wrt=nnx.Param)
@@ -32,7 +32,7 @@ from _common import load_init, save
 from _data import toy_batch
 from flax import nnx
 
-import jdist
+import jdist as dist
 from jdist.ddp import DistributedDataParallel
 from jdist.testing import state_dict_to_nnx
 
@@ -52,7 +52,7 @@ def loss_fn(model, batch):
 
 
 def demo_basic(rank: int, args) -> dict:
-    print(f"[{os.getpid()}] rank = {jdist.get_rank()}, world_size = {jdist.get_world_size()}")
+    print(f"[{os.getpid()}] rank = {dist.get_rank()}, world_size = {dist.get_world_size()}")
     model = ToyModel(nnx.Rngs(0))
     if args.init:
         state_dict_to_nnx(load_init(args.init), model)
@@ -80,11 +80,11 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.steps = 3
-    jdist.init_process_group()
-    rank = jdist.get_rank()
-    print(f"[{os.getpid()}]: world_size = {jdist.get_world_size()}, rank = {rank}")
+    dist.init_process_group()
+    rank = dist.get_rank()
+    print(f"[{os.getpid()}]: world_size = {dist.get_world_size()}, rank = {rank}")
     save(args.out, rank, demo_basic(rank, args))
-    jdist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
