@@ -44,9 +44,9 @@ def _is_sampler(v) -> bool:
 
 
 def _is_ddp(v) -> bool:
-    from jdist.ddp._shell import EngineShell
+    from jdist.ddp import DistributedDataParallel, FunctionalDDP
 
-    return isinstance(v, EngineShell)
+    return isinstance(v, (DistributedDataParallel, FunctionalDDP))
 
 
 def _is_json(v) -> bool:

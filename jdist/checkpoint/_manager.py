@@ -214,9 +214,14 @@ class CheckpointManager:
         """The largest ``code`` of all ranks (every rank calls it the same times)."""
         if self.world == 1:
             return code
-        from jdist.collectives import ReduceOp, all_reduce
+        from jdist.collectives import ReduceOp, all_reduce, is_initialized
 
-        return int(np.asarray(all_reduce(np.array([code], np.int32), op=ReduceOp.MAX))[0])
+        mine = np.array([code], np.int32)
+        if not is_initialized():  # jax.distributed started without jdist
+            from jax.experimental import multihost_utils
+
+            return int(np.max(multihost_utils.process_allgather(mine)))
+        return int(np.asarray(all_reduce(mine, op=ReduceOp.MAX))[0])
 
     def _candidates(self) -> list:
         steps = _layout.scan(self.directory)
