@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; loaded lazily at run
     from jdist.collectives import batch_isend_irecv as batch_isend_irecv
     from jdist.collectives import broadcast as broadcast
     from jdist.collectives import broadcast_object_list as broadcast_object_list
+    from jdist.collectives import describe_job as describe_job
     from jdist.collectives import destroy_process_group as destroy_process_group
     from jdist.collectives import gather as gather
     from jdist.collectives import gather_object as gather_object
@@ -71,7 +72,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "NON_GROUP_MEMBER", "P2POp", "ProcessGroup", "ReduceOp", "Work", "all_gather",
         "all_gather_into_tensor", "all_gather_object", "all_gather_single", "all_reduce",
         "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
-        "broadcast_object_list", "destroy_process_group", "gather", "gather_object", "get_backend",
+        "broadcast_object_list", "describe_job", "destroy_process_group", "gather",
+        "gather_object", "get_backend",
         "get_default_group", "get_global_rank", "get_group_rank", "get_process_group_ranks",
         "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
         "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter",
@@ -130,6 +132,7 @@ __all__ = [
     "new_group",
     "init_process_group",
     "destroy_process_group",
+    "describe_job",
     "monitored_barrier",
     "all_gather_object",
     "broadcast_object_list",
