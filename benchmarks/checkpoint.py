@@ -4,15 +4,16 @@
     128, one process with ``--devices`` virtual devices) with a
     ``jdist.checkpoint.CheckpointManager`` saving model, optimizer, sampler and step
     every 50 steps, against the same loop without checkpoints (the baseline), measured
-    in the same run: mean ms per step over all steps, save steps included. Both loops
-    run ``--rounds`` times, alternating, and the best round of each counts. Goal:
-    async saving costs at most 5%. A synchronous manager is shown for comparison.
+    in the same run on the same compiled step: mean ms per step over one interval of
+    50 steps (its save included), the variants alternating interval by interval,
+    median over ``--rounds`` intervals. Goal: async saving costs at most 5%. A
+    synchronous manager is shown for comparison.
 (b) Time from a restart to the first resumed step: a fresh process (imports, DDP set-up,
     compile) that restores the newest checkpoint and takes one step, against the same
     process on an empty directory (a first launch: ``init()`` and one step).
 
-    python benchmarks/checkpoint.py            # 300 steps per loop, 3 rounds
-    python benchmarks/checkpoint.py --quick    # 100 steps, 1 round
+    python benchmarks/checkpoint.py            # 8 intervals of 50 steps per variant
+    python benchmarks/checkpoint.py --quick    # 3
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,24 +57,27 @@ def _init():
             "step": 0}
 
 
-def _loop(state, step_fn, batches, steps: int, manager=None) -> float:
-    """Mean ms per step over ``steps`` steps."""
-    it = iter(state["sampler"])
-    start = time.perf_counter()
-    for i in range(steps):
+def _block(state, step_fn, batches, it, manager=None) -> tuple[float, float]:
+    """Mean wall and CPU (this process, all threads) ms per step over one save interval
+    (a save at its first step)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    for i in range(INTERVAL):
         for _ in range(BATCH):
             next(it)
         float(step_fn(batches[i % 4]))  # the loss read back, as a training loop logs it
         state["step"] += 1
-        if manager is not None:
-            manager.save(state["step"], state)
+        if manager is not None and i == 0:
+            manager.save(state["step"], state, force=True)
     if manager is not None:
-        manager.wait()  # the last write counts too
-    return 1e3 * (time.perf_counter() - start) / steps
+        manager.wait()  # the write counts too (it normally ended long before)
+    return (1e3 * (time.perf_counter() - start) / INTERVAL,
+            1e3 * (time.process_time() - cpu) / INTERVAL)
 
 
-def overhead(steps: int, rounds: int) -> dict:
-    """Best mean step time of each variant, alternating, on one compiled DDP step."""
+def overhead(rounds: int) -> dict:
+    """Median step time of each variant over ``rounds`` rounds of one save interval each,
+    the variants alternating within a round (a busy machine drifts less between them),
+    on one compiled DDP step."""
     from benchmarks.ddp import batch, loss_fn
     from jdist.checkpoint import CheckpointManager
 
@@ -81,19 +86,21 @@ def overhead(steps: int, rounds: int) -> dict:
     batches = [batch("mlp", BATCH, seed=s) for s in range(4)]
     for i in range(3):  # compile and warm up
         step_fn(batches[i])
-    best = {"none": float("inf"), "async": float("inf"), "sync": float("inf")}
+    times: dict = {"none": [], "async": [], "sync": []}
+    it = iter(state["sampler"])
     with tempfile.TemporaryDirectory() as tmp:
+        managers = {k: CheckpointManager(os.path.join(tmp, k), save_interval_steps=INTERVAL,
+                                         max_to_keep=1, async_save=k == "async")
+                    for k in ("async", "sync")}
         for r in range(rounds):
-            for kind in ("none", "async", "sync"):
-                state["step"] = 0
-                state["sampler"].set_epoch(r * 3 + len(kind))  # a fresh pass each loop
-                manager = None if kind == "none" else CheckpointManager(
-                    os.path.join(tmp, f"{kind}{r}"), save_interval_steps=INTERVAL,
-                    max_to_keep=1, async_save=kind == "async")
-                best[kind] = min(best[kind], _loop(state, step_fn, batches, steps, manager))
-                if manager is not None:
-                    manager.close()
-    return {**best, "saves": steps // INTERVAL}
+            order = ("none", "async", "sync") if r % 2 == 0 else ("sync", "async", "none")
+            for kind in order:
+                times[kind].append(_block(state, step_fn, batches, it, managers.get(kind)))
+        for m in managers.values():
+            m.close()
+    out = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    out.update({f"{k}_cpu": statistics.median(c for _, c in v) for k, v in times.items()})
+    return out
 
 
 def first_step(directory: str) -> None:
@@ -134,9 +141,9 @@ def restart(devices: int) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="100 steps, 1 round")
+    ap.add_argument("--rounds", type=int, default=8,
+                    help="rounds of one save interval per variant")
+    ap.add_argument("--quick", action="store_true", help="3 rounds")
     ap.add_argument("--first-step", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _setup(args.devices)
@@ -144,18 +151,20 @@ def main(argv=None) -> None:
         first_step(args.first_step)
         return
     if args.quick:
-        args.steps, args.rounds = 100, 1
+        args.rounds = 3
     from benchmarks._parse import bench_json, row, table
 
-    o = overhead(args.steps, args.rounds)
-    print(f"(a) DDP MLP 784-1024x3-10, Adam, batch {BATCH}, {args.devices} devices, "
-          f"{args.steps} steps, a save every {INTERVAL} ({o['saves']} saves), best of "
-          f"{args.rounds}")
-    print(f"  no checkpoints               {o['none']:8.2f} ms/step")
-    print(f"  async save every {INTERVAL}          {o['async']:8.2f} ms/step   "
-          f"ratio {o['async'] / o['none']:.3f}x   (goal <= 1.05x)")
-    print(f"  sync save every {INTERVAL}           {o['sync']:8.2f} ms/step   "
-          f"ratio {o['sync'] / o['none']:.3f}x")
+    o = overhead(args.rounds)
+    print(f"(a) DDP MLP 784-1024x3-10, Adam, batch {BATCH}, {args.devices} devices, a save "
+          f"every {INTERVAL} steps; median of {args.rounds} intervals per variant")
+    print("  wall ms/step (what a loop sees; on a busy machine mostly other load) and CPU "
+          "ms/step (this process's work, all threads)")
+    print(f"  no checkpoints               {o['none']:8.2f} ms/step   CPU "
+          f"{o['none_cpu']:8.2f} ms/step")
+    for kind, goal in (("async", "   (goal <= 1.05x)"), ("sync", "")):
+        print(f"  {kind} save every {INTERVAL}{' ' * (11 - len(kind))}{o[kind]:8.2f} ms/step   "
+              f"CPU {o[kind + '_cpu']:8.2f} ms/step   ratio {o[kind] / o['none']:.3f}x   "
+              f"CPU ratio {o[kind + '_cpu'] / o['none_cpu']:.3f}x{goal}")
     r = restart(args.devices)
     f, s = r["fresh"], r["resumed"]
     print("(b) a new process to its first step (imports, DDP set-up, compile included)")
@@ -168,7 +177,11 @@ def main(argv=None) -> None:
               "jdist / no checkpoints",
               [row("async save", "ms/step", o["async"], o["none"], o["async"] / o["none"],
                    "goal <= 1.05"),
-               row("sync save", "ms/step", o["sync"], o["none"], o["sync"] / o["none"])]),
+               row("sync save", "ms/step", o["sync"], o["none"], o["sync"] / o["none"]),
+               row("async save, CPU time", "ms/step", o["async_cpu"], o["none_cpu"],
+                   o["async_cpu"] / o["none_cpu"], "goal <= 1.05"),
+               row("sync save, CPU time", "ms/step", o["sync_cpu"], o["none_cpu"],
+                   o["sync_cpu"] / o["none_cpu"])]),
         table("A new process to its first step", "first launch", "restart / first launch",
               [row("restart, restore + first step", "s", s["first_step_s"],
                    f["first_step_s"], s["first_step_s"] / f["first_step_s"]),
