@@ -11,6 +11,8 @@ state says; nothing is read and thrown away to fast-forward).
 
 from __future__ import annotations
 
+import weakref
+
 from jdist.sampler._collate import batch_rows
 from jdist.sampler._place import Prefetcher, batch_sharding, check_divides, local_devices
 from jdist.sampler._place import place as place_batch
@@ -107,6 +109,8 @@ class ResumableLoader:
 
     def __iter__(self):
         begin = self.sampler._pass_start()  # before iter(loader): that starts a pass
+        if hasattr(self.sampler, "_loader"):  # the sampler's state_dict() asks this loader
+            self.sampler._loader = weakref.ref(self)
         self._pass += 1
         token = self._pass
         self._begin, self._taken = begin, 0
@@ -124,8 +128,19 @@ class ResumableLoader:
             if self.prefetch:
                 items.close()
 
+    def _consumed_of(self, sampler):
+        """Samples of ``sampler``'s current epoch handed to the loop (None: not known)."""
+        if sampler is not self.sampler or self._begin is None:
+            return None
+        if getattr(sampler, "epoch", None) != self._epoch:
+            return None
+        return self._begin + self._taken
+
     def state_dict(self) -> dict:
-        """The sampler's ``state_dict()`` at the samples handed to the loop so far."""
+        """The sampler's ``state_dict()`` at the samples handed to the loop so far.
+
+        While this loader reads the sampler's epoch, ``sampler.state_dict()`` gives the
+        same (so checkpointing the sampler itself is exact too)."""
         if self._begin is None or getattr(self.sampler, "epoch", None) != self._epoch:
             return self.sampler.state_dict()  # no pass yet in this epoch
         return self.sampler._state_at(self._begin + self._taken)

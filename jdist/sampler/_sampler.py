@@ -125,6 +125,7 @@ class DistributedSampler:
         self._iterator = None  # the current pass's list iterator (None: no pass yet)
         self._pass = 0  # number of the newest pass
         self._live = None  # (order, iterator, box) of the newest pass, cut by the next one
+        self._loader = None  # weakref to a ResumableLoader counting what its loop took
         self._completed = False  # a pass ran to the end of this epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -237,13 +238,19 @@ class DistributedSampler:
         """Epoch, seed and progress, enough to resume mid-epoch.
 
         ``consumed`` counts indices handed out by the current iterator, which may run
-        ahead of training when a data loader prefetches: to resume at the exact step,
-        overwrite it with the number of samples your loop actually used.
+        ahead of training when a data loader prefetches. A
+        :class:`~jdist.sampler.ResumableLoader` (or ``ArrayLoader``) reading this
+        sampler's current epoch reports what its loop really took instead, so a
+        checkpoint of the sampler (``jdist.checkpoint``) resumes at the batch in hand.
+        Otherwise, to resume at the exact step, overwrite ``consumed`` with the number
+        of samples your loop actually used.
         """
+        loader = self._loader() if self._loader is not None else None
+        taken = loader._consumed_of(self) if loader is not None else None
         return {
             "epoch": self.epoch,
             "seed": self.seed,
-            "consumed": self.consumed(),
+            "consumed": self.consumed() if taken is None else taken,
             "num_samples": self.num_samples,
             "num_replicas": self.num_replicas,
             "dataset_length": self._n,
@@ -291,6 +298,7 @@ class DistributedSampler:
         self._base = consumed
         self._iterator = None
         self._completed = False
+        self._loader = None
 
     def __repr__(self) -> str:
         return (

@@ -80,7 +80,8 @@ def test_resume_mid_epoch_with_prefetch_ahead(tmp_path):
     head = [b["y"].tolist() for b in itertools.islice(loader, 4)]
     state = loader.state_dict()
     assert (state["epoch"], state["consumed"]) == (3, 28)
-    assert sampler.state_dict()["consumed"] > 28  # the thread read ahead
+    assert sampler.consumed() > 28  # the thread read ahead
+    assert sampler.state_dict() == state  # the sampler reports the loop's position
     again = DistributedSampler(60, 1, 0, seed=2)
     resumed = ArrayLoader(again, data, 7, prefetch=3)
     resumed.load_state_dict(json.loads(json.dumps(state)))  # a JSON round trip
@@ -88,6 +89,32 @@ def test_resume_mid_epoch_with_prefetch_ahead(tmp_path):
     tail = [b["y"].tolist() for b in resumed]
     want = [b["y"].tolist() for b in expected(data, sampler.indices(), 7, False)]
     assert head + tail == want
+
+
+def test_a_checkpoint_of_the_sampler_resumes_at_the_batch_in_hand(tmp_path):
+    """jdist.checkpoint saves ``sampler.state_dict()``; while a loader reads the sampler,
+    that is the loop's position, not the prefetch thread's."""
+    from jdist.checkpoint import CheckpointManager
+
+    data = make_data(tmp_path)
+    sampler = DistributedSampler(60, 1, 0, seed=2)
+    sampler.set_epoch(1)
+    it = iter(ArrayLoader(sampler, data, 6, prefetch=2))
+    head = [next(it)["y"].tolist() for _ in range(3)]
+    assert sampler.consumed() > 18  # the thread read ahead
+    assert sampler.state_dict()["consumed"] == 18
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(3, {"sampler": sampler}, force=True)
+    again = DistributedSampler(60, 1, 0, seed=2)
+    assert manager.restore({"sampler": again})["sampler"] is again
+    manager.close()
+    it.close()
+    again.set_epoch(1)
+    tail = [b["y"].tolist() for b in ArrayLoader(again, data, 6)]
+    want = [b["y"].tolist() for b in expected(data, sampler.indices(), 6, False)]
+    assert head + tail == want
+    sampler.set_epoch(2)  # a new epoch: the loader's count no longer applies
+    assert sampler.state_dict()["consumed"] == 0
 
 
 def test_batches_land_in_ddps_layout_and_train_like_host_batches(tmp_path, mesh8):
