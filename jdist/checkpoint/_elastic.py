@@ -124,7 +124,18 @@ class ResumedSampler:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        resume_sampler(self.sampler, [state], 0, state.get("num_replicas"), "sampler")
+        """This rank's ``state_dict()`` of the same world: the rest of a resumed epoch
+        (with an ``offset``) or a plain sampler state."""
+        if not state.get("offset", 0):
+            self.sampler.load_state_dict(state)
+            self._resumed = None
+            return
+        if state.get("num_replicas", self.sampler.num_replicas) != self.sampler.num_replicas:
+            raise CheckpointMismatchError(
+                f"sampler state of {state['num_replicas']} replicas loaded into a sampler of "
+                f"{self.sampler.num_replicas}; use jdist.checkpoint to resume on another "
+                "world size")
+        self.__init__(self.sampler, state["epoch"], state["offset"], start=state["consumed"])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)

@@ -68,6 +68,10 @@ def test_drop_last_cuts_the_rest_and_same_world_restart_keeps_the_offset():
     _take(three, 10)
     st = [s.state_dict() for s in three]
     again = [resume_sampler(s, st, r, 3, "s") for r, s in enumerate(_world(3, drop_last=True))]
+    loaded = ResumedSampler(_world(3, drop_last=True)[1], 0, 0)
+    loaded.load_state_dict(st[1])  # the same, through the sampler API
+    assert loaded.indices().tolist() == again[1].indices().tolist()
+    assert list(loaded) == again[1].indices()[10:].tolist()
     rest = [list(s) for s in again]
     order = epoch_order(N, shuffle=True, seed=1, epoch=0)
     assert sorted(sum(rest, [])) == sorted(order[24 + 30:].tolist())
