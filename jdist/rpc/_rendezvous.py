@@ -19,6 +19,7 @@ __all__ = ["rendezvous", "store_barrier", "check_name", "PREFIX"]
 
 PREFIX = "jdist/rpc"
 _POLL = 0.01
+_POLL_MAX = 0.2
 
 
 def check_name(name: Any) -> str:
@@ -80,15 +81,22 @@ def _not_unique(name: str, ranks: list[int]) -> None:
 
 
 def _wait_ranks(store: Any, phase: str, ranks, deadline: float,
-                gone: Callable[[int], bool]) -> list[int]:
-    """Ranks (not ``gone``) whose ``phase`` key is still 0 at ``deadline``; [] if none."""
+                gone: Callable[[int], bool], pause: list[float] | None = None) -> list[int]:
+    """Ranks (not ``gone``) whose ``phase`` key is still 0 at ``deadline``; [] if none.
+
+    ``pause``: ``[seconds]`` between polls, carried over between calls (it grows).
+    """
     missing = list(ranks)
+    pause = [_POLL] if pause is None else pause
     while True:
         missing = [r for r in missing
                    if not gone(r) and store.add(f"{PREFIX}/{phase}/{r}", 0) < 1]
         if not missing or time.monotonic() >= deadline:
             return missing
-        time.sleep(_POLL)
+        time.sleep(max(0.0, min(pause[0], deadline - time.monotonic())))
+        # back off: a long wait (passive workers in shutdown while the master trains)
+        # must not load the store's host with hundreds of requests a second
+        pause[0] = min(pause[0] * 1.5, _POLL_MAX)
 
 
 def store_barrier(store: Any, phase: str, rank: int, world_size: int, deadline: float,
@@ -101,9 +109,10 @@ def store_barrier(store: Any, phase: str, rank: int, world_size: int, deadline: 
     """
     store.add(f"{PREFIX}/{phase}/{rank}", 1)
     others = [r for r in range(world_size) if r != rank]
+    pause = [_POLL]
     while True:
         step = min(deadline, time.monotonic() + 0.5)
-        others = _wait_ranks(store, phase, others, step, gone)
+        others = _wait_ranks(store, phase, others, step, gone, pause)
         if not others or time.monotonic() >= deadline:
             return others
         if on_wait is not None and on_wait(others):
