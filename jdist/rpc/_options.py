@@ -41,6 +41,9 @@ class RpcBackendOptions:
         that answers is waited for without limit, as torch does).
       rendezvous_timeout: seconds ``init_rpc`` waits for every worker to arrive (not
         ``rpc_timeout``: a short per-call timeout must not fail the start-up).
+      device_maps, devices: torch's CUDA device maps; only ``None`` or empty (jdist
+        sends arrays through host memory and puts them on the receiver's default
+        device: move them with ``jax.device_put`` after they arrive).
       busy_poll_us: microseconds a thread about to wait for a message (a caller for its
         reply, a pool thread for the next call) reads its connection itself first, so a
         message that comes soon wakes no thread (each wake-up of an idle CPU costs tens
@@ -61,8 +64,12 @@ class RpcBackendOptions:
     shutdown_timeout: float = 60.0
     busy_poll_us: float = 200.0
     rendezvous_timeout: float = 300.0
+    device_maps: dict | None = None
+    devices: list | None = None
 
     def __post_init__(self) -> None:
+        if self.device_maps or self.devices:
+            _no_device_maps(self.device_maps or self.devices)
         if not isinstance(self.rpc_timeout, (int, float)) or self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be seconds >= 0 (0 = no timeout), "
                              f"got {self.rpc_timeout!r}")
@@ -89,6 +96,18 @@ class RpcBackendOptions:
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{field} must be seconds > 0, got {v!r}")
 
+    def set_device_map(self, to: str, device_map: dict) -> None:
+        """torch's device map setter: refused (see ``device_maps``).
+
+        Raises:
+          ValueError: always, naming what to do instead.
+        """
+        _no_device_maps({to: device_map})
+
+    def set_devices(self, devices: list) -> None:
+        """torch's device list setter: refused (see ``device_maps``)."""
+        _no_device_maps(devices)
+
     def auth_key(self) -> bytes | None:
         """The secret as bytes (``auth_token`` or ``JDIST_AUTH_TOKEN``), or None."""
         token = self.auth_token if self.auth_token is not None else os.environ.get(
@@ -105,6 +124,13 @@ class RpcBackendOptions:
         if "://" in host:
             return host
         return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+
+
+def _no_device_maps(value: object) -> None:
+    raise ValueError(f"jdist.rpc has no device maps (got {value!r}): arrays travel through "
+                     "host memory and arrive on the receiver's default JAX device; move "
+                     "them with jax.device_put after they arrive (a departure from torch's "
+                     "TensorPipe CUDA maps)")
 
 
 def resolve_timeout(timeout: float | None, default: float) -> float | None:

@@ -129,3 +129,15 @@ def test_no_secret_anywhere_shares_one_through_the_store(monkeypatch):
     finally:
         for a in agents:
             stop_agent(a, graceful=False)
+
+
+def test_device_maps_are_a_named_departure():
+    """torch's TensorPipe device maps do not exist in jdist: None/empty accepted, any
+    map refused with the fix (docs/migration.md names the departure)."""
+    assert rpc.RpcBackendOptions(device_maps=None, devices=[]).device_maps is None
+    with pytest.raises(ValueError, match=r"no device maps \(got \{'w1': \{0: 1\}\}\).*device_put"):
+        rpc.RpcBackendOptions(device_maps={"w1": {0: 1}})
+    with pytest.raises(ValueError, match="no device maps.*device_put"):
+        rpc.RpcBackendOptions().set_device_map("w1", {0: 1})
+    with pytest.raises(ValueError, match="no device maps"):
+        rpc.RpcBackendOptions().set_devices(["cuda:0"])
