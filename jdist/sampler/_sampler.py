@@ -6,6 +6,7 @@ epoch and the progress through the current epoch.
 
 from __future__ import annotations
 
+import collections
 import operator
 import warnings
 
@@ -124,7 +125,7 @@ class DistributedSampler:
         self._base = 0  # offset of the current pass in the epoch
         self._iterator = None  # the current pass's list iterator (None: no pass yet)
         self._pass = 0  # number of the newest pass
-        self._live = None  # (order, iterator, box) of the newest pass, cut by the next one
+        self._live = None  # (iterator, box) of the newest pass, cut by the next one
         self._loader = None  # weakref to a ResumableLoader counting what its loop took
         self._completed = False  # a pass ran to the end of this epoch
 
@@ -162,16 +163,16 @@ class DistributedSampler:
         start = self._start
         order = self.indices()  # raises before any state changes
         if self._live is not None:  # cut the previous pass: reading it again raises
-            old_order, old_it, old_box = self._live
+            old_it, old_box = self._live
             old_box[1] = operator.length_hint(old_it)
-            old_order.clear()
+            collections.deque(old_it, maxlen=0)  # exhausted: it frees its list, too
         self._start = 0
         self._base = start
         self._pass += 1
         order = order[start:].tolist()
         self._iterator = iter(order)
         box = [self._pass, 0, len(order)]  # pass number, unread when cut, length
-        self._live = (order, self._iterator, box)
+        self._live = (self._iterator, box)
         return self._walk(self._iterator, box)
 
     def _walk(self, it, box):
