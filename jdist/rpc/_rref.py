@@ -78,6 +78,8 @@ class RRefContext:
         self.holds: dict[Id, tuple[RRef, int]] = {}
         self._ids = itertools.count()
         self._deleted: dict[Id, None] = {}  # insertion-ordered, at most _TOMBSTONES
+        #: (rref id, method name) -> what the owner said it is (the value never changes)
+        self.method_kinds: dict[tuple[Id, str], tuple[str, str]] = {}
 
     def new_id(self) -> Id:
         return (self.agent.info.id, next(self._ids))
@@ -439,15 +441,17 @@ def _method_kind(rref: RRef, name: str, timeout: float) -> bool:
     Raises:
       AttributeError: the value has no attribute ``name`` (torch's message).
     """
-    kinds = rref.__dict__.setdefault("_kinds", {})
-    kind = kinds.get(name)
+    kinds = rref._agent.rrefs.method_kinds
+    kind = kinds.get((rref._rref_id, name))
     if kind is None:
         if rref.is_owner():
             kind = rref_method_kind(rref, name)
         else:
             kind = rref._agent.rpc_async(rref.owner(), rref_method_kind, (rref, name), None,
                                          timeout).wait()
-        kinds[name] = kind
+        if len(kinds) > 4096:
+            kinds.clear()
+        kinds[(rref._rref_id, name)] = kind
     if kind[0] == "missing":
         raise AttributeError(f"'{kind[1]}' object has no attribute '{name}' (called through "
                              f"an RRef proxy of {rref!r})")
