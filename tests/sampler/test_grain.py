@@ -119,6 +119,26 @@ def test_resume_single_process_and_state_keys():
     assert [i for b in head + tail for i in b] == want
 
 
+class Jitter(grain.transforms.RandomMap):
+    def random_map(self, element, rng):
+        return element + rng.random()
+
+
+def test_random_maps_draw_the_same_after_a_resume():
+    source = np.arange(20, dtype=np.float64)
+    sampler = DistributedSampler(20, 2, 0, seed=4)
+    full = [float(r) for r in grain_loader(source, sampler, operations=[Jitter()], epochs=2)]
+    assert [int(r) for r in full] == torch_stream(20, 2, 0, True, 4, False, epochs=2)
+    assert len(set(np.round(np.asarray(full) % 1, 9))) == 20  # a draw per record
+    resumed = DistributedSampler(20, 2, 0, seed=4)
+    resumed.load_state_dict({"epoch": 1, "consumed": 3})
+    tail = [float(r) for r in grain_loader(source, resumed, operations=[Jitter()], epochs=1)]
+    assert tail == full[13:]
+    other_rank = DistributedSampler(20, 2, 1, seed=4)
+    theirs = [float(r) for r in grain_loader(source, other_rank, operations=[Jitter()])]
+    assert not set(np.asarray(theirs) % 1) & set(np.asarray(full[:10]) % 1)
+
+
 def test_errors():
     sampler = DistributedSampler(10, 2, 0)
     with pytest.raises(ValueError, match="grain must not shard again"):
