@@ -51,20 +51,25 @@ def fresh_port() -> int:
 
 
 def command(lib: str, name: str, nproc: int, args: list[str], out: str,
-            launcher_args: list[str] = ()) -> list[str]:
-    """The launch command of ``lib`` ("jdist" or "torch") for program ``name``."""
+            launcher_args: list[str] = (), spawn: bool = False) -> list[str]:
+    """The launch command of ``lib`` ("jdist" or "torch") for program ``name``;
+    ``spawn``: a plain ``python script`` that starts its own processes (the originals'
+    ``mp.spawn``; ``jdist.launch.spawn`` in the ports)."""
+    if lib not in ("jdist", "torch"):
+        raise ValueError(f"lib must be 'jdist' or 'torch', got {lib!r}")
+    if spawn:
+        script = os.path.join(HERE, f"{name}.py" if lib == "jdist" else f"{name}_torch.py")
+        return [sys.executable, script, *args, "--out", out]
     if lib == "jdist":
         script = os.path.join(HERE, f"{name}.py")
         launcher = ["-m", "jdist.launch", "--nproc-per-node", str(nproc), "--devices-per-proc", "1",
                     "--master-port", str(fresh_port())]
-    elif lib == "torch":
+    else:
         script = os.path.join(HERE, f"{name}_torch.py")
         # the c10d rendezvous: torchrun's default static one could not restart (the
         # restarted gloo ranks met the first attempt's stale addresses)
         launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{fresh_port()}"]
-    else:
-        raise ValueError(f"lib must be 'jdist' or 'torch', got {lib!r}")
     return [sys.executable, *launcher, *launcher_args, script, *args, "--out", out]
 
 
@@ -114,11 +119,12 @@ class Launch:
 
 def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
              concurrent: bool = True, tmp: str | None = None,
-             relaunch_torch: bool = False) -> tuple[dict, dict]:
+             relaunch_torch: bool = False, spawn: bool = False) -> tuple[dict, dict]:
     """Run ``name`` with jdist and its torch twin (at the same time if ``concurrent``).
 
     ``args``: the program's arguments, or ``args(lib, out_dir) -> list`` to give each its
-    own (paths). ``launcher_args`` go to both launchers (``--max-restarts 1``).
+    own (paths). ``launcher_args`` go to both launchers (``--max-restarts 1``);
+    ``spawn``: no launcher, the scripts start their processes themselves.
     ``relaunch_torch``: when the torch launch fails, start it once more (torchrun 2.13's
     own restart could not re-form its gloo group on CPU: the restarted ranks' gloo
     ``connectFullMesh`` was refused), which is what a restart does. Returns
@@ -131,7 +137,7 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
     def start(lib):
         out = os.path.join(tmp, lib)
         a = args(lib, out) if callable(args) else args
-        launches[lib] = Launch(command(lib, name, nproc, a, out, launcher_args), out)
+        launches[lib] = Launch(command(lib, name, nproc, a, out, launcher_args, spawn), out)
 
     def finish(lib):
         try:

@@ -106,6 +106,7 @@ def run_worker(rank, world_size, args):
     # different ports for init_rpc and the trainers' init_process_group, as the original
     rpc_backend_options = rpc.TensorPipeRpcBackendOptions()
     rpc_backend_options.init_method = f"tcp://localhost:{args['rpc_port']}"
+    rpc_backend_options.rpc_timeout = args["rpc_timeout"]
     out = None
     if rank == 2:
         rpc.init_rpc("master", rank=rank, world_size=world_size,
@@ -146,6 +147,8 @@ def main():
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--pg-port", type=int, default=29500, help="the trainers' group")
     p.add_argument("--rpc-port", type=int, default=29501, help="RPC's rendezvous")
+    p.add_argument("--rpc-timeout", type=float, default=60.0,
+                   help="seconds (torch's default 60 bounds the whole training call)")
     p.add_argument("--init", help="initial weights (emb.weight, fc.*) as .npz")
     p.add_argument("--out", help="write this rank's results to OUT/rank<r>.pkl")
     args = vars(p.parse_args())

@@ -86,6 +86,7 @@ def run_worker(rank, world_size, args):
     # different ports for init_rpc and the trainers' init_process_group, as the original
     rpc_backend_options = rpc.TensorPipeRpcBackendOptions()
     rpc_backend_options.init_method = f"tcp://localhost:{args['rpc_port']}"
+    rpc_backend_options.rpc_timeout = args["rpc_timeout"]
     out = None
     if rank == 2:
         rpc.init_rpc("master", rank=rank, world_size=world_size,
@@ -125,6 +126,7 @@ def main():
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--pg-port", type=int, default=29500)
     p.add_argument("--rpc-port", type=int, default=29501)
+    p.add_argument("--rpc-timeout", type=float, default=60.0)
     p.add_argument("--init")
     p.add_argument("--out")
     args = vars(p.parse_args())

@@ -6,9 +6,12 @@ method that returns a future; once ``batch_update_size`` trainers reported, the 
 averages the gradients, runs one SGD (momentum) step and completes the future with the
 new model for all of them::
 
+    python examples/ports/rpc_batch_ps.py [--batch-update-size 5] [--smoke]
     jdist-run --nproc-per-node 3 examples/ports/rpc_batch_ps.py [--smoke]
 
-(``batch_update_size`` = processes - 1.) A small CNN on 3 x 8 x 8 inputs stands in for
+The first starts ``batch_update_size + 1`` processes with ``jdist.launch.spawn``, as
+the original does with ``mp.spawn``; under ``jdist-run`` the processes are the
+launcher's (``batch_update_size`` = processes - 1). A small CNN on 3 x 8 x 8 inputs stands in for
 the original's ResNet-50 on 64 x 64. What a torch user changes: the model in NNX; the
 gradients are a list of arrays from ``nnx.grad`` (no ``.grad`` fields, so the server
 keeps its own accumulators); ``nnx.Optimizer`` applies the averaged gradients;
@@ -33,6 +36,7 @@ from flax import nnx
 
 import jdist
 from jdist import rpc
+from jdist.launch import spawn
 from jdist.testing import state_dict_to_nnx
 
 num_classes = 10
@@ -167,19 +171,27 @@ def run(rank, world_size, args):
     return out
 
 
+def run_and_save(rank, world_size, args):
+    out = run(rank, world_size, args)
+    if out is not None:
+        save(args.out, rank, out)
+
+
 def main():
     p = argparse.ArgumentParser(description="batch-updating parameter server")
     p.add_argument("--num-batches", type=int, default=6)
+    p.add_argument("--batch-update-size", type=int, default=5, help="trainers (spawn)")
     p.add_argument("--smoke", action="store_true", help="3 batches per trainer")
     p.add_argument("--init", help="initial weights: a torch state dict as .npz")
     p.add_argument("--out", help="write this rank's results to OUT/rank<r>.pkl")
     args = p.parse_args()
     if args.smoke:
         args.num_batches = 3
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = run(rank, world_size, args)
-    if out is not None:
-        save(args.out, rank, out)
+    if "RANK" in os.environ:  # started by jdist-run
+        run_and_save(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:  # as the original's mp.spawn(run, args=(world_size,), nprocs=world_size)
+        world_size = args.batch_update_size + 1
+        spawn(run_and_save, args=(world_size, args), nprocs=world_size, pass_rank=True)
 
 
 if __name__ == "__main__":

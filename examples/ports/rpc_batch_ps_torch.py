@@ -1,6 +1,7 @@
 """The torch twin of ``rpc_batch_ps.py``: pytorch/examples' ``rpc/batch/parameter_server.py``
 on CPU with the port's small CNN and data::
 
+    python examples/ports/rpc_batch_ps_torch.py --batch-update-size 2 --smoke  # mp.spawn
     torchrun --nproc-per-node 3 examples/ports/rpc_batch_ps_torch.py --smoke
 """
 
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
 import torch.nn as nn
 from _common import load_init, save
 from _data import batch_ps_trainer_data
@@ -109,17 +111,10 @@ def run_ps(trainers, args):
     return {"trainers": results, "params": ps.get_weights()}
 
 
-def main():
-    p = argparse.ArgumentParser(description="batch-updating parameter server")
-    p.add_argument("--num-batches", type=int, default=6)
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--init")
-    p.add_argument("--out")
-    args = p.parse_args()
-    if args.smoke:
-        args.num_batches = 3
+def run(rank, world_size, args):
     torch.set_num_threads(1)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", str(args.master_port))
     dist.init_process_group(backend="gloo", rank=rank, world_size=world_size)
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=60)
     out = None
@@ -133,6 +128,24 @@ def main():
     dist.destroy_process_group()
     if out is not None:
         save(args.out, rank, out)
+
+
+def main():
+    p = argparse.ArgumentParser(description="batch-updating parameter server")
+    p.add_argument("--num-batches", type=int, default=6)
+    p.add_argument("--batch-update-size", type=int, default=5)
+    p.add_argument("--master-port", type=int, default=29500, help="mp.spawn runs")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--init")
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.smoke:
+        args.num_batches = 3
+    if "RANK" in os.environ:  # torchrun
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        world_size = args.batch_update_size + 1
+        mp.spawn(run, args=(world_size, args), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":

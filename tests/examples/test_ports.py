@@ -107,13 +107,22 @@ def test_rpc_parameter_server(tmp_path):
 
 def test_rpc_batch_parameter_server(tmp_path):
     """Two trainers, batch_update_size 2: the @async_execution update completes both
-    trainers' futures with the model after one averaged SGD-momentum step."""
+    trainers' futures with the model after one averaged SGD-momentum step. Started as
+    the original is, by the script itself: jdist.launch.spawn / torch's mp.spawn."""
     from rpc_batch_ps_torch import Model
+
+    from examples.ports._run import fresh_port
 
     torch.manual_seed(0)
     init = init_file(tmp_path, Model())
-    mine, theirs = run_both("rpc_batch_ps", 3, ["--smoke", "--init", init], timeout=240)
+
+    def args(lib, out):
+        port = ["--master-port", str(fresh_port())] if lib == "torch" else []
+        return ["--smoke", "--batch-update-size", "2", "--init", init, *port]
+
+    mine, theirs = run_both("rpc_batch_ps", 3, args, timeout=240, spawn=True)
     assert mine["log"].count("PS updated model") == 3
+    assert "[rank 1]" in mine["log"]  # spawn forwards the children's output
     for a, b in zip(mine[0]["trainers"], theirs[0]["trainers"], strict=True):
         np.testing.assert_allclose(a["losses"], b["losses"], rtol=TOL)
     assert_params_close(mine[0]["params"], theirs[0]["params"])
