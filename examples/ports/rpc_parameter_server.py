@@ -77,6 +77,8 @@ class ParameterServer(nnx.Module):  # a Module, so dist autograd finds its param
         return self.model(inp)
 
     def get_dist_gradients(self, cid):
+        # keyed by position: the keys of get_gradients are nnx.Variables, which are not
+        # hashable (torch's {k: v for k, v in grads.items()} raises a TypeError)
         grads = dist_autograd.get_gradients(cid)
         return {i: np.asarray(v) for i, (_, v) in enumerate(grads.items())}
 
