@@ -136,8 +136,10 @@ class ZeroRedundancyOptimizer:
         entry points (``init`` outside ``shard_map``, ``init_global``, ``step``) remember
         it in :attr:`layout`, for the specs and state dicts."""
         layout = flat_partition(params, self.num_replicas)
-        if self.layout is not None and (layout.shapes, layout.dtypes, layout.treedef) != (
-                self.layout.shapes, self.layout.dtypes, self.layout.treedef):
+        # shapes and dtypes only: nnx.Optimizer's init sees Param Variables, its update
+        # the bare arrays of the same tree (the treedefs differ, the partition does not)
+        if self.layout is not None and (layout.shapes, layout.dtypes) != (
+                self.layout.shapes, self.layout.dtypes):
             raise ValueError("this ZeroRedundancyOptimizer was initialized for other "
                              "parameters; make one optimizer per parameter tree")
         return layout
