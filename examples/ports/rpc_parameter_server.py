@@ -12,7 +12,11 @@ first linear layer has 64 * 2 * 2 inputs instead of 9216. The lines a torch user
 changes: the ``Net`` in NNX (channels-last convolutions, ``nnx.Dropout`` with
 ``broadcast_dims`` for ``Dropout2d``); ``dist_autograd.backward(cid, loss_fn, ...)``
 runs the forward pass itself; ``optax.sgd`` with ``learning_rate=``; the parameter
-RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``).
+RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
+``ParameterServer`` is an ``nnx.Module`` too (torch's is an ``nn.Module``):
+distributed autograd finds the parameters a call uses through the modules, Variables
+and RRefs among its arguments, so a plain class holding the model gives no gradients
+(the ``get_dist_gradients(cid) != {}`` assertion below catches it).
 """
 
 from __future__ import annotations
