@@ -159,10 +159,10 @@ def main(argv=None) -> None:
           f"every {INTERVAL} steps; median of {args.rounds} intervals per variant")
     print("  wall ms/step (what a loop sees; on a busy machine mostly other load) and CPU "
           "ms/step (this process's work, all threads)")
-    print(f"  no checkpoints               {o['none']:8.2f} ms/step   CPU "
+    print(f"  {'no checkpoints':<29}{o['none']:8.2f} ms/step   CPU "
           f"{o['none_cpu']:8.2f} ms/step")
     for kind, goal in (("async", "   (goal <= 1.05x)"), ("sync", "")):
-        print(f"  {kind} save every {INTERVAL}{' ' * (11 - len(kind))}{o[kind]:8.2f} ms/step   "
+        print(f"  {kind + ' save every ' + str(INTERVAL):<29}{o[kind]:8.2f} ms/step   "
               f"CPU {o[kind + '_cpu']:8.2f} ms/step   ratio {o[kind] / o['none']:.3f}x   "
               f"CPU ratio {o[kind + '_cpu'] / o['none_cpu']:.3f}x{goal}")
     r = restart(args.devices)
