@@ -53,6 +53,8 @@ class GrainSampler:
       worker_count, batch_size: the grain ``DataLoader``'s ``worker_count`` and its
         ``Batch`` size, so that batches made inside grain's workers come out as
         torch's batches (see the module notes); leave them 0 / None otherwise.
+      rng: give each record a ``numpy.random.Generator`` for grain's ``RandomMap``
+        (about half of this sampler's cost per record); False: ``rng=None``.
 
     ``state_dict(records)`` gives the :class:`~jdist.sampler.DistributedSampler` state
     after ``records`` records of the stream; load it into a sampler and make a new
@@ -60,7 +62,7 @@ class GrainSampler:
     """
 
     def __init__(self, sampler, *, epochs: int | None = 1, worker_count: int = 0,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, rng: bool = True) -> None:
         grain = _grain()
         for attr in ("num_samples", "num_replicas", "rank", "seed", "epoch"):
             if not hasattr(sampler, attr):
@@ -86,6 +88,7 @@ class GrainSampler:
         self.start = sampler._pass_start()
         self.epochs = epochs
         self.worker_count, self.batch_size = worker_count, batch_size
+        self.rng = bool(rng)
         if self.num_samples == 0:
             self._length = 0
         elif epochs is None:
@@ -146,10 +149,13 @@ class GrainSampler:
 
     def __getitem__(self, index: int):
         absolute, key = self._locate(index)
-        # per-record randomness for grain's RandomMap: a function of the record's place
-        # in the whole run (so a resumed run draws the same), distinct per rank
-        word = (absolute * self._config["num_replicas"] + self._config["rank"]) % 2**64
-        rng = np.random.Generator(np.random.Philox(key=[self._config["seed"] % 2**64, word]))
+        rng = None
+        if self.rng:
+            # per-record randomness for grain's RandomMap: a function of the record's
+            # place in the whole run (so a resumed run draws the same), distinct per rank
+            word = (absolute * self._config["num_replicas"] + self._config["rank"]) % 2**64
+            rng = np.random.Generator(
+                np.random.Philox(key=[self._config["seed"] % 2**64, word]))
         return self._metadata(index=index, record_key=key, rng=rng)
 
     def _pass_start(self) -> int:
@@ -229,7 +235,8 @@ def grain_loader(data_source, sampler, *, operations=(), worker_count: int = 0,
     Like ``grain.DataLoader(data_source=..., sampler=..., operations=...,
     worker_count=...)`` with a :class:`GrainSampler` made from ``sampler`` (worker count
     and ``Batch`` size taken from the arguments, so batches are torch's) and grain's
-    sharding off. Extra keyword arguments go to ``grain.DataLoader``. The loader's
+    sharding off; records get a random generator only if an operation is a
+    ``RandomMap``. Extra keyword arguments go to ``grain.DataLoader``. The loader's
     ``sampler`` attribute is that GrainSampler (``ResumableLoader(loader)`` uses it).
 
     Raises:
@@ -257,7 +264,9 @@ def grain_loader(data_source, sampler, *, operations=(), worker_count: int = 0,
 
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
-    ordered = GrainSampler(sampler, epochs=epochs, worker_count=worker_count, batch_size=size)
+    random = any(isinstance(op, grain.transforms.RandomMap) for op in operations)
+    ordered = GrainSampler(sampler, epochs=epochs, worker_count=worker_count, batch_size=size,
+                           rng=random)
     loader = grain.DataLoader(data_source=data_source, sampler=ordered,
                               operations=list(operations), worker_count=worker_count,
                               shard_options=none, **kwargs)
