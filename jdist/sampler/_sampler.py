@@ -7,6 +7,7 @@ epoch and the progress through the current epoch.
 from __future__ import annotations
 
 import collections
+import itertools
 import operator
 import warnings
 
@@ -173,11 +174,12 @@ class DistributedSampler:
         self._iterator = iter(order)
         box = [self._pass, 0, len(order)]  # pass number, unread when cut, length
         self._live = (self._iterator, box)
-        return self._walk(self._iterator, box)
+        # the list iterator hands out the indices at C speed; the pass's end runs next
+        return itertools.chain(self._iterator, self._end_of_pass(box))
 
-    def _walk(self, it, box):
-        """One pass; if a newer pass cut it short, raise where the next index was due."""
-        yield from it
+    def _end_of_pass(self, box):
+        """Runs when a pass's indices ran out: raise if a newer pass cut it short (where
+        its next index was due), and check for a repeated epoch. Yields nothing."""
         if box[1]:
             self._shared(box)
         if box[0] != self._pass:
@@ -193,6 +195,8 @@ class DistributedSampler:
                 stacklevel=2,
             )
         self._completed = True
+        return
+        yield  # a generator, so that chain() runs the checks above only at the end
 
     def _shared(self, box) -> None:
         token, unread, length = box
