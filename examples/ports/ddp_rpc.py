@@ -155,6 +155,9 @@ def main():
     if args.pop("smoke"):
         args["epochs"], args["batches"] = 1, 3
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != 4:
+        raise SystemExit(f"ddp_rpc needs 4 processes (2 trainers, master, ps), got "
+                         f"WORLD_SIZE={world_size}; run with jdist-run --nproc-per-node 4")
     out = run_worker(rank, world_size, args)
     if out is not None:
         save(args["out"], rank, out)

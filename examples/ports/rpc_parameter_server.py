@@ -189,6 +189,9 @@ def main():
     if args.smoke:
         args.steps = 6
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size < 2:
+        raise SystemExit(f"rpc_parameter_server needs a server and at least one trainer, got "
+                         f"WORLD_SIZE={world_size}; run with jdist-run --nproc-per-node 2 or more")
     if rank == 0:
         run_parameter_server(0, world_size)
     else:

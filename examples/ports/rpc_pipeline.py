@@ -174,6 +174,9 @@ def main():
     if args.smoke:
         args.num_batches, args.batch_size, args.split_size = 2, 8, 2
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size != 3:
+        raise SystemExit(f"rpc_pipeline needs 3 processes (master and two shard workers), got "
+                         f"WORLD_SIZE={world_size}; run with jdist-run --nproc-per-node 3")
     out = run_worker(rank, world_size, args)
     if out is not None:
         save(args.out, rank, out)
