@@ -92,7 +92,9 @@ class CallServer:
                 _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
                 return
         except BaseException as e:  # noqa: BLE001 - sent to the caller
-            fut.set_exception(rebuild_exception(failure_payload(e, self.info)))
+            payload = failure_payload(e, self.info)
+            _log_user_error(fn, payload)
+            fut.set_exception(rebuild_exception(payload))
             return
         fut.set_result(out)
 
@@ -120,7 +122,7 @@ class CallServer:
                     lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn))
                 return False
         except BaseException as e:  # noqa: BLE001 - sent to the caller
-            self._reply_failure(comm, msg.rid, e, peer, msg.fn)
+            self._reply_failure(comm, msg.rid, e, peer, msg.fn, log_it=True)
             return True
         self._reply(comm, msg.rid, out, peer, msg.fn)
         return True
@@ -161,10 +163,20 @@ class CallServer:
         quiet(comm.send, frames, self._send_timeout())
 
     def _reply_failure(self, comm: Comm, rid: int, exc: BaseException, peer: int,
-                       fn: str) -> None:
-        del peer, fn
-        frames = P.encode(P.Failure(rid), *S.dumps(failure_payload(exc, self.info)))
+                       fn: str, log_it: bool = False) -> None:
+        del peer
+        payload = failure_payload(exc, self.info)
+        if log_it:
+            _log_user_error(fn, payload)
+        frames = P.encode(P.Failure(rid), *S.dumps(payload))
         quiet(comm.send, frames, self._send_timeout())
+
+
+def _log_user_error(fn: str, payload: dict) -> None:
+    """A remote function raised: say so on this worker's stderr too, as torch prints it
+    (the caller gets the error with the same text)."""
+    log.warning("jdist.rpc: %s raised; the caller gets this error:\nOn %s:\n%s\n%s", fn,
+                payload["worker"], payload["repr"], payload["tb"])
 
 
 def _counted(fn, *args) -> None:

@@ -10,8 +10,10 @@ is ``{case: "ok" | traceback}`` per rank. ``torch.add(torch.ones(n, n), 1)`` bec
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import sys
 import threading
 import time
 import traceback
@@ -435,11 +437,27 @@ def test_pickle_future(env):
         rpc.remote(dst, fail_on_fut, args=(fut,))
 
 
+def store_barrier(env, key, timeout=30.0):
+    env.base.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while env.base.add(key, 0) < WS:
+        check(time.monotonic() < deadline, f"barrier {key} timed out")
+        time.sleep(0.01)
+
+
 @in_session
 def test_py_raise_in_user_func(env):
-    fut = rpc.rpc_async(worker_name((env.rank + 1) % WS), raise_func)
-    with Raises(ValueError, expected_err):
-        fut.wait()
+    err, real = io.StringIO(), sys.stderr
+    sys.stderr = err  # torch's captured_output(): the callee prints the error
+    try:
+        store_barrier(env, "raise_in_user_func/1")
+        fut = rpc.rpc_async(worker_name((env.rank + 1) % WS), raise_func)
+        with Raises(ValueError, expected_err):
+            fut.wait()
+        store_barrier(env, "raise_in_user_func/2")  # the others' calls to us ran
+    finally:
+        sys.stderr = real
+    check(expected_err in err.getvalue(), err.getvalue())
 
 
 @in_session
