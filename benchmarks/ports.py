@@ -41,6 +41,9 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
         return size + ["--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port()),
                        "--rpc-timeout", "900"]
 
+    def hybrid_padded(lib, out):  # jdist with --pad; torch as the original
+        return hybrid(lib, out) + (["--pad"] if lib == "jdist" else [])
+
     n = 10 if quick else 30
     return [
         ("ddp_example", 2, ["--steps", str(n)], "DDP step, ToyModel, batch 20 per process"),
@@ -53,6 +56,8 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
         ("rpc_batch_ps", 3, ["--num-batches", str(max(5, n // 3))],
          "trainer step: local grads, @async_execution batched update (2 trainers)"),
         ("ddp_rpc", 4, hybrid, "HybridModel step, variable-size bags (2 trainers)"),
+        ("ddp_rpc", 4, hybrid_padded, "HybridModel step, the same bags padded to one "
+         "shape in the jdist run (--pad; torch unpadded)"),
         ("rpc_pipeline", 3, ["--num-batches", "3" if quick else "6"],
          "pipeline step: batch 32 in 4 micro-batches over 2 shards"),
     ]

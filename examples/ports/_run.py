@@ -163,3 +163,14 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
         for la in launches.values():
             la.kill()
     return results["jdist"], results["torch"]
+
+
+def run_one(lib: str, name: str, nproc: int, args: list[str], *, timeout: float,
+            launcher_args=(), spawn: bool = False, tmp: str | None = None) -> dict:
+    """Run one side only (``lib`` "jdist" or "torch"); ``{rank: obj, "log": text}``."""
+    tmp = tmp or tempfile.mkdtemp(prefix=f"port_{name}_{lib}_")
+    launch = Launch(command(lib, name, nproc, args, tmp, launcher_args, spawn), tmp)
+    try:
+        return launch.wait(time.monotonic() + timeout)
+    finally:
+        launch.kill()

@@ -17,6 +17,10 @@ pass, and a DDP module inside it is written ``dist_autograd.ddp_stage(ddp, loss)
 lookup's gradient back to the RPC); ``optax.sgd`` with ``learning_rate=``; ``RRef(module)``
 for the local layer's parameters (``model.fc.parameters()``).
 
+``--pad`` (not in the original) feeds the same batches in fixed shapes, padded and
+masked exactly (:func:`pad_bags`): jdist compiles the lookup and the DDP step once per
+shape, and the bags change shape every step.
+
 ``--deterministic`` (not in the original) makes the trainers meet at a barrier after
 each step, so each lookup reads the table after both trainers' previous updates (the
 original updates the shared table asynchronously: its numbers depend on timing).
@@ -44,9 +48,10 @@ NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
 
 
-def make_embedding_bag(num, dim, mode, init=None):
+def make_embedding_bag(num, dim, mode, init=None, include_last_offset=False):
     """The table on ``ps`` (``init``: torch's weights, for the comparison)."""
-    emb = EmbeddingBag(num, dim, mode=mode, rngs=nnx.Rngs(0))
+    emb = EmbeddingBag(num, dim, mode=mode, include_last_offset=include_last_offset,
+                       rngs=nnx.Rngs(0))
     if init:
         state_dict_to_nnx(init, emb)
     return emb
@@ -57,37 +62,65 @@ def cross_entropy(fc, x, target):
     return optax.softmax_cross_entropy_with_integer_labels(fc(x), target).mean()
 
 
+MAX_INDICES = MAX_BAGS = 50  # the largest batch hybrid_batches makes
+
+
+def pad_bags(indices, offsets, target):
+    """``--pad``: the same batch in fixed shapes, so every step runs the programs compiled
+    for the first (each new shape compiles the lookup and the DDP step again): indices
+    padded to MAX_INDICES past the last offset (ignored), MAX_BAGS bags, the padding bags
+    empty and masked out of the loss. The loss and gradients are the unpadded ones."""
+    n, b = len(indices), len(offsets)
+    idx = np.zeros(MAX_INDICES, np.int64)
+    idx[:n] = indices
+    off = np.full(MAX_BAGS + 1, n, np.int64)  # include_last_offset: the last entry ends
+    off[:b] = offsets
+    tgt = np.zeros(MAX_BAGS, np.int64)
+    tgt[:b] = target
+    mask = np.zeros(MAX_BAGS, np.float32)
+    mask[:b] = 1
+    return idx, off, tgt, mask
+
+
+def masked_cross_entropy(fc, x, target, mask):
+    """``cross_entropy`` over the real bags only (``--pad``)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(fc(x), target)
+    return (ce * mask).sum() / mask.sum()
+
+
 class HybridModel:
     """A remote EmbeddingBag (sparse part) + a DDP-replicated Linear (dense part)."""
 
-    def __init__(self, remote_emb_module, rank, init=None):
+    def __init__(self, remote_emb_module, rank, init=None, pad=False):
         self.remote_emb_module = remote_emb_module
         fc = nnx.Linear(16, 8, rngs=nnx.Rngs(rank))
         if init:
             state_dict_to_nnx(init, fc)
         self.fc = DDP(fc)
-        self.fc_loss = dist_autograd.ddp_stage(self.fc, cross_entropy)
+        self.fc_loss = dist_autograd.ddp_stage(
+            self.fc, masked_cross_entropy if pad else cross_entropy)
         self.rank = rank
 
-    def loss(self, indices, offsets, target):
+    def loss(self, indices, offsets, *target_and_mask):
         emb_lookup = self.remote_emb_module.forward(indices, offsets)
-        return self.fc_loss(emb_lookup, target)
+        return self.fc_loss(emb_lookup, *target_and_mask)
 
 
 def _run_trainer(remote_emb_module, rank, args):
     init = load_init(args["init"])
     fc_init = {k[3:]: v for k, v in init.items() if k.startswith("fc.")} if init else None
-    model = HybridModel(remote_emb_module, rank, fc_init)
+    model = HybridModel(remote_emb_module, rank, fc_init, args["pad"])
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
     model_parameter_rrefs.append(RRef(model.fc.module))
     opt = DistributedOptimizer(optax.sgd, model_parameter_rrefs, learning_rate=0.05)
     losses, times = [], []
     for epoch in range(args["epochs"]):
-        for indices, offsets, target in hybrid_batches(rank, epoch, args["batches"]):
+        for batch in hybrid_batches(rank, epoch, args["batches"]):
             t0 = time.perf_counter()
+            if args["pad"]:
+                batch = pad_bags(*batch)
             with dist_autograd.context() as context_id:
-                loss = dist_autograd.backward(context_id, model.loss, indices, offsets,
-                                              target)
+                loss = dist_autograd.backward(context_id, model.loss, *batch)
                 opt.step(context_id)
             if args["deterministic"]:
                 dist.barrier()
@@ -116,7 +149,7 @@ def run_worker(rank, world_size, args):
             if init else None
         remote_emb_module = RemoteModule(
             "ps", make_embedding_bag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
-            kwargs={"mode": "sum", "init": emb_init})
+            kwargs={"mode": "sum", "init": emb_init, "include_last_offset": args["pad"]})
         futs = []
         for trainer_rank in [0, 1]:
             trainer_name = f"trainer{trainer_rank}"
@@ -145,6 +178,8 @@ def main():
     p.add_argument("--batches", type=int, default=10, help="batches per epoch")
     p.add_argument("--smoke", action="store_true", help="1 epoch of 3 batches")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--pad", action="store_true",
+                   help="fixed batch shapes (see pad_bags): one compilation, not one per shape")
     p.add_argument("--pg-port", type=int, default=29500, help="the trainers' group")
     p.add_argument("--rpc-port", type=int, default=29501, help="RPC's rendezvous")
     p.add_argument("--rpc-timeout", type=float, default=60.0,

@@ -133,8 +133,10 @@ def test_rpc_batch_parameter_server(tmp_path):
 @pytest.mark.slow  # one of the three longest launches of this file
 def test_ddp_rpc_hybrid_model(tmp_path):
     """master + ps + two DDP trainers; variable-size bags; --deterministic (a barrier
-    of the trainers after each step) so both runs read the same table."""
-    from examples.ports._run import fresh_port
+    of the trainers after each step) so both runs read the same table. Then jdist again
+    with --pad (the same batches in fixed, masked shapes: one compilation), which must
+    give torch's numbers too."""
+    from examples.ports._run import fresh_port, run_one
 
     torch.manual_seed(0)
     fc = torch.nn.Linear(16, 8)
@@ -143,20 +145,22 @@ def test_ddp_rpc_hybrid_model(tmp_path):
         "emb.weight": torch.from_numpy(start),
         **{f"fc.{k}": v for k, v in fc.state_dict().items()}})
 
-    def args(lib, out):
+    def args(lib=None, out=None):
         return ["--smoke", "--deterministic", "--init", init,
                 "--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port())]
 
     mine, theirs = run_both("ddp_rpc", 4, args, timeout=300)
-    assert mine["log"].count("Training done for epoch 0") == 2
-    np.testing.assert_allclose(mine[2]["table"], theirs[2]["table"], rtol=TOL, atol=TOL)
+    padded = run_one("jdist", "ddp_rpc", 4, args() + ["--pad"], timeout=240)
     assert np.abs(theirs[2]["table"] - start).max() > 1e-3
-    for a, b in zip(mine[2]["trainers"], theirs[2]["trainers"], strict=True):
-        np.testing.assert_allclose(a["losses"], b["losses"], rtol=TOL)
-        assert_params_close(a["fc"], b["fc"])
-    # DDP kept the dense layer identical on both trainers
-    for k, v in mine[2]["trainers"][0]["fc"].items():
-        np.testing.assert_array_equal(v, mine[2]["trainers"][1]["fc"][k])
+    for run in (mine, padded):
+        assert run["log"].count("Training done for epoch 0") == 2
+        np.testing.assert_allclose(run[2]["table"], theirs[2]["table"], rtol=TOL, atol=TOL)
+        for a, b in zip(run[2]["trainers"], theirs[2]["trainers"], strict=True):
+            np.testing.assert_allclose(a["losses"], b["losses"], rtol=TOL)
+            assert_params_close(a["fc"], b["fc"])
+        # DDP kept the dense layer identical on both trainers
+        for k, v in run[2]["trainers"][0]["fc"].items():
+            np.testing.assert_array_equal(v, run[2]["trainers"][1]["fc"][k])
 
 
 @pytest.mark.slow  # one of the three longest launches of this file
