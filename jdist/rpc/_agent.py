@@ -325,13 +325,24 @@ class RpcAgent(CallClient, CallServer):
         with self._lock:
             return len(self._pending)
 
-    def drain(self, deadline: float) -> bool:
-        """Wait until no request or control message of ours is pending (True) or time is up."""
+    def drain(self, deadline: float,
+              on_wait: Callable[[list[int]], bool] | None = None) -> bool:
+        """Wait until no request or control message of ours is pending (True) or time is up.
+
+        ``on_wait(ranks)`` runs about every 0.5 s with the workers our pending requests
+        wait for; a true result stops the wait (False is returned).
+        """
+        next_check = time.monotonic() + 0.5
         while time.monotonic() < deadline:
             with self._lock:
                 busy = bool(self._pending) or self._releasing or not self.released.empty()
+                waiting = sorted({p.worker.id for p in self._pending.values()})
             if not busy:
                 return True
+            if on_wait is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.5
+                if on_wait([r for r in waiting if r != self.info.id]):
+                    return False
             time.sleep(0.005)
         return False
 

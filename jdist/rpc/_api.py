@@ -291,7 +291,8 @@ def _graceful(agent: RpcAgent, store: Any, deadline: float,
 
     alive = _Liveness(agent, limit)
     try:
-        agent.drain(deadline)
+        if not agent.drain(deadline, alive) and alive.silent:  # our own calls hang on them
+            return alive.silent, agent.dead_workers(), alive.silent
         missing = store_barrier(store, "sd1", rank, ws, deadline, gone, alive)
         dead = agent.dead_workers()
         if missing:

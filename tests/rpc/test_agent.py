@@ -391,7 +391,9 @@ def test_graceful_shutdown_gives_up_on_a_silent_worker_only():
         stop_all(agents, graceful=False)
     agents = make_agents(2, shutdown_timeout=1.0)
     agents[1].rrefs.handle_control = stuck
+    _EVENTS["hung"] = threading.Event()
     try:
+        pending = agents[0].rpc_async("w1", wait_event, ("hung", 30))  # drain waits on it
         t0 = time.monotonic()
         errs = stop_all(agents[:1], graceful=True, timeout=None)
         took = time.monotonic() - t0
@@ -399,8 +401,11 @@ def test_graceful_shutdown_gives_up_on_a_silent_worker_only():
         assert "WorkerInfo(id=1, name=w1)" in str(errs[0]) and "did not answer for 1 s" in \
             str(errs[0])
         assert 1.0 <= took < 10, took
+        with pytest.raises(Exception, match="shut down|unavailable"):
+            pending.wait(5)
     finally:
         hang.set()
+        _EVENTS["hung"].set()
         stop_all(agents, graceful=False)
 
 
