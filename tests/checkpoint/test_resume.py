@@ -296,3 +296,39 @@ def test_functional_ddp_pytrees_resume_exactly(tmp_path):
     for a, b in zip(jax.tree.leaves((again.params, again.opt_state)),
                     jax.tree.leaves((ref.params, ref.opt_state)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_hung_write_raises_a_timeout_naming_the_part(tmp_path):
+    import threading
+
+    release = threading.Event()
+    m = CheckpointManager(tmp_path, timeout=0.5)
+    real = m._writer._ck.save
+
+    def stuck(path, args):
+        release.wait(30)  # a file system that does not answer
+        real(path, args=args)
+
+    m._writer._ck.save = lambda path, args: stuck(path, args)
+    assert m.save(1, {"step": 1})
+    with pytest.raises(TimeoutError, match=r"step_00000001/rank_00000_of_00001 did not "
+                                           r"finish within 0.5 s"):
+        m.wait()
+    release.set()
+    m._writer._thread.join(30)
+    m._writer._thread = None
+    m._writer._ck.save = real
+    m.close()
+    assert CheckpointManager(tmp_path).all_steps() == [1]  # the write itself went through
+
+
+def test_restart_count_reads_the_launchers_variables(monkeypatch):
+    from jdist.checkpoint import restart_count
+
+    monkeypatch.delenv("JDIST_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restart_count() == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_count() == 2
+    monkeypatch.setenv("JDIST_RESTART_COUNT", "3")
+    assert restart_count() == 3
