@@ -536,8 +536,9 @@ def test_backward_invalid_args(env):  # dist_autograd_test.py
 
 
 @in_session
-def departure_remote_to_self_in_dist_autograd(env):
-    """Departure (docs/migration.md): remote() to this worker inside a loss function."""
+def departures_in_dist_autograd(env):
+    """Departures (docs/migration.md): remote() to this worker inside a loss function
+    raises; rpc_async inside it has completed when it returns."""
     import jax.numpy as jnp
 
     from jdist.errors import DistAutogradError
@@ -547,6 +548,16 @@ def departure_remote_to_self_in_dist_autograd(env):
         with Raises(DistAutogradError, "to this worker inside a dist_autograd loss"):
             dist_autograd.backward(cid, lambda: jnp.sum(
                 rpc.remote(worker_name(env.rank), np.add, (jnp.ones(2), 1)).to_here()))
+    seen = []
+
+    def loss(w):
+        fut = rpc.rpc_async(worker_name((env.rank + 1) % WS), np.multiply, (w, 3.0))
+        seen.append(fut.done())
+        return jnp.sum(fut.wait())
+
+    with dist_autograd.context() as cid:
+        check(float(dist_autograd.backward(cid, loss, jnp.ones(2))) == 6.0)
+    check(seen == [True], seen)
 
 
 # ---- graceful shutdown: passive workers wait for a master busier than their timeout ----
