@@ -10,7 +10,8 @@ Rank 0 is the server (it only calls ``rpc.shutdown()``, which waits for the trai
 ranks 1.. are trainers. The data is scikit-learn's 8x8 digits (no download), so the
 first linear layer has 64 * 2 * 2 inputs instead of 9216. The lines a torch user
 changes: the ``Net`` in NNX (channels-last convolutions, ``nnx.Dropout`` with
-``broadcast_dims`` for ``Dropout2d``); ``dist_autograd.backward(cid, loss_fn, ...)``
+``broadcast_dims`` for ``Dropout2d``), run as one ``nnx.jit`` program on the server
+(``run_model``; the RPC stays outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)``
 runs the forward pass itself; ``optax.sgd`` with ``learning_rate=``; the parameter
 RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
 ``ParameterServer`` is an ``nnx.Module`` too (torch's is an ``nn.Module``):
@@ -60,6 +61,12 @@ class Net(nnx.Module):
         return jax.nn.log_softmax(self.fc2(x), axis=1)
 
 
+@nnx.jit
+def run_model(model, x):
+    """The model as one compiled program (jit the local part; the RPC stays outside)."""
+    return model(x)
+
+
 # --------- Helper Methods --------------------
 def call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
@@ -78,7 +85,7 @@ class ParameterServer(nnx.Module):  # a Module, so dist autograd finds its param
             state_dict_to_nnx(init, self.model)
 
     def forward(self, inp):
-        return self.model(inp)
+        return run_model(self.model, inp)
 
     def get_dist_gradients(self, cid):
         # keyed by position: the keys of get_gradients are nnx.Variables, which are not

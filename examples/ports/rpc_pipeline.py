@@ -14,9 +14,11 @@ calls local optimizers' ``step()`` after ``dist_autograd.backward``, whose gradi
 live in the context, not in ``.grad``, so it trains nothing).
 
 What a torch user changes: the shards in NNX (channels-last inside, NCHW at the
-interface); ``dist_autograd.backward(cid, loss_fn, ...)`` runs the forward pass;
-``parameter_rrefs`` from ``nnx.variables``; ``optax.sgd`` with ``learning_rate=``;
-``rpc.wait_all`` for ``torch.futures.wait_all``.
+interface), their layers run as one ``nnx.jit`` program (``run_seq``: the shard's
+forward runs under distributed autograd's ``jax.vjp``, op by op unless jitted; the
+RPCs stay outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)`` runs the
+forward pass; ``parameter_rrefs`` from ``nnx.variables``; ``optax.sgd`` with
+``learning_rate=``; ``rpc.wait_all`` for ``torch.futures.wait_all``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from jdist.rpc import DistributedOptimizer, RRef, dist_autograd
 from jdist.testing import state_dict_to_nnx
 
 num_classes = 10
+
+
+@nnx.jit
+def run_seq(shard, x):
+    """A shard's layers as one compiled program (its ``seq``); the RPCs stay outside."""
+    return shard.seq(x)
 
 
 class ShardBase(nnx.Module):
@@ -72,11 +80,16 @@ class Shard1(ShardBase):
         self.bn = nnx.BatchNorm(8, momentum=0.9, epsilon=1e-5, rngs=rngs)
         self._load(init)
 
-    def forward(self, x_rref):
-        x = jnp.transpose(x_rref.to_here(), (0, 2, 3, 1))
-        with self._lock:
-            out = nnx.max_pool(nnx.relu(self.bn(self.conv(x))), (2, 2), strides=(2, 2))
+    def seq(self, x):
+        x = jnp.transpose(x, (0, 2, 3, 1))
+        out = nnx.max_pool(nnx.relu(self.bn(self.conv(x))), (2, 2), strides=(2, 2))
         return jnp.transpose(out, (0, 3, 1, 2))
+
+    def forward(self, x_rref):
+        x = x_rref.to_here()
+        with self._lock:
+            out = run_seq(self, x)
+        return out
 
 
 class Shard2(ShardBase):
@@ -90,10 +103,14 @@ class Shard2(ShardBase):
         self.fc = nnx.Linear(16, num_classes, rngs=rngs)
         self._load(init)
 
+    def seq(self, x):
+        x = jnp.transpose(x, (0, 2, 3, 1))
+        return self.fc(jnp.mean(nnx.relu(self.bn(self.conv(x))), axis=(1, 2)))
+
     def forward(self, x_rref):
-        x = jnp.transpose(x_rref.to_here(), (0, 2, 3, 1))
+        x = x_rref.to_here()
         with self._lock:
-            out = self.fc(jnp.mean(nnx.relu(self.bn(self.conv(x))), axis=(1, 2)))
+            out = run_seq(self, x)
         return out
 
 
