@@ -55,5 +55,17 @@ def test_ddp_forward_inside_dist_autograd_backward_names_ddp_stage():
         with dist_autograd.context() as cid:
             with pytest.raises(TypeError, match="jdist.rpc.dist_autograd.ddp_stage"):
                 dist_autograd.backward(cid, loss_fn, emb)
+        # what the error says to do, with a parameter committed to one device (DDP then
+        # returns its gradient on that device): the gradients of the plain loss
+        lin = nnx.Linear(3, 2, rngs=nnx.Rngs(1))
+        lin.kernel[...] = jax.device_put(np.asarray(lin.kernel[...]), jax.local_devices()[0])
+        ref = jax.grad(lambda k: jnp.mean((np.ones((8, 3)) @ k + lin.bias[...]) ** 2))(
+            np.asarray(lin.kernel[...]))
+        stage = dist_autograd.ddp_stage(DDP(lin), lambda m, x: jnp.mean(m(x) ** 2))
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, lambda m: stage(np.ones((8, 3), np.float32)), lin)
+            grads = dist_autograd.get_gradients(cid)
+            np.testing.assert_allclose(np.asarray(grads[lin.kernel]), np.asarray(ref),
+                                       rtol=1e-5, atol=1e-6)
     finally:
         rpc.shutdown()

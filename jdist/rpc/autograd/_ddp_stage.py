@@ -94,13 +94,23 @@ def ddp_stage(ddp: Any, loss_fn: Callable) -> Callable:
             if len(grads) != len(variables):  # pragma: no cover - NNX layout
                 raise RuntimeError("DDP gradients and module parameters disagree")
             for var, g in zip(variables, grads, strict=True):
-                ctx.accumulate(var, g * ct)
+                ctx.accumulate(var, g * _beside(ct, g))
             return jnp.zeros((), token.dtype), (box.pop("gx") * ct).astype(x.dtype)
 
         run.defvjp(fwd, bwd)
         return run(token, x)
 
     return stage
+
+
+def _beside(ct: Any, g: Any) -> Any:
+    """The cotangent ``ct`` on gradient ``g``'s devices: DDP returns the gradient of a
+    parameter committed to one device on that device, while ``ct`` is replicated."""
+    if (isinstance(ct, jax.core.Tracer) or isinstance(g, jax.core.Tracer)
+            or not isinstance(g, jax.Array) or not isinstance(ct, jax.Array)
+            or ct.sharding == g.sharding):
+        return ct
+    return jax.device_put(ct, g.sharding)
 
 
 def _local(x: Any) -> Any:
