@@ -161,6 +161,9 @@ def read_part(path: str, with_arrays: bool, names: list[str] | None = None) -> t
     if with_arrays and names:
         restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in names}
         items["arrays"] = ocp.args.PyTreeRestore(restore_args=restore_args)
-    out = ck.restore(path, args=ocp.args.Composite(**items))
+    try:
+        out = ck.restore(path, args=ocp.args.Composite(**items))
+    finally:
+        ck.close()
     arrays = dict(out["arrays"]) if "arrays" in items else {}
     return arrays, out["meta"]
