@@ -116,6 +116,11 @@ def _local_step(opt_rref: RRef, context_id: int) -> int:
 class DistributedOptimizer:
     """torch's ``DistributedOptimizer`` over parameters held in RRefs.
 
+    This is ``torch.distributed.optim.DistributedOptimizer`` (one optimizer per owner
+    of the parameters, stepped over RPC). Horovod's ``DistributedOptimizer``, which
+    all-reduces gradients inside a data-parallel step, is
+    :func:`jdist.optim.AllReduceOptimizer` (alias ``jdist.optim.DistributedOptimizer``).
+
     Args:
       tx: an optax factory (``optax.sgd``; called on each owner with ``*args,
         **kwargs``) or a picklable ``optax.GradientTransformation``.
