@@ -19,6 +19,8 @@ from flax import nnx
 from jdist.rpc._futures import Future
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._rref import RRef
+from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._compiled import pad_bags
 from jdist.rpc.autograd._params import param_variables
 
 __all__ = ["RemoteModule"]
@@ -63,12 +65,21 @@ def _jittable(tree: Any) -> bool:
 
 def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Owner side of ``forward``: one ``nnx.jit`` program when the inputs are arrays
-    (compiled once per shape; also under distributed autograd's ``jax.vjp``),
-    otherwise a plain call."""
+    (compiled once per shape; an EmbeddingBag's bags padded to a few shape buckets, see
+    ``autograd/_compiled.py``, which also compiles this call with its VJP under
+    distributed autograd), otherwise a plain call."""
     module = module_rref.local_value()
     if _jittable((args, kwargs)):
+        padded = None if kwargs or C.tracing() is not None else pad_bags(module, args)
+        if padded is not None:  # EmbeddingBag: a few shape buckets, cut back exactly
+            pargs, rows, _ = padded
+            out = _jit_call(module, pargs, {})
+            return jax.device_put(np.asarray(out)[:rows])
         return _jit_call(module, args, kwargs)
     return module(*args, **kwargs)
+
+
+_forward._jdist_compiled_forward = True  # under dist autograd: autograd/_compiled.py
 
 
 def _param_rrefs(module_rref: RRef) -> list[RRef]:

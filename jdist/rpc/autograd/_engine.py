@@ -323,6 +323,10 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
     left it is written back to the originals once the forward has run.
     """
     ctx = _require_context("a differentiable call")
+    if getattr(func, "_jdist_compiled_forward", False) and not rref_pos:
+        got = _try_compiled(ctx, msg, skeleton, xs)
+        if got is not None:
+            return got
     leaves, tdef = flatten_args(skeleton)
     slots = [0] * len(xs)
     for i, x in enumerate(leaves):
@@ -356,6 +360,21 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
             raise C.not_found(ctx.context_id)
         ctx.vjps[msg] = (vjp_fn, [t for _, t in params], links)
     return skel_out, diff
+
+
+def _try_compiled(ctx: C.DistAutogradContext, msg: tuple, skeleton: Any,
+                  xs: list) -> tuple[Any, list] | None:
+    """A ``RemoteModule`` forward as one compiled program (``_compiled``), or None."""
+    outer, outer_kw = skeleton
+    if outer_kw or len(outer) != 3 or not isinstance(outer[0], RRef):
+        return None
+    rref, args, kwargs = outer
+    if rref.owner().id != ctx.agent.info.id or not isinstance(args, tuple) \
+            or not isinstance(kwargs, dict):
+        return None
+    from jdist.rpc.autograd._compiled import try_record
+
+    return try_record(ctx, msg, rref, args, kwargs, xs)
 
 
 @C._internal

@@ -1,0 +1,245 @@
+"""Compiled recorded forwards: a ``RemoteModule`` call under distributed autograd.
+
+The generic callee path (:func:`jdist.rpc.autograd._engine._record`) runs the function
+under eager ``jax.vjp``: every call pays op-by-op dispatch and every new input shape
+compiles the forward and, separately, its transposed backward. A ``RemoteModule``
+forward is a pure function of the module's state and the received arrays, so here it
+is one ``jax.jit`` program returning ``(output, state after, VJP)`` (the VJP's
+residuals are outputs of the program) and one jitted backward that applies that VJP.
+Both are compiled once per *signature*: the module's graph, the static arguments and the
+shapes and dtypes of the arrays.
+
+Shape buckets: variable-size ``EmbeddingBag`` batches (the HybridModel's lookups) are
+padded to a few sizes before the lookup (:func:`pad_bags`): indices to a power of two
+(at least :data:`MIN_BUCKET`), bags to a power of two with empty bags, the padding
+indices in one bag of their own past the real ones. The real bags are unchanged, the
+output is cut back to them (in numpy, outside the program) and the padding gets zero
+cotangents, so values and gradients are exactly the unpadded ones.
+
+Calls that do not fit (differentiable RRefs among the arguments, non-array arguments,
+outputs that are not floating arrays, a module that cannot be traced) take the generic
+path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdist.rpc.autograd import _context as C
+
+__all__ = ["MIN_BUCKET", "bucket", "pad_bags", "try_record", "TRACES"]
+
+MIN_BUCKET = 64
+"""The smallest padded size of an EmbeddingBag's indices or bags."""
+
+TRACES: Counter = Counter()
+"""How often each program kind was traced (``"forward"``, ``"backward"``): tests count
+compilations with it."""
+
+_lock = threading.Lock()
+_programs: dict = {}
+_EAGER = object()  # a signature that failed to trace: always the generic path
+
+
+class _NotCompilable(Exception):
+    """Raised while tracing: this call takes the generic (eager) path."""
+
+
+def bucket(n: int) -> int:
+    """The padded size for ``n`` items: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _is_embedding_bag(module: Any) -> bool:
+    cls = type(module)
+    return cls.__name__ == "EmbeddingBag" and cls.__module__.startswith("jdist.testing")
+
+
+def pad_bags(module: Any, args: tuple) -> tuple[tuple, int, int] | None:
+    """``(padded args, real bags, real indices)`` for an EmbeddingBag call
+    ``(indices_1d, offsets[, per_sample_weights])`` of numpy arrays, or None.
+
+    Bag ``b < B`` keeps its indices; bags ``B .. K-2`` are empty and bag ``K-1`` holds
+    the padding indices (``padding_idx`` where set, else 0), so ``out[:B]`` is exact.
+    """
+    if not _is_embedding_bag(module) or len(args) not in (2, 3):
+        return None
+    idx, off = args[0], args[1]
+    psw = args[2] if len(args) == 3 else None
+    if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (idx, off)):
+        return None
+    if not (np.issubdtype(idx.dtype, np.integer) and np.issubdtype(off.dtype, np.integer)):
+        return None
+    if psw is not None and not (isinstance(psw, np.ndarray) and psw.shape == idx.shape):
+        return None
+    n = idx.shape[0]
+    last = bool(module.include_last_offset)
+    if last:
+        if off.shape[0] < 1:
+            return None
+        starts, end = off[:-1], int(off[-1])
+    else:
+        starts, end = off, n
+    b = starts.shape[0]
+    if (off.size and (off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] > n)):
+        return None  # the module's own check names the bad offsets
+    big_n, big_k = bucket(n), bucket(b + 1)
+    fill = module.padding_idx if module.padding_idx is not None else 0
+    pidx = np.full(big_n, fill, idx.dtype)
+    pidx[:n] = idx
+    if end < n:  # indices past the last offset (include_last_offset) stay out of bags
+        pidx[end:n] = fill
+    pstarts = np.full(big_k, end, off.dtype)
+    pstarts[:b] = starts
+    poff = np.concatenate([pstarts, np.array([big_n], off.dtype)]) if last else pstarts
+    out = [pidx, poff]
+    if psw is not None:
+        ppsw = np.zeros(big_n, psw.dtype)
+        ppsw[:n] = psw
+        out.append(ppsw)
+    return tuple(out), b, n
+
+
+def _aval(x: Any) -> tuple:
+    return (tuple(np.shape(x)), str(x.dtype))
+
+
+def _program(key: tuple, build: Any) -> Any:
+    with _lock:
+        prog = _programs.get(key)
+        if prog is None:
+            prog = _programs[key] = build()
+    return prog
+
+
+def _build(gdef: Any, ptdef: Any, nargs: int, diff: tuple, static: dict, kwnames: tuple):
+    """The jitted forward and backward of ``module(*args, **kwargs)``."""
+
+    def assemble(dyn, dv):
+        vals = list(dyn)
+        for j, v in zip(diff, dv, strict=True):
+            vals[j] = v
+        full = [static[i] if i in static else vals.pop(0) for i in range(nargs)]
+        return tuple(full[:nargs - len(kwnames)]), dict(zip(kwnames, full[nargs - len(kwnames):],
+                                                            strict=True))
+
+    def forward(pvals, rest, dyn):
+        TRACES["forward"] += 1
+        dv = [dyn[j] for j in diff]
+
+        def h(pv, dv_):
+            module = nnx.merge(gdef, jax.tree_util.tree_unflatten(ptdef, list(pv)), rest)
+            args, kwargs = assemble(dyn, dv_)
+            out = module(*args, **kwargs)
+            leaves = jax.tree_util.tree_leaves(out)
+            if not leaves or not all(isinstance(x, jax.Array)
+                                     and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
+                raise _NotCompilable("an output leaf is not a floating array")
+            return out, nnx.split(module, nnx.Param, ...)[2]
+
+        out, vjp_fn, state = jax.vjp(h, list(pvals), dv, has_aux=True)
+        return out, state, vjp_fn
+
+    def backward(vjp_fn, ct):
+        TRACES["backward"] += 1
+        return vjp_fn(ct)
+
+    return jax.jit(forward), jax.jit(backward)
+
+
+def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict,
+               xs: list) -> tuple[Any, list] | None:
+    """Record a ``RemoteModule`` forward compiled: ``(skeleton, diff outputs)`` as
+    ``_record`` returns them, or None when the generic path must run it.
+
+    ``args`` / ``kwargs``: the call's arguments with ``Slot``s where the caller sent
+    traced arrays (``xs``, in slot order).
+    """
+    from jdist.rpc.autograd._engine import _is_slot, _split_outputs
+    from jdist.rpc.autograd._params import Tracked
+
+    module = module_rref.local_value()
+    if not isinstance(module, nnx.Module):
+        return None
+    flat = list(args) + [kwargs[k] for k in kwargs]
+    kwnames = tuple(kwargs)
+    slot_of: dict[int, int] = {}  # argument position -> slot index
+    vals: list = []
+    for i, a in enumerate(flat):
+        if _is_slot(a):
+            slot_of[i] = a.index
+            vals.append(np.asarray(xs[a.index]))
+        elif isinstance(a, (np.ndarray, jax.Array)):
+            vals.append(np.asarray(a))
+        elif isinstance(a, (bool, int, float)):  # as RemoteModule's nnx.jit takes them
+            vals.append(a)
+        else:
+            return None
+    padded = pad_bags(module, tuple(vals)) if not kwargs and not slot_of.keys() - {2} else None
+    if padded is not None:
+        pvals_args, rows, n_idx = padded
+        vals = list(pvals_args)
+    static = {i: v for i, v in enumerate(vals) if not isinstance(v, np.ndarray)}
+    dyn = [v for v in vals if isinstance(v, np.ndarray)]
+    dyn_pos = [i for i, v in enumerate(vals) if isinstance(v, np.ndarray)]
+    diff = tuple(k for k, i in enumerate(dyn_pos)
+                 if i in slot_of and np.issubdtype(dyn[k].dtype, np.inexact))
+    tracked = Tracked(module, rref=module_rref)
+    gdef, _, rest = nnx.split(module, nnx.Param, ...)
+    rest_leaves, rest_tdef = jax.tree_util.tree_flatten(rest)
+    try:
+        key = (gdef, tracked._tdef, rest_tdef, tuple(_aval(x) for x in rest_leaves),
+               len(vals), diff, tuple(sorted((i, type(v), v) for i, v in static.items())),
+               kwnames)
+        hash(key)
+    except TypeError:
+        return None
+    prog = _program(key, lambda: _build(gdef, tracked._tdef, len(vals), diff, static,
+                                        kwnames))
+    if prog is _EAGER:
+        return None
+    fwd, bwd = prog
+    try:
+        out, state, vjp_fn = fwd(tracked.values(), rest, dyn)
+    except (_NotCompilable, jax.errors.ConcretizationTypeError,
+            jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError):
+        with _lock:
+            _programs[key] = _EAGER
+        return None
+    nnx.update(module, state)
+    if padded is not None:
+        out = jax.tree_util.tree_map(lambda o: np.asarray(o)[:rows], out)
+    out_leaves, out_tdef = jax.tree_util.tree_flatten(out)
+    slot_pos = {k: slot_of[dyn_pos[k]] for k in diff}
+
+    def vjp(cts: tuple) -> tuple:
+        ct_out = []
+        for c, leaf in zip(cts, out_leaves, strict=True):
+            c = np.asarray(c, np.asarray(leaf).dtype)
+            if padded is not None:
+                big = np.zeros((bucket(rows + 1),) + c.shape[1:], c.dtype)
+                big[:rows] = c
+                c = big
+            ct_out.append(c)
+        ct_p, ct_d = bwd(vjp_fn, jax.tree_util.tree_unflatten(out_tdef, ct_out))
+        ct_xs = [np.zeros(np.shape(x), np.asarray(x).dtype) for x in xs]
+        for k, c in zip(diff, ct_d, strict=True):
+            c = np.asarray(c)
+            if padded is not None:
+                c = c[:n_idx]
+            ct_xs[slot_pos[k]] = c
+        return None, ct_xs, [list(ct_p)]
+
+    with ctx.lock:
+        if ctx.released:
+            raise C.not_found(ctx.context_id)
+        ctx.vjps[msg] = (vjp, [tracked], [])
+    return _split_outputs(out)
