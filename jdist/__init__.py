@@ -2,8 +2,8 @@
 
 Process groups and collectives are re-exported here (as ``torch.distributed`` does);
 they and the subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``, ``jdist.optim``,
-``jdist.rpc``, ``jdist.launch``, ``jdist.store``, ``jdist.testing``) load on first use, so
-``import jdist`` stays cheap and the launcher never imports JAX.
+``jdist.rpc``, ``jdist.launch``, ``jdist.store``, ``jdist.checkpoint``, ``jdist.testing``)
+load on first use, so ``import jdist`` stays cheap and the launcher never imports JAX.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-_SUBPACKAGES = ("collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler", "store",
-                "testing")
+_SUBPACKAGES = ("checkpoint", "collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler",
+                "store", "testing")
 
 
 def __getattr__(name: str):

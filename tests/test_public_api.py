@@ -10,8 +10,8 @@ import pytest
 import jdist
 
 ROOT = Path(jdist.__file__).parent
-SUBPACKAGES = ["collectives", "ddp", "ddp.hooks", "dp", "launch", "optim", "rpc", "sampler",
-               "store", "testing"]
+SUBPACKAGES = ["checkpoint", "collectives", "ddp", "ddp.hooks", "dp", "launch", "optim", "rpc",
+               "sampler", "store", "testing"]
 
 
 def test_top_level_names():
