@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdist.errors import DistAutogradError
 from jdist.rpc.autograd import _context as C
@@ -34,13 +35,20 @@ from jdist.rpc.autograd._params import param_variables
 __all__ = ["ddp_stage"]
 
 
-def ddp_stage(ddp: Any, loss_fn: Callable) -> Callable:
+def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -> Callable:
     """``stage(x, *rest) -> loss`` running ``loss_fn(module, x, *rest)`` under DDP.
 
     Args:
       ddp: a :class:`jdist.ddp.DistributedDataParallel` (its process group may be a
         sub-group, e.g. the trainers of a parameter-server job).
       loss_fn: ``loss_fn(module, x, *rest)`` -> float scalar for one replica's shard.
+      pad_batch_to: shape buckets (every new batch size compiles a new DDP program):
+        ``x`` and every ``rest`` leaf (same leading size) are padded with zero rows to
+        this many rows, and ``loss_fn`` returns one loss per row instead of a scalar;
+        the stage's value and gradients are exactly those of the mean over the real
+        rows (modules that mix rows, like batch statistics, see the padding). One int,
+        the same on every process of the DDP group (their programs must match), a
+        multiple of the local devices.
 
     Returns:
       ``stage(x, *rest)``; call it inside ``dist_autograd.backward``'s loss function.
@@ -50,12 +58,34 @@ def ddp_stage(ddp: Any, loss_fn: Callable) -> Callable:
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(f"ddp_stage needs a jdist.ddp.DistributedDataParallel, got "
                         f"{type(ddp).__name__}")
+    sizes = None
+    if pad_batch_to is not None:
+        from jdist.ddp._padding import PadSizes, pad_batch
 
-    def inner(module, batch):
+        if not isinstance(pad_batch_to, (int, np.integer)) or isinstance(pad_batch_to, bool):
+            raise TypeError(f"ddp_stage(pad_batch_to=) must be one int (the same on every "
+                            f"process of the DDP group), got {pad_batch_to!r}")
+        g = ddp.process_group
+        sizes = PadSizes(int(pad_batch_to), len(g.local_devices), g.size())
+
+    def inner(module, batch, *count):
         rest = batch["rest"]
 
         def local(x):
-            return loss_fn(module, x, *rest)
+            out = loss_fn(module, x, *rest)
+            if sizes is None:
+                return out
+            mask = batch["mask"]
+            per = jnp.asarray(out)
+            if per.shape != mask.shape:
+                raise ValueError(
+                    f"ddp_stage(pad_batch_to=...): loss_fn must return one loss per row "
+                    f"(shape {tuple(mask.shape)} for this replica's shard), got shape "
+                    f"{tuple(per.shape)}; return e.g. the per-example cross entropy "
+                    "without .mean()")
+            # this replica's share of the process's mean over its real rows
+            k = jax.lax.axis_size(ddp.process_group.axis_name) / count[1]
+            return jnp.sum(per * mask.astype(per.dtype)) * (k / count[0])
 
         value, gx = jax.value_and_grad(local)(batch["x"])
         return value, (value, gx)
@@ -73,11 +103,23 @@ def ddp_stage(ddp: Any, loss_fn: Callable) -> Callable:
         box: dict = {}
 
         def forward(xv):
-            (_, (losses, gx)), grads = vg({"x": jnp.asarray(xv), "rest": rest_c})
-            losses, gx = _local(losses), _local(gx)
+            if sizes is None:
+                (_, (losses, gx)), grads = vg({"x": jnp.asarray(xv), "rest": rest_c})
+                n = None
+            else:
+                xv = np.asarray(xv)
+                n = xv.shape[0]
+                (padded, mask) = pad_batch({"x": xv, "rest": tuple(
+                    np.asarray(r) for r in rest_c)}, sizes)
+                padded["mask"] = mask
+                procs = float(ddp.process_group.size())
+                (_, (losses, gx)), grads = vg(padded, np.float32(n),
+                                              np.float32(procs))
+            losses, gx = _local(losses), np.asarray(_local(gx))
             k = losses.shape[0]  # local replicas
             box["grads"] = [_local(g) for g in jax.tree_util.tree_leaves(grads)]
-            box["gx"] = gx.reshape((-1,) + gx.shape[2:]) / k
+            gx = gx.reshape((-1,) + gx.shape[2:]) / np.asarray(k, gx.dtype)
+            box["gx"] = gx if n is None else gx[:n]  # numpy: no program per shape
             return jnp.mean(losses)
 
         @jax.custom_vjp
@@ -95,7 +137,9 @@ def ddp_stage(ddp: Any, loss_fn: Callable) -> Callable:
                 raise RuntimeError("DDP gradients and module parameters disagree")
             for var, g in zip(variables, grads, strict=True):
                 ctx.accumulate(var, g * _beside(ct, g))
-            return jnp.zeros((), token.dtype), (box.pop("gx") * ct).astype(x.dtype)
+            gx = box.pop("gx")
+            return jnp.zeros((), token.dtype), jnp.asarray(
+                (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
 
         run.defvjp(fwd, bwd)
         return run(token, x)
