@@ -119,12 +119,14 @@ class Launch:
 
 def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
              concurrent: bool = True, tmp: str | None = None,
-             relaunch_torch: bool = False, spawn: bool = False) -> tuple[dict, dict]:
+             relaunch_torch: bool = False, spawn: bool = False,
+             order: tuple = ("torch", "jdist")) -> tuple[dict, dict]:
     """Run ``name`` with jdist and its torch twin (at the same time if ``concurrent``).
 
     ``args``: the program's arguments, or ``args(lib, out_dir) -> list`` to give each its
     own (paths). ``launcher_args`` go to both launchers (``--max-restarts 1``);
-    ``spawn``: no launcher, the scripts start their processes themselves.
+    ``spawn``: no launcher, the scripts start their processes themselves. ``order``:
+    which starts first (with ``concurrent=False``, which runs first).
     ``relaunch_torch``: when the torch launch fails, start it once more (torchrun 2.13's
     own restart could not re-form its gloo group on CPU: the restarted ranks' gloo
     ``connectFullMesh`` was refused), which is what a restart does. Returns
@@ -152,7 +154,7 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
         return res
 
     try:
-        for lib in ("torch", "jdist"):
+        for lib in order:
             start(lib)
             if not concurrent:
                 results[lib] = finish(lib)
