@@ -254,7 +254,9 @@ class RpcAgent(CallClient, CallServer):
 
     async def _serve(self, comm: Comm) -> None:
         try:
-            peer = await asyncio.wait_for(server_handshake(comm, self._key), _HANDSHAKE_TIMEOUT)
+            peer = await asyncio.wait_for(
+                server_handshake(comm, self._key, self.options.max_frame_bytes),
+                _HANDSHAKE_TIMEOUT)
         except Exception as e:  # wrong secret, garbage, timeout: drop, keep serving
             log.warning("jdist.rpc: %s refused a connection: %s", self.info, e)
             comm.close()

@@ -62,8 +62,12 @@ async def client_handshake(comm: Comm, key: bytes, my_id: int, address: str) -> 
                            "same JDIST_AUTH_TOKEN / RpcBackendOptions(auth_token=)")
 
 
-async def server_handshake(comm: Comm, key: bytes) -> int:
+async def server_handshake(comm: Comm, key: bytes, max_message_bytes: int | None = None) -> int:
     """Check a new client's secret (and prove ours); return the worker id it claims.
+
+    ``max_message_bytes``: the connection's cap once the client is authenticated, set
+    before ``OK`` is sent (the client sends its first request as soon as it reads it,
+    and the reader may decode that before this coroutine's caller runs again).
 
     Raises:
       RpcAuthError: the client does not know the secret (it was told ``DENIED``).
@@ -82,5 +86,7 @@ async def server_handshake(comm: Comm, key: bytes) -> int:
         finally:
             comm.close()
         raise RpcAuthError("client failed the shared-secret check; connection refused")
+    if max_message_bytes is not None:
+        comm.set_max_message_bytes(max_message_bytes)
     comm.send([_OK])
     return int(ident)

@@ -171,3 +171,36 @@ def test_header_decoder_fuzz(blob):
         P.decode_header([blob, b"payload"])
     except P.ProtocolError:
         pass
+
+
+def test_server_raises_the_frame_cap_before_it_says_ok():
+    """The client sends its first request as soon as it reads OK: the server's cap must
+    already be the post-handshake one (a 6.7 KB RemoteModule constructor call was
+    refused as 'exceeds max_frame_bytes=4096' when the reader won that race)."""
+    import asyncio
+
+    from jdist.rpc import _auth
+
+    key, nonce_c = b"k" * 32, b"n" * 32
+    sent, events = [], []
+
+    class FakeComm:
+        def send(self, frames):
+            sent.append([bytes(f) for f in frames])
+            events.append(("send", bytes(frames[0])))
+
+        def set_max_message_bytes(self, n):
+            events.append(("cap", n))
+
+        def close(self):
+            events.append(("close",))
+
+        async def recv(self):
+            if not sent:
+                return [_auth._HELLO, nonce_c, b"1"]
+            nonce_s = sent[-1][1]
+            return [_auth._AUTH, _auth.mac(key, b"client", nonce_s, nonce_c, b"1")]
+
+    peer = asyncio.run(_auth.server_handshake(FakeComm(), key, 1 << 20))
+    assert peer == 1
+    assert events == [("send", _auth._CHALLENGE), ("cap", 1 << 20), ("send", _auth._OK)]
