@@ -17,6 +17,9 @@ A scalar "token" tracer, an extra input of every such ``custom_vjp``, ties calls
 arguments carry no traced array (a remote lookup with integer indices) into the
 trace, so their backward rules still run. Eager ``jax.vjp`` runs ``custom_vjp`` rules
 with concrete arrays, which is what lets them make RPCs.
+
+A ``RemoteModule`` forward makes no RPCs of its own: the callee records it as one
+compiled forward+VJP program instead (``_compiled.py``, with shape buckets).
 """
 
 from __future__ import annotations
