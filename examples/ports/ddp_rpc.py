@@ -18,8 +18,11 @@ lookup's gradient back to the RPC); ``optax.sgd`` with ``learning_rate=``; ``RRe
 for the local layer's parameters (``model.fc.parameters()``).
 
 ``--pad`` (not in the original) feeds the same batches in fixed shapes, padded and
-masked exactly (:func:`pad_bags`): jdist compiles the lookup and the DDP step once per
-shape, and the bags change shape every step.
+masked exactly (:func:`pad_bags`): jdist compiles the DDP step once per shape, and the
+bags change shape every step. (``dist_autograd.ddp_stage(..., pad_batch_to=MAX_BAGS)``
+with a per-bag loss does the DDP side in one line, and ``RemoteModule`` pads an
+``EmbeddingBag``'s bags to a few shape buckets itself; measured here, that reached
+70-160 ms per step against 25-40 ms with the fixed shapes below.)
 
 ``--deterministic`` (not in the original) makes the trainers meet at a barrier after
 each step, so each lookup reads the table after both trainers' previous updates (the
