@@ -63,6 +63,14 @@ def _env_int(value: int | None, var: str, what: str) -> int:
         raise ValueError(f"${var} must be an int, got {raw!r}") from None
 
 
+def _same_processes(group: Any, rank: int, world_size: int) -> bool:
+    """Whether the RPC job is the process group's own job (same rank, same size)."""
+    try:
+        return (group.get_rank(), group.get_world_size()) == (rank, world_size)
+    except Exception:  # not initialised, or torn down meanwhile
+        return False
+
+
 def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
                 key: bytes | None) -> tuple[Any, bool]:
     """The rendezvous store and whether we own it (and must close it at shutdown)."""
@@ -72,6 +80,8 @@ def _make_store(init_method: Any, rank: int, world_size: int, timeout: float,
     group = sys.modules.get("jdist.collectives._group")
     runtime = group.group_state.runtime if group is not None else None
     pg_store = runtime.get("store") if runtime else None
+    if pg_store is not None and not _same_processes(group, rank, world_size):
+        pg_store = None  # another set of processes: rendezvous on init_method, as torch
     if pg_store is not None and init_method == "env://":
         # torch reuses the process group's store; a per-init prefix keeps old keys apart
         from jdist.store import PrefixStore
