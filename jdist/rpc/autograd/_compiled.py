@@ -162,8 +162,8 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
     ``args`` / ``kwargs``: the call's arguments with ``Slot``s where the caller sent
     traced arrays (``xs``, in slot order).
     """
-    from jdist.rpc.autograd._engine import _is_slot, _split_outputs
     from jdist.rpc.autograd._params import Tracked
+    from jdist.rpc.autograd._slots import _is_slot, _split_outputs
 
     module = module_rref.local_value()
     if not isinstance(module, nnx.Module):

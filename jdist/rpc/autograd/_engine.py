@@ -36,53 +36,9 @@ from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
+from jdist.rpc.autograd._slots import _fill, _is_slot, _Slot, _split_outputs
 
 __all__ = ["differentiable_call", "backward", "rebuild_args", "call_traced"]
-
-
-class _Slot:
-    """Stands for the ``index``-th differentiable array in a sent structure (a leaf)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __reduce__(self):
-        return _Slot, (self.index,)
-
-    def __repr__(self) -> str:
-        return f"_Slot({self.index})"
-
-
-def _is_slot(x: Any) -> bool:
-    return isinstance(x, _Slot)
-
-
-def _is_diff_value(x: Any) -> bool:
-    """A result leaf that carries a gradient: a floating (or complex) array."""
-    if isinstance(x, (jax.Array, np.ndarray)):
-        return bool(jnp.issubdtype(x.dtype, jnp.inexact))
-    return False
-
-
-def _split_outputs(out: Any) -> tuple[Any, list]:
-    """(structure with Slots at the differentiable leaves, those leaves)."""
-    leaves, tdef = flatten_args(out)
-    diff, skel = [], []
-    for leaf in leaves:
-        if _is_diff_value(leaf):
-            skel.append(_Slot(len(diff)))
-            diff.append(leaf)
-        else:
-            skel.append(leaf)
-    return jax.tree_util.tree_unflatten(tdef, skel), diff
-
-
-def _fill(skeleton: Any, values: list) -> Any:
-    leaves, tdef = jax.tree_util.tree_flatten(skeleton, is_leaf=_is_slot)
-    return jax.tree_util.tree_unflatten(
-        tdef, [values[x.index] if _is_slot(x) else x for x in leaves])
 
 
 def rebuild_args(leaves: list, tdef: Any, slots: list[int], params: list, xs: list,
