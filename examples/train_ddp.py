@@ -54,6 +54,29 @@ def _digits(np):
     return data[:, :-1].reshape(-1, 8, 8, 1) / 16.0, data[:, -1].astype(np.int32)
 
 
+def _cnn_and_loss():
+    """The demo's model class and loss (flax and optax load here, after ``_setup``)."""
+    import optax
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
+            self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
+            self.fc = nnx.Linear(4 * 4 * 32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.relu(self.conv1(x))
+            x = nnx.avg_pool(nnx.relu(self.conv2(x)), (2, 2), strides=(2, 2))
+            return self.fc(x.reshape(x.shape[0], -1))
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return CNN, loss_fn
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="DDP digits CNN")
     ap.add_argument("--epochs", type=int, default=8)
@@ -83,20 +106,7 @@ def main(argv=None) -> dict:
     else:
         rank, world = 0, 1
 
-    class CNN(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
-            self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
-            self.fc = nnx.Linear(4 * 4 * 32, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = nnx.relu(self.conv1(x))
-            x = nnx.avg_pool(nnx.relu(self.conv2(x)), (2, 2), strides=(2, 2))
-            return self.fc(x.reshape(x.shape[0], -1))
-
-    def loss_fn(model, batch):
-        logits = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    CNN, loss_fn = _cnn_and_loss()
 
     images, labels = _digits(np)
     order = np.random.default_rng(0).permutation(len(images))

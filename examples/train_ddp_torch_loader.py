@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="write this rank's results to OUT/rank<r>.json")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_ddp import _digits, _setup  # the demo's data and device set-up
+    from train_ddp import _cnn_and_loss, _digits, _setup  # the demo's data, model, set-up
 
     _setup(args.devices)
 
@@ -84,20 +84,7 @@ def main(argv=None) -> dict:
     rank = jdist.collectives.get_rank() if jdist.collectives.is_initialized() else 0
     world = jdist.collectives.get_world_size() if jdist.collectives.is_initialized() else 1
 
-    class CNN(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
-            self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
-            self.fc = nnx.Linear(4 * 4 * 32, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = nnx.relu(self.conv1(x))
-            x = nnx.avg_pool(nnx.relu(self.conv2(x)), (2, 2), strides=(2, 2))
-            return self.fc(x.reshape(x.shape[0], -1))
-
-    def loss_fn(model, batch):
-        logits = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    CNN, loss_fn = _cnn_and_loss()
 
     images, labels = _digits(np)
     order = np.random.default_rng(0).permutation(len(images))

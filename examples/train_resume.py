@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     from jdist.sampler import DistributedSampler
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_ddp import _digits  # the same data as the DDP demo
+    from train_ddp import _cnn_and_loss, _digits  # the DDP demo's data and model
 
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not jdist.is_initialized():
@@ -71,20 +71,7 @@ def main(argv=None) -> dict:
     rank, world = (jdist.get_rank(), jdist.get_world_size()) if jdist.is_initialized() \
         else (0, 1)
 
-    class CNN(nnx.Module):
-        def __init__(self, rngs: nnx.Rngs):
-            self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
-            self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
-            self.fc = nnx.Linear(4 * 4 * 32, 10, rngs=rngs)
-
-        def __call__(self, x):
-            x = nnx.relu(self.conv1(x))
-            x = nnx.avg_pool(nnx.relu(self.conv2(x)), (2, 2), strides=(2, 2))
-            return self.fc(x.reshape(x.shape[0], -1))
-
-    def loss_fn(model, batch):
-        logits = model(batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    CNN, loss_fn = _cnn_and_loss()
 
     images, labels = _digits(np)
     train = np.random.default_rng(0).permutation(len(images))[297:]
