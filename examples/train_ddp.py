@@ -77,6 +77,24 @@ def _cnn_and_loss():
     return CNN, loss_fn
 
 
+def _test_accuracy(ddp, images, labels, test, rank: int, world: int, local_devices: int):
+    """Exact test accuracy: each process scores its share of ``test`` (padded to its
+    devices) and the counts are summed over processes. Returns ``(accuracy, images)``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jdist
+
+    share = test[rank::world]
+    pad = (-len(share)) % local_devices
+    x = np.concatenate([images[share], np.zeros((pad, *images.shape[1:]), images.dtype)])
+    logits = np.asarray(ddp(jnp.asarray(x)))[:len(share)]
+    counts = np.array([(logits.argmax(-1) == labels[share]).sum(), len(share)], np.int64)
+    if world > 1:
+        counts = np.asarray(jdist.collectives.all_reduce(counts))
+    return float(counts[0]) / float(counts[1]), int(counts[1])
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="DDP digits CNN")
     ap.add_argument("--epochs", type=int, default=8)
@@ -87,7 +105,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     _setup(args.devices)
 
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -139,17 +156,9 @@ def main(argv=None) -> dict:
             losses.append(loss)
             bar.set_postfix(loss=f"{loss:.4f}")
 
-    # exact test accuracy: each process scores its share (padded to its devices)
-    share = test[rank::world]
-    pad = (-len(share)) % local_devices
-    x = np.concatenate([images[share], np.zeros((pad, 8, 8, 1), np.float32)])
-    logits = np.asarray(ddp(jnp.asarray(x)))[:len(share)]
-    counts = np.array([(logits.argmax(-1) == labels[share]).sum(), len(share)], np.int64)
-    if world > 1:
-        counts = np.asarray(jdist.collectives.all_reduce(counts))
-    accuracy = float(counts[0]) / float(counts[1])
+    accuracy, scored = _test_accuracy(ddp, images, labels, test, rank, world, local_devices)
     if rank == 0:
-        print(f"test accuracy {accuracy:.4f} on {int(counts[1])} images "
+        print(f"test accuracy {accuracy:.4f} on {scored} images "
               f"({world} process(es) x {local_devices} device(s), "
               f"{len(ddp.buckets.buckets)} gradient bucket(s))")
     if started:

@@ -62,13 +62,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="write this rank's results to OUT/rank<r>.json")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_ddp import _cnn_and_loss, _digits, _setup  # the demo's data, model, set-up
+    from train_ddp import _cnn_and_loss, _digits, _setup, _test_accuracy  # the demo's parts
 
     _setup(args.devices)
 
     import itertools
 
-    import jax.numpy as jnp
     import optax
     from flax import nnx
     from torch.utils.data import DataLoader
@@ -121,17 +120,9 @@ def main(argv=None) -> dict:
         if rank == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}, sampler state {state}")
 
-    # exact test accuracy: each process scores its share (padded to its devices)
-    share = test[rank::world]
-    pad = (-len(share)) % local_devices
-    x = np.concatenate([images[share], np.zeros((pad, 8, 8, 1), np.float32)])
-    logits = np.asarray(ddp(jnp.asarray(x)))[:len(share)]
-    counts = np.array([(logits.argmax(-1) == labels[share]).sum(), len(share)], np.int64)
-    if world > 1:
-        counts = np.asarray(jdist.collectives.all_reduce(counts))
-    accuracy = float(counts[0]) / float(counts[1])
+    accuracy, scored = _test_accuracy(ddp, images, labels, test, rank, world, local_devices)
     if rank == 0:
-        print(f"test accuracy {accuracy:.4f} on {int(counts[1])} images ({world} "
+        print(f"test accuracy {accuracy:.4f} on {scored} images ({world} "
               f"process(es) x {local_devices} device(s), {args.workers} loader workers each)")
     if started:
         jdist.collectives.destroy_process_group()

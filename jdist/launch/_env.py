@@ -84,25 +84,9 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
 # ``python`` would.
 _SHIM = """\
 import os, sys
-try:
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-except Exception:
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(137)  # the launcher is already gone
-def _watch(parent=int(sys.argv[1])):
-    import signal, time
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            try:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
-            finally:
-                os._exit(137)
-import threading
-threading.Thread(target=_watch, daemon=True, name="jdist-launcher-watch").start()
-del threading, _watch
+from jdist.launch._spawn_child import die_with_parent
+die_with_parent(int(sys.argv[1]))
+del die_with_parent
 import runpy
 mode, target = sys.argv[2], sys.argv[3]
 sys.argv = [target] + sys.argv[4:]
