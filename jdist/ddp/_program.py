@@ -122,10 +122,9 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
             (value, (aux, new_buffers)), grads, hstate = reduced_value_and_grad(
                 loss, params, (buffers, batch, extra), layout=cfg.layout, hook=cfg.hook,
                 hook_state=hstate, acc=acc, axis=ax, num_replicas=nrep,
-                find_unused=cfg.find_unused, scale=scale, post=post, flat=cfg.flat_buckets)
-            if join is None:
-                value = jax.lax.pmean(value, ax)
-            else:
+                find_unused=cfg.find_unused, scale=scale, post=post, flat=cfg.flat_buckets,
+                mean_loss=join is None)  # the mean rides in the last bucket's all-reduce
+            if join is not None:
                 value = jax.lax.psum(value * scale, ax) / jnp.maximum(n_active, 1.0)
             new_acc = None
             if update is not None:

@@ -18,6 +18,14 @@ it, the rule
    new_state)``, threading the hook state from bucket to bucket, and unflattens the
    reduced buffer.
 
+With ``mean_loss`` the step's loss is averaged over replicas too. On the flat path of the
+default hook it rides in the last bucket's all-reduce (one more element of its buffer),
+so a step makes one collective per bucket and none for the loss: that bucket is the last
+to fire, so its reduction waits for the end of the backward pass anyway, and is made
+right after it together with the loss (:class:`ReduceRecord` ``.pending``). Across
+processes each collective is a round trip between them, which for a small model is most
+of the step. Elementwise the result is the same ``pmean``.
+
 Parameters are made *varying* (``lax.pcast(..., to='varying')``) before differentiating:
 with ``check_vma=True`` the gradient of a replicated input is otherwise already summed
 over replicas by the transpose of the implicit broadcast. The reduced, replicated
@@ -109,6 +117,8 @@ class ReduceRecord:
       reduced: bucket index -> reduced gradients of its parameters (replicated).
       fired: bucket indices in the order their rules ran.
       unused: paths of parameters whose cotangent was a symbolic zero.
+      pending: ``(bucket index, gradients)`` of the last bucket to fire when its
+        reduction waits to carry the loss mean (``mean_loss``), else ``None``.
     """
 
     def __init__(self, state: Any):
@@ -116,6 +126,7 @@ class ReduceRecord:
         self.reduced: dict[int, jax.Array] = {}
         self.fired: list[int] = []
         self.unused: list[str] = []
+        self.pending: tuple[int, list[jax.Array]] | None = None
 
 
 def _flat(cts: Sequence[jax.Array], dtype) -> jax.Array:
@@ -173,6 +184,29 @@ def _split(buf: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
     return out
 
 
+def _carries_loss(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
+                  loss_dtype: Any, scale: Any, post: Any, flat: bool) -> bool:
+    """Whether bucket ``bi``'s reduction waits to carry the loss mean: the default hook
+    on a flat buffer of the loss's dtype, outside ``join()``, and every other bucket
+    already fired (``bi`` is the last one the backward pass reaches)."""
+    return (loss_dtype is not None and flat and hook is mean_allreduce_hook
+            and scale is None and post is None
+            and jnp.dtype(layout.buckets[bi].dtype) == jnp.dtype(loss_dtype)
+            and len(set(rec.fired)) == len(layout.buckets) - 1 and bi not in rec.fired)
+
+
+def _reduce_with_loss(rec: ReduceRecord, layout: BucketLayout, bi: int,
+                      grads: Sequence[jax.Array], value: jax.Array, axis: Any) -> jax.Array:
+    """Reduce bucket ``bi`` with the loss as one more element of its flat buffer (one
+    mean all-reduce for both); records the gradients, returns the replicas' mean loss."""
+    if rec.fired:
+        grads = _after(grads, rec.reduced[rec.fired[-1]])
+    out = jax.lax.pmean(_flat([*grads, value], jnp.dtype(layout.buckets[bi].dtype)), axis)
+    rec.reduced[bi] = _split(out, grads)
+    rec.fired.append(bi)
+    return out[-1].astype(value.dtype)
+
+
 def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
               grads: Sequence[jax.Array], axis: Any, num_replicas: int,
               scale: Any = None, post: Any = None, flat: bool = True) -> list[jax.Array]:
@@ -220,7 +254,8 @@ def _run_hook(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
 
 def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi: int,
                      acc: Sequence[Any] | None, axis: Any, num_replicas: int,
-                     find_unused: bool, scale: Any, post: Any, flat: bool) -> Callable:
+                     find_unused: bool, scale: Any, post: Any, flat: bool,
+                     loss_dtype: Any = None) -> Callable:
     bucket = layout.buckets[bi]
 
     @jax.custom_vjp
@@ -242,6 +277,11 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             rec.unused.extend(missing)
             if not find_unused:
                 raise UnusedParametersError(unused_message(missing))
+        if _carries_loss(rec, hook, layout, bi, loss_dtype, scale, post, flat):
+            # reduced with the loss once the backward pass is done; these cotangents
+            # reach no output (the step's gradients are the reduced ones in ``rec``)
+            rec.pending = (bi, grads)
+            return (grads,)
         out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post, flat)
         return (to_varying(out, axis),)
 
@@ -273,7 +313,7 @@ def _wrapper(traced: _graph.Traced, groups: Sequence[Sequence[int]],
 def reduced_value_and_grad(
     loss: Callable, params: Any, args: tuple, *, layout: BucketLayout, hook: Callable,
     hook_state: Any, acc: Any, axis: Any, num_replicas: int, find_unused: bool,
-    scale: Any = None, post: Any = None, flat: bool = True,
+    scale: Any = None, post: Any = None, flat: bool = True, mean_loss: bool = False,
 ) -> tuple[Any, Any, Any]:
     """Differentiate ``loss(params, *args) -> (scalar, aux)`` with bucketed reduction.
 
@@ -282,10 +322,13 @@ def reduced_value_and_grad(
     gradients before the hook, or ``None``. ``scale`` (a per-replica scalar) multiplies
     the gradients before the hook and ``post`` (replicated) the reduced buffer after it;
     ``join()`` uses them to zero the contribution of replicas that ran out of inputs.
+    ``mean_loss``: return the replicas' mean loss (in the last bucket's all-reduce where
+    it can ride there, see the module docstring) instead of this replica's.
 
     Returns:
-      ``((loss, aux), grads, new_hook_state)``: the local loss and aux, the reduced
-      (replicated) gradients, and the hook state after every bucket.
+      ``((loss, aux), grads, new_hook_state)``: the loss (local, or the mean with
+      ``mean_loss``) and local aux, the reduced (replicated) gradients, and the hook
+      state after every bucket.
     """
     leaves, tdef = jax.tree.flatten(params)
     if len(leaves) != len(layout.leaves):
@@ -298,9 +341,10 @@ def reduced_value_and_grad(
     traced = _graph.trace(lambda ls, *a: loss(jax.tree.unflatten(tdef, ls), *a), varying, *args)
     rec = ReduceRecord(hook_state)
     groups = [b.leaves for b in layout.buckets]
+    loss_dtype = _scalar_dtype(traced) if mean_loss else None
     before = _wrapper(traced, groups, lambda bi: _bucket_identity(
         rec, hook, layout, bi, acc_leaves, axis, num_replicas, find_unused, scale, post,
-        flat))
+        flat, loss_dtype))
     flat_args = list(varying) + jax.tree.leaves(args)
 
     def scalar_loss(ls):
@@ -308,6 +352,12 @@ def reduced_value_and_grad(
         return out, aux
 
     (value, aux), _ = jax.value_and_grad(scalar_loss, has_aux=True)(varying)
+    if rec.pending is not None:
+        bi, grads = rec.pending
+        rec.pending = None
+        value = _reduce_with_loss(rec, layout, bi, grads, value, axis)
+    elif mean_loss:
+        value = jax.lax.pmean(value, axis)
     fired = set(rec.fired)
     for bi, b in enumerate(layout.buckets):
         if bi in fired:
@@ -326,6 +376,12 @@ def reduced_value_and_grad(
         for j, g in zip(b.leaves, rec.reduced[bi], strict=True):
             out_leaves[j] = g
     return (value, aux), jax.tree.unflatten(tdef, out_leaves), rec.state
+
+
+def _scalar_dtype(traced: _graph.Traced) -> Any:
+    """The dtype of the traced loss when it is a scalar (else ``None``: no fusion)."""
+    aval = traced.closed.out_avals[0]
+    return aval.dtype if getattr(aval, "shape", None) == () else None
 
 
 def record_ready_order(loss: Callable, params: Any, args: tuple, axis: Any) -> tuple[
