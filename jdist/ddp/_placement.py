@@ -12,6 +12,14 @@ DDP inputs come in three layouts over the replica axis of a :class:`ProcessGroup
 Global arrays are assembled from single-device arrays
 (``jax.make_array_from_single_device_arrays``), so the same code works with one process
 or many, and for any dtype (typed PRNG keys included).
+
+The batch is placed anew at every step. A numpy batch goes straight to the runtime's
+batched transfer (``pxla.batched_device_put``, what ``jax.make_array_from_callback`` and
+``jax.device_put`` end in), one call per leaf with this process's rows cut per device
+from a plan cached per sharding and shape; the public entry points' own checks cost
+several times the transfer for a small batch, on every step. Where that internal
+function is missing or refuses the call (another JAX version), the public
+``jax.make_array_from_process_local_data`` / ``jax.device_put`` are used instead.
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ __all__ = [
     "is_placed",
     "placed_like",
 ]
+
+
+try:  # JAX internals, with the public API as the fallback (see the module docstring)
+    from jax._src import core as _jcore
+    from jax._src.interpreters.pxla import batched_device_put as _batched_put
+except ImportError:  # pragma: no cover - depends on the JAX version
+    _batched_put = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,15 +145,76 @@ def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
             f"a multiple of {n} (e.g. {max(n, b - b % n)}), or drop_last in the sampler"
         )
     if group.size() == 1 or len(group.devices_per_rank) == 1:
-        # one process: one batched transfer for every leaf
-        for i, x in zip(todo, jax.device_put([leaves[i] for i in todo], sharding), strict=True):
-            out[i] = x
+        # one process: numpy leaves by the fast transfer, the others by one device_put
+        rest = []
+        for i in todo:
+            x = leaves[i]
+            fast = (_put_rows(x, sharding, tuple(x.shape)) if isinstance(x, np.ndarray)
+                    and x.dtype != object else None)
+            if fast is None:
+                rest.append(i)
+            else:
+                out[i] = fast
+        if rest:
+            for i, x in zip(rest, jax.device_put([leaves[i] for i in rest], sharding),
+                            strict=True):
+                out[i] = x
     else:
         for i in todo:
-            x = np.asarray(leaves[i])
-            gshape = (b * group.size(),) + x.shape[1:]
-            out[i] = jax.make_array_from_process_local_data(sharding, x, gshape)
+            x = leaves[i]
+            gshape = (b * group.size(),) + tuple(np.shape(x)[1:])
+            out[i] = _local_rows_array(x, sharding, gshape)
     return jax.tree.unflatten(tdef, out)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_plan(sharding: NamedSharding, gshape: tuple, dtype: np.dtype) -> tuple | None:
+    """``(aval, devices, local row slices)`` to build a ``P(axis)`` array of ``gshape``
+    from this process's contiguous rows, or ``None`` (rows not contiguous, or no
+    internal transfer: use the public API)."""
+    if _batched_put is None:
+        return None
+    try:
+        index = sharding.addressable_devices_indices_map(gshape)
+        devices = list(index)
+        starts = [index[d][0].start or 0 for d in devices]
+        stops = [gshape[0] if index[d][0].stop is None else index[d][0].stop
+                 for d in devices]
+        first = min(starts)
+        if sum(b - a for a, b in zip(starts, stops, strict=True)) != max(stops) - first:
+            return None  # this process's rows are not one block of the global batch
+        rows = tuple(slice(a - first, b - first) for a, b in zip(starts, stops, strict=True))
+        aval = _jcore.update_aval_with_sharding(_jcore.ShapedArray(gshape, dtype), sharding)
+    except Exception:  # noqa: BLE001 - internals changed: the public API is the fallback
+        return None
+    return aval, devices, rows
+
+
+def _put_rows(x: np.ndarray, sharding: NamedSharding, gshape: tuple) -> jax.Array | None:
+    """This process's rows ``x`` as the global ``P(axis)`` array of ``gshape`` in one
+    batched transfer, or ``None`` where the fast path does not apply."""
+    global _batched_put
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    if x.dtype != dtype:
+        x = x.astype(dtype)  # jax.device_put canonicalizes the same way (no x64: 32 bits)
+    plan = _row_plan(sharding, gshape, np.dtype(dtype))
+    if plan is None:
+        return None
+    aval, devices, rows = plan
+    try:
+        return _batched_put(aval, sharding, [x[r] for r in rows], devices)
+    except (TypeError, AttributeError):  # the internal signature changed: stop using it
+        _batched_put = None
+        return None
+
+
+def _local_rows_array(x: Any, sharding: NamedSharding, gshape: tuple) -> jax.Array:
+    """This process's rows ``x`` as the global ``P(axis)`` array of ``gshape``."""
+    if isinstance(x, np.ndarray) and x.dtype != object:
+        out = _put_rows(x, sharding, gshape)
+        if out is not None:
+            return out
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x), gshape)
 
 
 def per_replica(tree: Any, group: ProcessGroup) -> Any:
