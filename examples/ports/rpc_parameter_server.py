@@ -14,10 +14,8 @@ changes: the ``Net`` in NNX (channels-last convolutions, ``nnx.Dropout`` with
 (``run_model``; the RPC stays outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)``
 runs the forward pass itself; ``optax.sgd`` with ``learning_rate=``; the parameter
 RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
-``ParameterServer`` is an ``nnx.Module`` too (torch's is an ``nn.Module``):
-distributed autograd finds the parameters a call uses through the modules, Variables
-and RRefs among its arguments, so a plain class holding the model gives no gradients
-(the ``get_dist_gradients(cid) != {}`` assertion below catches it).
+``ParameterServer`` is an ``nnx.Module`` as torch's is an ``nn.Module`` (a plain class
+holding the model would work too: distributed autograd finds the modules inside it).
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def remote_method(method, rref, *args, **kwargs):
 
 
 # --------- Parameter Server --------------------
-class ParameterServer(nnx.Module):  # a Module, so dist autograd finds its parameters
+class ParameterServer(nnx.Module):
     def __init__(self, dropout, init=None):
         self.model = Net(dropout)
         if init is not None:
@@ -88,10 +86,11 @@ class ParameterServer(nnx.Module):  # a Module, so dist autograd finds its param
         return run_model(self.model, inp)
 
     def get_dist_gradients(self, cid):
-        # keyed by position: the keys of get_gradients are nnx.Variables, which are not
-        # hashable (torch's {k: v for k, v in grads.items()} raises a TypeError)
         grads = dist_autograd.get_gradients(cid)
-        return {i: np.asarray(v) for i, (_, v) in enumerate(grads.items())}
+        cpu_grads = {}
+        for k, v in grads.items():  # k: a ParamKey (hashable, like torch's tensor keys)
+            cpu_grads[k] = np.asarray(v)
+        return cpu_grads
 
     def get_param_rrefs(self):
         params = nnx.variables(self.model, nnx.Param)

@@ -16,7 +16,7 @@ that :func:`backward` runs under ``jax.vjp``::
             w = w_rref.local_value()                  # traced copy of an nnx.Param
             return jnp.sum(rpc.rpc_sync("ps", f, (x, w[...])))
         loss = dist_autograd.backward(cid, loss_fn, w_rref)
-        grads = dist_autograd.get_gradients(cid)      # {w_variable: gradient}
+        grads = dist_autograd.get_gradients(cid)      # {ParamKey(w): gradient}
 
 Inside the loss function (and inside every function a worker runs for such a call),
 ``rpc_sync`` / ``rpc_async`` / RRef proxies / ``RemoteModule.forward`` are
@@ -56,9 +56,10 @@ from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._context import DistAutogradContext as DistAutogradContext
 from jdist.rpc.autograd._ddp_stage import ddp_stage as ddp_stage
 from jdist.rpc.autograd._gradients import GradientMap as GradientMap
+from jdist.rpc.autograd._gradients import ParamKey as ParamKey
 
-__all__ = ["DistAutogradContext", "GradientMap", "backward", "context", "ddp_stage",
-           "get_gradients"]
+__all__ = ["DistAutogradContext", "GradientMap", "ParamKey", "backward", "context",
+           "ddp_stage", "get_gradients"]
 
 log = logging.getLogger("jdist.rpc")
 
@@ -186,8 +187,10 @@ def get_gradients(context_id: int, agent: Any = None) -> GradientMap:
     """The gradients accumulated on this worker for its own parameters in the context.
 
     Returns:
-      a :class:`GradientMap` keyed by ``nnx.Variable`` (also accepts a module or an RRef
-      owned here).
+      a :class:`GradientMap`: ``{ParamKey: gradient}``, one hashable :class:`ParamKey`
+      per parameter (torch's ``{k: v for k, v in grads.items()}``, ``dict(grads)``
+      and ``grads != {}`` work); ``grads[param]`` also takes the ``nnx.Variable``, a
+      module or an RRef owned here.
 
     Raises:
       DistAutogradError: unknown or released ``context_id``.

@@ -192,7 +192,7 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
     diff = tuple(k for k, i in enumerate(dyn_pos)
                  if i in slot_of and np.issubdtype(dyn[k].dtype, np.inexact))
     tracked = Tracked(module, rref=module_rref)
-    gdef, _, rest = nnx.split(module, nnx.Param, ...)
+    gdef, rest = tracked.gdef, tracked.rest
     rest_leaves, rest_tdef = jax.tree_util.tree_flatten(rest)
     try:
         key = (gdef, tracked._tdef, rest_tdef, tuple(_aval(x) for x in rest_leaves),

@@ -7,7 +7,10 @@ distributed autograd sees as parameters:
 
 - every NNX module or Variable among its arguments;
 - the value of every RRef among its arguments that is *owned by the worker running
-  it* (``rref.local_value()`` and ``rref.to_here()`` then return the traced copy).
+  it* (``rref.local_value()`` and ``rref.to_here()`` then return the traced copy);
+- the modules and Variables held by a plain Python object among those (an attribute,
+  or in lists, tuples, dicts and further plain objects in its attributes), as torch
+  finds a plain class's model through its tensors (:class:`_ObjectTracked`).
 
 :class:`Tracked` splits one such holder into its parameter arrays (differentiated)
 and the rest, rebuilds a copy from traced arrays inside the trace, and routes the
@@ -16,15 +19,21 @@ resulting gradients to the original Variables.
 
 from __future__ import annotations
 
+import copy
+import numbers
+import types
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
+from jdist.errors import DistAutogradError
 from jdist.rpc._rref import RRef
 
-__all__ = ["Tracked", "is_holder_leaf", "flatten_args", "find_params", "param_variables"]
+__all__ = ["Tracked", "is_holder_leaf", "flatten_args", "find_params", "param_variables",
+           "track"]
 
 
 def is_holder_leaf(x: Any) -> bool:
@@ -83,27 +92,69 @@ def _same(x: Any) -> Any:
     return x
 
 
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+_SPLIT_SHARES: list = []  # [bool] once probed (see _split_shares_variables)
+
+
+def _split_shares_variables() -> bool:
+    """Whether ``nnx.split`` puts the module's own Variables in its states and
+    ``nnx.merge`` builds on the Variables it is given (flax 0.12 does both); then one
+    split per call is enough. Probed once on a tiny module; if not, the slower path
+    (``nnx.variables`` and a split of the copy after the call) runs."""
+    if not _SPLIT_SHARES:
+        m = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+        _, state = nnx.split(m)
+        leaves = jax.tree.leaves(state, is_leaf=_is_variable)
+        own = jax.tree.leaves(nnx.variables(m), is_leaf=_is_variable)
+        fresh = jax.tree.map(lambda x: x, state)
+        merged = nnx.merge(nnx.graphdef(m), fresh)
+        again = jax.tree.leaves(nnx.variables(merged), is_leaf=_is_variable)
+        theirs = jax.tree.leaves(fresh, is_leaf=_is_variable)
+        _SPLIT_SHARES.append(
+            len(leaves) == len(own) > 0 and len(again) == len(theirs)
+            and all(a is b for a, b in zip(leaves, own, strict=True))
+            and all(a is b for a, b in zip(again, theirs, strict=True)))
+    return _SPLIT_SHARES[0]
+
+
 class Tracked:
     """One parameter holder (module or Variable), split for differentiation.
 
     Attributes:
-      holder: the original module or Variable (never modified).
+      holder: the original module or Variable (never modified during the call).
       variables: its parameter Variables, one per array in :meth:`values`.
+      gdef, rest: a module's graph definition and its non-parameter state (None for a
+        Variable).
     """
 
     def __init__(self, holder: Any, rref: RRef | None = None):
         self.holder = holder
         self.rref = rref
-        self.variables = param_variables(holder)
-        if isinstance(holder, nnx.Module):
-            self._gdef, pstate, rest = nnx.split(holder, nnx.Param, ...)
+        self.gdef = self.rest = None
+        self._rest_vars: list = []
+        if isinstance(holder, (nnx.Module, list)):  # a list: _ObjectTracked's holders
+            self.gdef, pstate, self.rest = nnx.split(holder, nnx.Param, ...)
             self._leaves, self._tdef = jax.tree_util.tree_flatten(pstate)
-            self._rest = rest
+            if _split_shares_variables():
+                self.variables = jax.tree.leaves(pstate, is_leaf=_is_variable)
+                self._rest_vars = jax.tree.leaves(self.rest, is_leaf=_is_variable)
+            elif isinstance(holder, list):  # pragma: no cover - other flax versions
+                raise DistAutogradError(_PLAIN_UNSUPPORTED)
+            else:  # pragma: no cover - other flax versions
+                self.variables = param_variables(holder)
             if len(self._leaves) != len(self.variables):  # pragma: no cover - flax layout
                 raise RuntimeError("nnx.split and nnx.variables disagree on parameters")
-        else:
+        elif isinstance(holder, nnx.Variable):
+            self.variables = [holder]
             self._leaves = [holder.get_value()]
+        else:
+            raise TypeError(f"Tracked holds an NNX module or Variable, got "
+                            f"{type(holder).__name__}")
         self._copy: Any = None  # the last rebuilt copy (its state after the call)
+        self._copy_rest: list = []  # that copy's non-parameter Variables
 
     def values(self) -> list:
         """The parameter arrays (the primal inputs of the differentiated function)."""
@@ -111,10 +162,11 @@ class Tracked:
 
     def rebuild(self, traced: Sequence[Any]) -> Any:
         """A copy of the holder (or of its RRef) whose parameters are ``traced``."""
-        if isinstance(self.holder, nnx.Module):
+        if self.gdef is not None:
             pstate = jax.tree_util.tree_unflatten(self._tdef, list(traced))
-            rest = jax.tree.map(lambda x: x, self._rest)
-            value = nnx.merge(self._gdef, pstate, rest)
+            rest = jax.tree.map(lambda x: x, self.rest)  # fresh Variables for the copy
+            value = nnx.merge(self.gdef, pstate, rest)
+            self._copy_rest = jax.tree.leaves(rest, is_leaf=_is_variable)
         else:
             value = type(self.holder)(traced[0])
         self._copy = value
@@ -123,14 +175,21 @@ class Tracked:
     def state_after(self) -> Any:
         """The non-parameter state of the copy as the function left it (inside the
         trace: returned as auxiliary output, so it comes out concrete), or None."""
-        if not isinstance(self.holder, nnx.Module) or self._copy is None:
+        if self.gdef is None or self._copy is None:
             return None
+        if self._rest_vars:
+            return [v.get_value() for v in self._copy_rest]
         return nnx.split(self._copy, nnx.Param, ...)[2]
 
     def write_back(self, state: Any) -> None:
         """Put that state into the original module: RNG counters advance (dropout masks
         differ per step, as with a plain call) and batch statistics update, as in torch."""
-        if state is not None:
+        if state is None:
+            return
+        if isinstance(state, list):
+            for var, value in zip(self._rest_vars, state, strict=True):
+                var.set_value(value)
+        else:  # pragma: no cover - other flax versions
             nnx.update(self.holder, state)
 
     def accumulate(self, ctx: Any, grads: Sequence[Any]) -> None:
@@ -139,8 +198,159 @@ class Tracked:
             ctx.accumulate(var, g)
 
 
-def find_params(leaves: list, me: int) -> list[tuple[int, Tracked]]:
-    """``(position, Tracked)`` for every parameter holder among flattened arguments.
+_MAX_DEPTH = 4  # plain objects inside plain objects, searched for modules
+_MAX_NODES = 4096  # attributes and container items looked at per object
+_PLAIN_UNSUPPORTED = ("a plain object holding NNX modules needs flax's shared-Variable "
+                      "split (flax >= 0.12); make the object an nnx.Module")
+
+
+def _is_plain(x: Any) -> bool:
+    """A user object whose attributes may hold modules (not a module, Variable, RRef,
+    array, class, function or module object)."""
+    if isinstance(x, (nnx.Module, nnx.Variable, RRef, type, types.ModuleType,
+                      types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                      jax.Array, np.ndarray, np.generic, numbers.Number, str, bytes)):
+        return False
+    return hasattr(x, "__dict__")
+
+
+def _search(obj: Any, depth: int, budget: list, seen: set, holders: dict) -> Any:
+    """Where the modules and Variables reachable from ``obj`` are (through attributes of
+    plain objects and items of lists, tuples and dicts): a nested ``{step: node}`` dict
+    (a step is ``("attr", name)`` or ``("item", key)``; a leaf node is the holder's
+    index in ``holders``, ``id -> (index, holder)``), or None when there are none."""
+    if isinstance(obj, (nnx.Module, nnx.Variable)):
+        if id(obj) not in holders:
+            holders[id(obj)] = (len(holders), obj)
+        return holders[id(obj)][0]
+    if depth > _MAX_DEPTH or id(obj) in seen:
+        return None
+    if isinstance(obj, (list, tuple)):
+        items = [(("item", i), v) for i, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(("item", k), v) for k, v in obj.items()]
+    elif _is_plain(obj):
+        items = [(("attr", k), v) for k, v in vars(obj).items()]
+    else:
+        return None
+    seen.add(id(obj))
+    found = {}
+    for step, value in items:
+        budget[0] -= 1
+        if budget[0] < 0:
+            break
+        node = _search(value, depth + 1, budget, seen, holders)
+        if node is not None:
+            found[step] = node
+    return found or None
+
+
+class _ObjectTracked:
+    """A plain Python object (not an NNX module) holding NNX modules or Variables in
+    its attributes, directly or in lists, tuples, dicts and further plain objects.
+
+    torch finds such a model's parameters through its tensors. Here the holders found
+    are split together (one ``nnx.split`` of their list, so modules shared between
+    attributes stay shared), and for the call the object is copied shallowly along the
+    paths to them, each holder replaced by its traced copy: the function sees the
+    object as it is, with its parameters differentiated. The copies' state after the
+    call goes back to the originals as for a module, and so do attributes the function
+    rebinds on a copied object (``self.calls += 1``).
+    """
+
+    def __init__(self, holder: Any, tree: dict, holders: list, rref: RRef | None = None):
+        self.holder = holder
+        self.rref = rref
+        self._tree = tree
+        self._inner = Tracked(list(holders))
+        self.variables = self._inner.variables
+        self._copies: list[tuple[Any, Any, dict]] = []  # (original, copy, its dict then)
+        self._rebound: list = []
+
+    def values(self) -> list:
+        return self._inner.values()
+
+    def rebuild(self, traced: Sequence[Any]) -> Any:
+        copies = self._inner.rebuild(traced)
+        self._copies = []
+        value = self._rebuild(self.holder, self._tree, copies)
+        return value if self.rref is None else _TrackedRRef(self.rref, value)
+
+    def _rebuild(self, obj: Any, node: Any, copies: list) -> Any:
+        if isinstance(node, int):
+            return copies[node]
+        if isinstance(obj, tuple):
+            items = list(obj)
+            for (_, i), child in node.items():
+                items[i] = self._rebuild(obj[i], child, copies)
+            return type(obj)._make(items) if hasattr(type(obj), "_make") else \
+                type(obj)(items)
+        try:
+            new = copy.copy(obj)
+        except Exception as e:
+            raise _copy_error(self.holder, obj, e) from e
+        for (kind, key), child in node.items():
+            if kind == "item":
+                new[key] = self._rebuild(obj[key], child, copies)
+            else:
+                vars(new)[key] = self._rebuild(vars(obj)[key], child, copies)
+        if _is_plain(obj):
+            self._copies.append((obj, new, dict(vars(new))))
+        return new
+
+    def state_after(self) -> Any:
+        """The holders' state, and the attributes rebound on the copied objects (checked
+        here: a traced value cannot outlive the call)."""
+        rebound = []
+        for orig, new, before in self._copies:
+            changed = {k: v for k, v in vars(new).items()
+                       if k not in before or before[k] is not v}
+            for k, v in changed.items():
+                if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(v)):
+                    raise DistAutogradError(
+                        f"{type(orig).__name__}.{k} was set to a value computed from the "
+                        "differentiated parameters or inputs during a distributed "
+                        "autograd call, which cannot outlive the call: return it instead "
+                        "(or keep np.asarray of it after dist_autograd.backward)")
+            rebound.append((orig, changed))
+        self._rebound = rebound
+        return self._inner.state_after()
+
+    def write_back(self, state: Any) -> None:
+        self._inner.write_back(state)
+        for orig, changed in self._rebound:
+            vars(orig).update(changed)
+        self._rebound = []
+
+    def accumulate(self, ctx: Any, grads: Sequence[Any]) -> None:
+        self._inner.accumulate(ctx, grads)
+
+
+def _copy_error(holder: Any, obj: Any, e: Exception) -> DistAutogradError:
+    return DistAutogradError(
+        f"a {type(holder).__name__} holding NNX modules was passed to a distributed "
+        f"autograd call, and its {type(obj).__name__} could not be copied to differentiate "
+        f"them ({type(e).__name__}: {e}); make {type(holder).__name__} an nnx.Module "
+        "(then its modules are found as a module's are), or pass the modules themselves")
+
+
+def track(value: Any, rref: RRef | None = None) -> Tracked | _ObjectTracked | None:
+    """The tracker of one argument value (or an owned RRef's value), or None when it
+    holds no parameters."""
+    if isinstance(value, (nnx.Module, nnx.Variable)):
+        return Tracked(value, rref=rref)
+    if _is_plain(value):
+        holders: dict = {}
+        tree = _search(value, 0, [_MAX_NODES], set(), holders)
+        if tree:
+            return _ObjectTracked(value, tree, [h for _, h in holders.values()], rref=rref)
+    return None
+
+
+def find_params(leaves: list, me: int) -> list[tuple[int, Any]]:
+    """``(position, tracker)`` for every parameter holder among flattened arguments:
+    NNX modules and Variables, plain objects holding some (:class:`_ObjectTracked`),
+    and those values in RRefs owned by ``me``.
 
     Args:
       leaves: from :func:`flatten_args`.
@@ -151,9 +361,9 @@ def find_params(leaves: list, me: int) -> list[tuple[int, Tracked]]:
         if isinstance(leaf, RRef):
             if leaf.owner().id != me:
                 continue
-            value = leaf.local_value()
-            if isinstance(value, (nnx.Module, nnx.Variable)):
-                out.append((i, Tracked(value, rref=leaf)))
-        elif isinstance(leaf, (nnx.Module, nnx.Variable)):
-            out.append((i, Tracked(leaf)))
+            t = track(leaf.local_value(), rref=leaf)
+        else:
+            t = track(leaf)
+        if t is not None:
+            out.append((i, t))
     return out
