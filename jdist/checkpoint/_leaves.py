@@ -10,12 +10,11 @@ A leaf is saved in one of three places:
 - ``local``: a value of this rank only (:class:`PerRank`): every rank writes its own.
 
 Typed PRNG keys are saved as their key data and wrapped again with the template's
-implementation. Each written array carries a CRC-32 checked on restore.
+implementation. The pieces go to host memory packed per dtype (:mod:`._pack`).
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import jax
@@ -25,7 +24,7 @@ import numpy as np
 from jdist.checkpoint._errors import CheckpointMismatchError
 
 __all__ = [
-    "PerRank", "crc", "describe", "host_pieces", "assemble", "place", "resize_1d",
+    "PerRank", "describe", "host_pieces", "assemble", "place", "resize_1d",
     "key_path",
 ]
 
@@ -52,10 +51,6 @@ def key_path(path) -> str:
     return "/".join(parts)
 
 
-def crc(a: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
-
-
 def _is_key(x) -> bool:
     dt = getattr(x, "dtype", None)
     return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
@@ -76,22 +71,31 @@ def _index(idx, shape) -> list:
 
 
 def host_pieces(x, rank: int, local: bool = False) -> tuple[str, list]:
-    """``(place, [(index, host array), ...])``: what this rank writes for leaf ``x``.
+    """``(place, [(index, value), ...])``: what this rank writes for leaf ``x``.
 
     ``index`` is ``[[start, stop], ...]`` per dimension in the global array (None for a
-    whole value). Replicated leaves are written by rank 0 only (others get ``[]``).
+    whole value); ``value`` is still on its device (the caller copies all pieces to
+    host at once). Replicated leaves are written by rank 0 only (others get ``[]``),
+    read from one device.
     """
     if _is_key(x):
         x = jax.random.key_data(x)
     if local:
-        return "local", [(None, np.asarray(_addressable_value(x)))]
+        return "local", [(None, _addressable_value(x))]
     if isinstance(x, jax.Array) and not x.is_fully_replicated:
-        pieces = [(_index(s.index, x.shape), np.asarray(s.data))
+        pieces = [(_index(s.index, x.shape), s.data)
                   for s in x.addressable_shards if s.replica_id == 0]
         return "sharded", pieces
     if rank != 0:
         return "replicated", []
-    return "replicated", [(None, np.asarray(_addressable_value(x)))]
+    return "replicated", [(None, _one_copy(_addressable_value(x)))]
+
+
+def _one_copy(x):
+    """A replicated jax array as one device's buffer (the others hold the same bytes)."""
+    if isinstance(x, jax.Array) and len(x.addressable_shards) > 1:
+        return x.addressable_data(0)
+    return x
 
 
 def _addressable_value(x):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jdist.checkpoint import _items, _layout, _leaves
+from jdist.checkpoint import _items, _layout, _leaves, _pack
 from jdist.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -27,7 +27,6 @@ from jdist.checkpoint._restore import StepReader, restore_items
 
 __all__ = ["CheckpointManager", "restart_count"]
 
-FORMAT = 1
 _OK, _CORRUPT, _MISMATCH = 0, 1, 2
 
 
@@ -53,11 +52,9 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _crcs(arrays: dict, meta: dict) -> None:
-    """Fill in every piece's CRC-32 (in the writer's thread: it reads every byte)."""
-    for entry in meta["items"].values():
-        for leaf in entry["leaves"] + entry.get("hook", []):
-            for piece in leaf["pieces"]:
-                piece["crc"] = _leaves.crc(arrays[piece["name"]])
+    """Fill in every buffer's CRC-32 (in the writer's thread: it reads every byte)."""
+    for name, rec in meta["buffers"].items():
+        rec["crc"] = _pack.buffer_crc(arrays[name])
 
 
 class CheckpointManager:
@@ -146,7 +143,6 @@ class CheckpointManager:
         if not (force or self.should_save(step)):
             return False
         self.wait()
-        self._retain()
         existing = next((s for s in _layout.scan(self.directory) if s.step == step), None)
         if existing is not None and existing.complete_world() == self.world:
             return False  # the step this job resumed from: already complete
@@ -155,22 +151,22 @@ class CheckpointManager:
         path = os.path.join(_layout.step_dir(self.directory, step),
                             _layout.part_name(self.rank, self.world))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._writer.save(path, arrays, meta, prepare=_crcs)
+        self._writer.save(path, arrays, meta, prepare=_crcs, then=self._retain)
         return True
 
     def _part(self, step: int, state: dict) -> tuple[dict, dict]:
-        arrays: dict = {}
+        values: list = []  # every piece this rank writes, still on its device
+        recs: list = []  # its record in the JSON, filled in once the pieces are packed
         items = {}
 
         def leaf_entry(path, x, local):
             place, pieces = _leaves.host_pieces(x, self.rank, local)
-            recs = []
+            mine = []
             for index, a in pieces:
-                name = f"a{len(arrays)}"
-                a = np.array(a, copy=True)  # the training step may reuse device buffers
-                arrays[name] = a
-                recs.append({"name": name, "index": index, "crc": None})  # see _crcs
-            return {"path": path, **_leaves.describe(x), "place": place, "pieces": recs}
+                values.append(a)
+                mine.append({"index": index})
+                recs.append(mine[-1])
+            return {"path": path, **_leaves.describe(x), "place": place, "pieces": mine}
 
         for name, value in state.items():
             if not isinstance(name, str):
@@ -186,13 +182,26 @@ class CheckpointManager:
                 entry["num_replicas"] = value.process_group.num_replicas
                 entry["hook"] = [leaf_entry(p, x, False) for p, x in _items.hook_leaves(value)]
             items[name] = entry
-        meta = {"format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
-                "time": time.time(), "items": items, "arrays": sorted(arrays)}
+        # one host copy of everything, straight into the buffers the writer reads: the
+        # training step may reuse or donate its device buffers once save() returns
+        arrays, places = _pack.pack(values)
+        for rec, (buf, offset, shape) in zip(recs, places, strict=True):
+            rec.update(buffer=buf, offset=offset, shape=shape)
+        buffers = {k: {"dtype": str(a.dtype), "size": int(a.size), "crc": None}
+                   for k, a in arrays.items()}  # the CRCs: see _crcs
+        meta = {"format": _pack.FORMAT, "step": step, "rank": self.rank, "world": self.world,
+                "time": time.time(), "items": items, "arrays": sorted(arrays),
+                "buffers": buffers}
         # a copy: the async write serializes it later, while training mutates the state
         return arrays, json.loads(json.dumps(meta))
 
     def _retain(self) -> None:
-        """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones."""
+        """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones.
+
+        Run by the writer once this rank's part of a step is down (in its thread when
+        saving asynchronously: deleting a step's files costs the training loop nothing)
+        and by :meth:`close`.
+        """
         if self.rank != 0:
             return
         steps = _layout.scan(self.directory)

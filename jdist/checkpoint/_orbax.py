@@ -30,7 +30,6 @@ def _registry():
     import asyncio
 
     import jax
-    from orbax.checkpoint._src.metadata import array_metadata_store
     from orbax.checkpoint._src.serialization import ocdbt_utils
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
     from orbax.checkpoint._src.serialization.type_handler_registry import (
@@ -55,10 +54,12 @@ def _registry():
             await asyncio.gather(*writes)
 
     # the manager already copied the arrays out of the training state; jax.Array is
-    # registered only so that Orbax does not warn at every save (none are saved)
+    # registered only so that Orbax does not warn at every save (none are saved), and
+    # without a metadata store, so that no save validates (reads back) jax.Array
+    # metadata that no part has
     _REGISTRY.append(create_type_handler_registry(
         (np.ndarray, RankNumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, ArrayHandler(array_metadata_store=array_metadata_store.Store()))))
+        (jax.Array, ArrayHandler(array_metadata_store=None))))
     return _REGISTRY[0]
 
 
@@ -105,9 +106,13 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._error: list = []
 
-    def save(self, path: str, arrays: dict, meta: dict, prepare=None) -> None:
-        """Write ``arrays`` and ``meta``; ``prepare(arrays, meta)`` runs first, in the
-        writer's thread (the arrays are the caller's copies, no longer shared)."""
+    def save(self, path: str, arrays: dict, meta: dict, prepare=None, then=None) -> None:
+        """Write ``arrays`` and ``meta``, in the writer's thread when asynchronous.
+
+        ``prepare(arrays, meta)`` runs first (the arrays are the caller's copies, no
+        longer shared) and ``then()`` once the part is complete; all three in that
+        thread, so none of it costs the training loop.
+        """
         import orbax.checkpoint as ocp
 
         def write_now():
@@ -117,6 +122,8 @@ class Writer:
             if arrays:
                 items["arrays"] = ocp.args.PyTreeSave(arrays)
             self._ck.save(path, args=ocp.args.Composite(**items))
+            if then is not None:
+                then()
 
         if not self.async_save:
             write_now()

@@ -1,8 +1,8 @@
 """Reading one complete step back into a training state (after the ranks agreed on it).
 
 :class:`StepReader` loads the parts this rank needs (every rank's small JSON record;
-the arrays of rank 0, of this rank, and of the ranks holding shards it needs),
-checks every array's CRC-32, and :func:`restore_items` builds the new state, checking
+the buffers of rank 0, of this rank, and of the ranks holding shards it needs),
+checks every buffer's CRC-32, and :func:`restore_items` builds the new state, checking
 names, shapes and dtypes against the state given as the template before anything is
 written into it.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdist.checkpoint import _items, _leaves
+from jdist.checkpoint import _items, _leaves, _pack
 from jdist.checkpoint._elastic import resume_sampler
 from jdist.checkpoint._errors import CheckpointCorruptError, CheckpointMismatchError
 from jdist.checkpoint._orbax import read_part
@@ -33,6 +33,7 @@ class StepReader:
         self.paths = step.parts[world]
         self._meta: dict = {}
         self._arrays: dict = {}
+        self._checked: set = set()  # (rank, buffer) whose CRC-32 matched
 
     def _guard(self, r: int, what: str, fn):
         try:
@@ -48,6 +49,11 @@ class StepReader:
     def meta(self, r: int) -> dict:
         if r not in self._meta:
             m = self._guard(r, "the JSON record", lambda: read_part(self.paths[r], False)[1])
+            if m.get("format") != _pack.FORMAT:
+                raise CheckpointCorruptError(
+                    f"the checkpoint part {self.paths[r]} has format {m.get('format')!r} and "
+                    f"this jdist.checkpoint reads format {_pack.FORMAT}; restore it with the jdist "
+                    "version that wrote it, or start from another directory")
             if m.get("step") != self.step.step or m.get("rank") != r or m.get(
                     "world") != self.world:
                 raise CheckpointCorruptError(
@@ -69,13 +75,21 @@ class StepReader:
         return self._arrays[r]
 
     def piece(self, r: int, piece: dict, where: str) -> np.ndarray:
-        a = self.arrays(r)[piece["name"]]
-        if _leaves.crc(a) != piece["crc"]:
-            raise CheckpointCorruptError(
-                f"{where}: the array {piece['name']!r} in the checkpoint part "
-                f"{self.paths[r]} (step {self.step.step}) fails its CRC-32 check (the file "
-                "was changed or cut after it was written)")
-        return a
+        name = piece["buffer"]
+        buf = self.arrays(r)[name]
+        if (r, name) not in self._checked:
+            rec = self.meta(r)["buffers"][name]
+            if buf.shape != (rec["size"],) or _pack.buffer_crc(buf) != rec["crc"]:
+                raise CheckpointCorruptError(
+                    f"{where}: the buffer {name!r} in the checkpoint part {self.paths[r]} "
+                    f"(step {self.step.step}) fails its CRC-32 check (the file was changed "
+                    "or cut after it was written)")
+            self._checked.add((r, name))
+        try:
+            return _pack.piece_of(buf, piece["offset"], piece["shape"])
+        except ValueError as e:
+            raise CheckpointCorruptError(f"{where}: the checkpoint part {self.paths[r]}: "
+                                         f"{e}") from None
 
     def load_all(self) -> None:
         """Read and check everything this rank will need (so a broken part fails here)."""

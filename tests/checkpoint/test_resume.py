@@ -177,14 +177,14 @@ def test_changed_bytes_fail_the_crc(tmp_path, monkeypatch):
 
     def flipped(path, with_arrays, names=None):
         arrays, meta = real(path, with_arrays, names)
-        if "a0" in arrays:
-            arrays["a0"] = arrays["a0"] + 1  # as a flipped bit in a file would
+        if "float32_buffer" in arrays:  # every float32 piece of the part, packed
+            arrays["float32_buffer"] = arrays["float32_buffer"] + 1  # as a flipped bit would
         return arrays, meta
 
     monkeypatch.setattr("jdist.checkpoint._restore.read_part", flipped)
     m = CheckpointManager(tmp_path)
     with pytest.warns(UserWarning), pytest.raises(CheckpointCorruptError,
-                                                   match=r"'a0'.*CRC-32"):
+                                                   match=r"'float32_buffer'.*CRC-32"):
         m.restore(_tree_state(0.0))
     m.close()
 
