@@ -61,8 +61,9 @@ def demo_basic(rank: int, args) -> dict:
     step = ddp_model.train_step(loss_fn, optimizer)
     losses, times = [], []
     for i in range(args.steps):
+        batch = toy_batch(rank, i)  # drawn outside the timed step, as in the torch twin
         t0 = time.perf_counter()
-        losses.append(float(step(toy_batch(rank, i))))  # mean loss over the replicas
+        losses.append(float(step(batch)))  # mean loss over the replicas
         times.append(time.perf_counter() - t0)
         print(f"rank {rank} step {i} loss {losses[-1]:.6f}", flush=True)
     print(f"training completed in rank {rank}!")
