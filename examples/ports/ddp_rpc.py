@@ -12,17 +12,17 @@ bags, the DDP layer, cross-entropy, ``dist_autograd.backward``, and one
 
 What a torch user changes: ``jdist.testing.EmbeddingBag`` (Flax has none) for
 ``nn.EmbeddingBag``; ``dist_autograd.backward(cid, loss_fn, ...)`` runs the forward
-pass, and a DDP module inside it is written ``dist_autograd.ddp_stage(ddp, loss)``
-(the stage's DDP step reduces the layer's gradients over the trainers and hands the
-lookup's gradient back to the RPC); ``optax.sgd`` with ``learning_rate=``; ``RRef(module)``
-for the local layer's parameters (``model.fc.parameters()``).
+pass, and a DDP module inside it is written ``dist_autograd.ddp_stage(ddp, loss,
+pad_batch_to=64)`` (the stage's DDP step reduces the layer's gradients over the
+trainers and hands the lookup's gradient back to the RPC); the loss drops its
+``.mean()`` (one loss per bag: the stage pads every batch to 64 bags, so one program
+serves every batch size, and takes the exact mean over the real bags; ``RemoteModule``
+pads the ``EmbeddingBag`` lookups to shape buckets itself); ``optax.sgd`` with
+``learning_rate=``; ``RRef(module)`` for the local layer's parameters
+(``model.fc.parameters()``).
 
-``--pad`` (not in the original) feeds the same batches in fixed shapes, padded and
-masked exactly (:func:`pad_bags`): jdist compiles the DDP step once per shape, and the
-bags change shape every step. (``dist_autograd.ddp_stage(..., pad_batch_to=MAX_BAGS)``
-with a per-bag loss does the DDP side in one line, and ``RemoteModule`` pads an
-``EmbeddingBag``'s bags to a few shape buckets itself; measured here, that reached
-70-160 ms per step against 25-40 ms with the fixed shapes below.)
+``--pad`` (not in the original) feeds the same batches padded and masked by hand
+instead (:func:`pad_bags`: fixed shapes for the lookup and the DDP step, exact).
 
 ``--deterministic`` (not in the original) makes the trainers meet at a barrier after
 each step, so each lookup reads the table after both trainers' previous updates (the
@@ -61,8 +61,13 @@ def make_embedding_bag(num, dim, mode, init=None, include_last_offset=False):
 
 
 def cross_entropy(fc, x, target):
-    """The DDP layer and ``nn.CrossEntropyLoss()`` on one replica's shard."""
-    return optax.softmax_cross_entropy_with_integer_labels(fc(x), target).mean()
+    """The DDP layer and ``nn.CrossEntropyLoss(reduction="none")`` on one replica's
+    shard: one loss per bag; ``ddp_stage(..., pad_batch_to=)`` takes their exact mean over
+    the real bags (torch's ``.mean()``)."""
+    return optax.softmax_cross_entropy_with_integer_labels(fc(x), target)
+
+
+PAD_BATCH_TO = 64  # ddp_stage's one batch shape: at least the largest batch (50 bags)
 
 
 MAX_INDICES = MAX_BAGS = 50  # the largest batch hybrid_batches makes
@@ -100,8 +105,11 @@ class HybridModel:
         if init:
             state_dict_to_nnx(init, fc)
         self.fc = DDP(fc)
-        self.fc_loss = dist_autograd.ddp_stage(
-            self.fc, masked_cross_entropy if pad else cross_entropy)
+        if pad:  # --pad: the batch comes padded and masked (pad_bags)
+            self.fc_loss = dist_autograd.ddp_stage(self.fc, masked_cross_entropy)
+        else:  # variable-size batches: one padded, masked DDP program for all sizes
+            self.fc_loss = dist_autograd.ddp_stage(self.fc, cross_entropy,
+                                                   pad_batch_to=PAD_BATCH_TO)
         self.rank = rank
 
     def loss(self, indices, offsets, *target_and_mask):

@@ -31,6 +31,7 @@ import numpy as np
 from jdist.errors import DistAutogradError
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._params import param_variables
+from jdist.rpc.autograd._slots import to_array
 
 __all__ = ["ddp_stage"]
 
@@ -138,7 +139,7 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             for var, g in zip(variables, grads, strict=True):
                 ctx.accumulate(var, g * _beside(ct, g))
             gx = box.pop("gx")
-            return jnp.zeros((), token.dtype), jnp.asarray(
+            return jnp.zeros((), token.dtype), to_array(
                 (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
 
         run.defvjp(fwd, bwd)

@@ -36,7 +36,7 @@ from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
-from jdist.rpc.autograd._slots import _fill, _is_slot, _Slot, _split_outputs
+from jdist.rpc.autograd._slots import _fill, _is_slot, _Slot, _split_outputs, to_array
 
 __all__ = ["differentiable_call", "backward", "rebuild_args", "call_traced"]
 
@@ -92,7 +92,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         skel_out, diff_out = agent.rpc_async(
             to, _callee_forward, (msg, func, skeleton, vals, rref_pos), None, timeout).wait()
         box["skeleton"] = skel_out
-        return tuple(jnp.asarray(d) for d in diff_out)
+        return tuple(to_array(d) for d in diff_out)
 
     def backward(cts):
         cts = [np.asarray(c) for c in cts]
@@ -170,7 +170,7 @@ def _input_cts(xs: list, ct_xs: list) -> tuple:
     out = []
     for x, c in zip(xs, ct_xs, strict=True):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            out.append(jnp.asarray(c, x.dtype))
+            out.append(to_array(c, x.dtype))
         else:
             out.append(np.zeros(x.shape, jax.dtypes.float0))
     return tuple(out)
@@ -241,7 +241,7 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
             C.set_tracing(prev)
         skel, diff = _split_outputs(value)
         box["skeleton"] = skel
-        return tuple(jnp.asarray(d) for d in diff)
+        return tuple(to_array(d) for d in diff)
 
     def fwd(lk):
         del lk
@@ -292,7 +292,7 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         if _is_slot(x):
             slots[x.index] = i
     params = find_params(leaves, ctx.agent.info.id)
-    xs = [jnp.asarray(x) for x in xs]
+    xs = [to_array(x) for x in xs]
     pvals = [t.values() for _, t in params]
     links = [_Link() for _ in rref_pos]
 
@@ -349,7 +349,7 @@ def _callee_remote(msg: tuple, func: Any, skeleton: Any, xs: list,
                    rref_pos: list[int] = ()) -> Any:
     """Callee side of a differentiable ``remote()``: an RRef to the value kept here."""
     skel_out, diff = _record(msg, func, skeleton, xs, list(rref_pos))
-    value = _fill(skel_out, [jnp.asarray(d) for d in diff])
+    value = _fill(skel_out, [to_array(d) for d in diff])
     return RRef.owned_by(C.current().agent, value)
 
 
@@ -365,7 +365,7 @@ def _callee_backward(msg: tuple, cts: list) -> list:
             f"{ctx.context_id}: it was already used by a backward pass, or the context was "
             "released")
     vjp_fn, params, links = entry
-    _, ct_xs, ct_p = vjp_fn(tuple(jnp.asarray(c) for c in cts))
+    _, ct_xs, ct_p = vjp_fn(tuple(to_array(c) for c in cts))
     for tracked, g in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, g)
     rref_cts = [None if lk.cts is None else [np.asarray(c) for c in lk.cts] for lk in links]

@@ -14,7 +14,7 @@ import numpy as np
 
 from jdist.rpc.autograd._params import flatten_args
 
-__all__ = ["_Slot", "_fill", "_is_diff_value", "_is_slot", "_split_outputs"]
+__all__ = ["_Slot", "_fill", "_is_diff_value", "_is_slot", "_split_outputs", "to_array"]
 
 
 class _Slot:
@@ -60,3 +60,16 @@ def _fill(skeleton: Any, values: list) -> Any:
     leaves, tdef = jax.tree_util.tree_flatten(skeleton, is_leaf=_is_slot)
     return jax.tree_util.tree_unflatten(
         tdef, [values[x.index] if _is_slot(x) else x for x in leaves])
+
+
+def to_array(x: Any, dtype: Any = None) -> jax.Array:
+    """``x`` (a received numpy array, or a jax array) as a jax array, by a transfer.
+
+    ``jnp.asarray`` of a numpy array lifts it with JAX's ``stage`` primitive, which
+    compiles one small program per shape and dtype: with variable-size batches that is
+    a compilation per step."""
+    if isinstance(x, jax.Array):
+        return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+    if isinstance(x, jax.core.Tracer):
+        return jnp.asarray(x, dtype)
+    return jax.device_put(np.asarray(x, dtype))
