@@ -27,16 +27,6 @@ import signal
 import sys
 
 
-def _setup(devices: int) -> None:
-    """Single-process runs: ask XLA for ``devices`` virtual CPU devices."""
-    if "jax" in sys.modules or os.environ.get("JDIST_RUN_ID"):
-        return  # configured already (pytest, or jdist-run's --devices-per-proc)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from jdist.launch import xla_flags_with_devices  # imports no JAX
-
-    os.environ["XLA_FLAGS"] = xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), devices)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="DDP digits CNN with checkpoints")
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (all ranks)")
@@ -50,7 +40,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--devices", type=int, default=4, help="virtual devices (1 process)")
     ap.add_argument("--smoke", action="store_true", help="a few steps, for tests")
     args = ap.parse_args(argv)
-    _setup(args.devices)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # the DDP demo's pieces: virtual devices, data, model (its module imports no JAX)
+    from train_ddp import _cnn_and_loss, _digits, _setup
+
+    if not os.environ.get("JDIST_RUN_ID"):  # under jdist-run, --devices-per-proc decides
+        _setup(args.devices)
 
     import numpy as np
     import optax
@@ -60,9 +55,6 @@ def main(argv=None) -> dict:
     from jdist.checkpoint import CheckpointManager, restart_count
     from jdist.ddp import DistributedDataParallel
     from jdist.sampler import DistributedSampler
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_ddp import _cnn_and_loss, _digits  # the DDP demo's data and model
 
     started = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not jdist.is_initialized():
