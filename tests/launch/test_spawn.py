@@ -73,7 +73,8 @@ _MAIN = """\
         return [os.environ[k] for k in keys] + [len(os.environ["JDIST_RUN_ID"]) >= 16]
 
     if __name__ == "__main__":  # not run again in the children
-        print("RESULT", jdist.launch.spawn(run, args=(Config(2),), nprocs=2, pass_rank=True))
+        print("RESULT", jdist.launch.spawn(run, args=(Config(2),), nprocs=2, pass_rank=True,
+                                           start_method="METHOD"))
 """
 
 
@@ -83,9 +84,10 @@ def _child_env():
     return env
 
 
-def test_a_function_of_the_main_script_with_argv_output_and_torchrun_env(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_function_of_the_main_script_with_argv_output_and_torchrun_env(tmp_path, method):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(_MAIN))
+    script.write_text(textwrap.dedent(_MAIN).replace("METHOD", method))
     res = subprocess.run([sys.executable, str(script), "--epochs", "3"], env=_child_env(),
                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
@@ -110,7 +112,7 @@ _ORPHANS = """\
         time.sleep(120)
 
     if __name__ == "__main__":
-        jdist.launch.spawn(sit, args=(sys.argv[1],), nprocs=2)
+        jdist.launch.spawn(sit, args=(sys.argv[1],), nprocs=2, start_method=sys.argv[2])
 """
 
 
@@ -122,10 +124,11 @@ def _alive(pid):
         return False
 
 
-def _start_parent(tmp_path):
+def _start_parent(tmp_path, method):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(_ORPHANS))
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=_child_env(),
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), method],
+                              env=_child_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     files = [tmp_path / "pids0", tmp_path / "pids1"]
     deadline = time.monotonic() + 60
@@ -144,16 +147,21 @@ def _gone(pids, within):
     return [p for p in pids if _alive(p)]
 
 
-def test_a_sigtermed_parent_leaves_no_process_behind(tmp_path):
-    parent, pids = _start_parent(tmp_path)
+METHODS = pytest.mark.parametrize("method", ["spawn", "forkserver"])
+
+
+@METHODS
+def test_a_sigtermed_parent_leaves_no_process_behind(tmp_path, method):
+    parent, pids = _start_parent(tmp_path, method)
     parent.send_signal(signal.SIGTERM)
     parent.communicate(timeout=30)
     assert parent.returncode == -signal.SIGTERM  # it still dies of the signal
     assert not _gone(pids, 5)  # the ranks and what they started
 
 
-def test_a_sigkilled_parent_takes_its_ranks_with_it(tmp_path):
-    parent, pids = _start_parent(tmp_path)
+@METHODS
+def test_a_sigkilled_parent_takes_its_ranks_with_it(tmp_path, method):
+    parent, pids = _start_parent(tmp_path, method)
     ranks = pids[0::2]  # (rank pid, its child pid) per file
     parent.kill()  # no handler runs: the children notice by themselves
     parent.communicate(timeout=30)
@@ -161,3 +169,51 @@ def test_a_sigkilled_parent_takes_its_ranks_with_it(tmp_path):
     for p in pids[1::2]:  # the ranks' own children are theirs to end; tidy up
         if _alive(p):
             os.kill(p, signal.SIGKILL)
+
+
+def _rank_facts():
+    import jax
+    import numpy as np
+
+    return {"rank": int(os.environ["RANK"]), "devices": len(jax.devices()),
+            "draw": float(np.random.rand()), "pid": os.getpid(), "ppid": os.getppid(),
+            "session": os.getsid(0), "cwd": os.getcwd()}
+
+
+def test_forkserver_ranks_are_separate_processes_with_their_own_environment(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = spawn(_rank_facts, nprocs=2, devices_per_proc=3, timeout=120,
+                  start_method="forkserver")
+    again = spawn(_rank_facts, nprocs=3, devices_per_proc=1, timeout=120,
+                  start_method="forkserver")
+    assert [r["rank"] for r in first] == [0, 1] and [r["rank"] for r in again] == [0, 1, 2]
+    assert {r["devices"] for r in first} == {3} and {r["devices"] for r in again} == {1}
+    server = first[0]["ppid"]  # one server, reused by the second run
+    assert all(r["ppid"] == server != os.getpid() for r in first + again)
+    assert all(r["session"] == r["pid"] for r in first + again)  # own session each
+    assert len({r["pid"] for r in first + again}) == 5
+    assert len({r["draw"] for r in first + again}) == 5  # numpy reseeded in each rank
+    assert {r["cwd"] for r in first + again} == {str(tmp_path)}
+
+
+def test_forkserver_failures_surface_like_spawn():
+    with pytest.raises(SpawnError, match="rank 1 exited with 1") as info:
+        spawn(_fail_on_rank1, nprocs=2, grace=1.0, start_method="forkserver")
+    assert "boom on purpose" in info.value.stderr[1]
+    with pytest.raises(ValueError, match="start_method='thread'.*'forkserver'"):
+        spawn(_env_of_rank, nprocs=1, start_method="thread")
+
+
+def test_forkserver_refuses_a_preload_that_starts_jax(tmp_path, monkeypatch):
+    from jdist.launch import _forkserver, set_forkserver_preload
+
+    (tmp_path / "starts_jax.py").write_text("import jax.numpy as jnp\nX = jnp.ones(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_forkserver, "_preload", _forkserver._preload)  # restored after
+    set_forkserver_preload(["starts_jax"])
+    with pytest.raises(RuntimeError, match=r"preloading \['starts_jax'\] initialized a "
+                                           r"JAX backend"):
+        spawn(_env_of_rank, nprocs=1, timeout=60, start_method="forkserver")
+    with pytest.raises(ValueError, match="non-empty strings, got \\[''\\]"):
+        set_forkserver_preload([""])
