@@ -10,18 +10,26 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jdist.launch import spawn
+from jdist.launch import set_forkserver_preload, spawn
+
+# what the ranks of the suite's jobs import: a fork server imports it once per test
+# session, instead of every rank of every job for seconds (tests/launch checks that
+# forked ranks behave as fresh ones)
+set_forkserver_preload(["jax", "jax.numpy", "numpy", "flax.nnx", "optax",
+                        "jdist.collectives", "jdist.ddp", "jdist.optim", "jdist.rpc",
+                        "jdist.sampler", "tests.helpers"])
 
 
 def run_procs(fn, nprocs=2, *, args=(), devices_per_proc=1, timeout=120.0, env=None,
               rank_args=None):
-    """Run ``fn(*args)`` in ``nprocs`` real processes (free ports, gloo, hard timeout).
+    """Run ``fn(*args)`` in ``nprocs`` real processes (free ports, gloo, hard timeout),
+    forked from the suite's fork server (``spawn(start_method="forkserver")``).
 
     Returns each rank's return value; on a failure the test fails with every rank's
     stderr tail (``jdist.launch.SpawnError``). ``fn`` must be a module-level function.
     """
     return spawn(fn, args=args, nprocs=nprocs, devices_per_proc=devices_per_proc,
-                 timeout=timeout, env=env, rank_args=rank_args)
+                 timeout=timeout, env=env, rank_args=rank_args, start_method="forkserver")
 
 
 def tree_allclose(a, b, rtol=1e-6, atol=1e-6):

@@ -14,10 +14,8 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 
 @pytest.mark.slow
-def test_example_restarts_after_the_kill_and_resumes_from_the_last_save(tmp_path,
-                                                                        compile_cache_env):
-    env = dict(os.environ, **compile_cache_env)
-    env.pop("XLA_FLAGS", None)
+def test_example_restarts_after_the_kill_and_resumes_from_the_last_save(tmp_path):
+    env = dict(os.environ)  # with the suite's compilation cache (tests/conftest.py)
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "jdist.launch", "--nproc-per-node", "1",
            "--devices-per-proc", "2", "--max-restarts", "1", EXAMPLE, "--ckpt",

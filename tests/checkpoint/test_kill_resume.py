@@ -23,9 +23,9 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_job.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _launch(launcher_args, job_args, cache_env, timeout=420):
-    env = dict(os.environ, **cache_env)
-    env.pop("XLA_FLAGS", None)  # jdist-run sets each worker's device count
+def _launch(launcher_args, job_args, timeout=420):
+    env = dict(os.environ)  # with the suite's compilation cache (tests/conftest.py)
+    # XLA_FLAGS kept: jdist-run sets each worker's device count in it
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "jdist.launch", *launcher_args, JOB, *job_args]
@@ -38,7 +38,7 @@ def _outputs(out_dir, world):
 
 
 @pytest.mark.slow
-def test_three_kills_one_during_a_save_resume_bit_identical(tmp_path, compile_cache_env):
+def test_three_kills_one_during_a_save_resume_bit_identical(tmp_path):
     rng = random.Random(18)  # "random" steps, the same in every run of the test
     k1 = rng.randint(2, 4)
     k2 = rng.choice([s for s in range(k1 + 2, 9) if s % 2 == 0])  # a save step
@@ -52,7 +52,7 @@ def test_three_kills_one_during_a_save_resume_bit_identical(tmp_path, compile_ca
     for k in kills:
         args += ["--kill", k]
     res = _launch(["--nproc-per-node", "2", "--devices-per-proc", "2", "--max-restarts", "3"],
-                  args, compile_cache_env)
+                  args)
     assert res.returncode == 0, res.stderr[-6000:]
     for attempt in (2, 3, 4):
         assert f"restarting the job (attempt {attempt} of 4)" in res.stderr
@@ -73,8 +73,7 @@ def test_three_kills_one_during_a_save_resume_bit_identical(tmp_path, compile_ca
 
 
 @pytest.mark.slow
-def test_elastic_4_to_3_processes_resumes_the_epoch_and_repartitions_zero(tmp_path,
-                                                                           compile_cache_env):
+def test_elastic_4_to_3_processes_resumes_the_epoch_and_repartitions_zero(tmp_path):
     ck = tmp_path / "ck"
     first, second = tmp_path / "four", tmp_path / "three"
     first.mkdir()
@@ -82,12 +81,10 @@ def test_elastic_4_to_3_processes_resumes_the_epoch_and_repartitions_zero(tmp_pa
     common = ["--dir", str(ck), "--interval", "3", "--keep", "2", "--batch", "4",
               "--zero", "--no-hook", "--elastic"]
     # 4 processes x 4 samples: 3 steps consume 48 of the 96 samples of epoch 0
-    res = _launch(["--nproc-per-node", "4"], ["--out", str(first), "--steps", "3", *common],
-                  compile_cache_env)
+    res = _launch(["--nproc-per-node", "4"], ["--out", str(first), "--steps", "3", *common])
     assert res.returncode == 0, res.stderr[-6000:]
     # 3 processes resume epoch 0 from step 3: the other 48 samples are 4 steps of 3 x 4
-    res = _launch(["--nproc-per-node", "3"], ["--out", str(second), "--steps", "7", *common],
-                  compile_cache_env)
+    res = _launch(["--nproc-per-node", "3"], ["--out", str(second), "--steps", "7", *common])
     assert res.returncode == 0, res.stderr[-6000:]
     four, three = _outputs(first, 4), _outputs(second, 3)
     assert {r["resumed_from"] for r in three} == {3}
