@@ -89,12 +89,20 @@ class Launch:
             return f.read().decode(errors="replace")[-n:]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        """SIGTERM to the launch's session, SIGKILL after a grace period. torchrun starts
+        its workers in sessions of their own and ends them when it gets SIGTERM; a
+        SIGKILL alone would leave them running."""
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 30)):
+            if self.proc.poll() is not None:
+                return
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+                return
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                continue
 
     def wait(self, deadline: float) -> dict:
         """Each rank's results ``{rank: obj}``; raises :class:`PortRunError` on failure."""
