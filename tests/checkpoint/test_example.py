@@ -16,6 +16,10 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 @pytest.mark.slow
 def test_example_restarts_after_the_kill_and_resumes_from_the_last_save(tmp_path):
     env = dict(os.environ)  # with the suite's compilation cache (tests/conftest.py)
+    # the suite's XLA flags but its 8 devices: a worker has one unless
+    # --devices-per-proc says otherwise
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "jdist.launch", "--nproc-per-node", "1",
            "--devices-per-proc", "2", "--max-restarts", "1", EXAMPLE, "--ckpt",

@@ -25,7 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _launch(launcher_args, job_args, timeout=420):
     env = dict(os.environ)  # with the suite's compilation cache (tests/conftest.py)
-    # XLA_FLAGS kept: jdist-run sets each worker's device count in it
+    # the suite's XLA flags but its 8 devices: a worker has one unless
+    # --devices-per-proc says otherwise
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [sys.executable, "-m", "jdist.launch", *launcher_args, JOB, *job_args]
