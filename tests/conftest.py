@@ -1,5 +1,5 @@
-"""Shared test set-up: 8 virtual CPU devices, low XLA collective timeouts, quick compiles
-and one compilation cache.
+"""Shared test set-up: 8 virtual CPU devices, low XLA collective timeouts and one
+compilation cache.
 
 Helpers (``run_procs``, ``tree_allclose``) live in ``tests/helpers.py``.
 
@@ -19,9 +19,6 @@ _FLAGS = [
     # a collective whose peer never arrives fails in seconds instead of minutes
     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5",
     "--xla_cpu_collective_call_terminate_timeout_seconds=30",
-    # the suite's time is mostly XLA compiling small programs: LLVM's optimizer off
-    # (no fast-math either way, so the arithmetic is the same) cuts that by ~40%
-    "--xla_backend_optimization_level=0",
 ]
 _kept = [
     f for f in os.environ.get("XLA_FLAGS", "").split()

@@ -17,13 +17,14 @@ What makes forking safe here: the server initializes no JAX backend (XLA reads
 preloaded module that initializes one is refused by name), runs one thread, and
 reseeds numpy's global generator in each child, as a new interpreter would have.
 
-One server per interpreter, preload list and base environment (JAX reads its ``JAX_*``
-variables at import time, so a server is only reused for the environment it imported
-under); servers end when the caller exits, and die with it if it is killed (their
-children die with them: ``PR_SET_PDEATHSIG`` and :func:`_spawn_child.die_with_parent`).
+One server per interpreter, preload list and the variables read at import (JAX reads
+its ``JAX_*`` variables at import time, so a server is only reused for ranks whose
+values are the ones it imported under); a rank takes the caller's ``sys.path``.
+Servers end when the caller exits, and die with it if it is killed (their children
+die with them: ``PR_SET_PDEATHSIG`` and :func:`_spawn_child.die_with_parent`).
 
 Protocol, on a private ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair (no network, no
-pickle): the caller sends ``{"argv", "env", "cwd"}`` as JSON with the two pipe ends
+pickle): the caller sends ``{"argv", "env", "cwd", "path"}`` as JSON with the two pipe ends
 attached (``SCM_RIGHTS``); the server answers ``{"pid"}`` (or ``{"error"}``) and later
 ``{"exit": pid, "code": c}`` when that child ends (``Popen.returncode``'s convention).
 """
@@ -51,6 +52,7 @@ _MAX_SERVERS = 4
 _MSG_BYTES = 1 << 20
 _START_TIMEOUT_S = 120.0
 _REQUEST_TIMEOUT_S = 30.0
+_IMPORT_ENV = ("JAX_", "XLA_", "TF_", "FLAX_", "NPY_", "OMP_", "OPENBLAS_", "MKL_", "PYTHON")
 _SERVER_MAIN = "import sys; from jdist.launch._forkserver import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -164,7 +166,8 @@ class _Server:
     def start(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
+                              "path": list(sys.path)}).encode()
         try:
             with self._lock:
                 socket.send_fds(self.sock, [request], [out_w, err_w])
@@ -218,8 +221,16 @@ _servers: dict[tuple, _Server] = {}
 _servers_lock = threading.Lock()
 
 
+def _import_env(env: dict[str, str]) -> tuple:
+    """The variables the preloaded modules may read as they import (JAX's and XLA's
+    configuration, thread counts, Python's own); ``PYTHONPATH`` is not among them (a
+    rank takes the caller's ``sys.path``)."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(_IMPORT_ENV) and k != "PYTHONPATH"))
+
+
 def _server_for(env: dict[str, str]) -> _Server:
-    key = (sys.executable, _preload, tuple(sorted(env.items())))
+    key = (sys.executable, _preload, _import_env(env))
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and not server.alive():
@@ -278,6 +289,7 @@ def _child(msg: dict, fds: list[int], sock: socket.socket, started: int) -> list
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
+    sys.path[:] = msg["path"]
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()  # a new interpreter's global generator is seeded afresh
