@@ -30,9 +30,10 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
     """``(name, processes, args or args(lib, out), what a step is)`` per program."""
     from examples.ports._run import fresh_port
 
+    # the two DDP ports take a few ms a step: enough steps that a median means something
     def tutorial(lib, out):
-        return (["2", "10", "--dataset-size", "512"] if quick else
-                ["3", "10", "--dataset-size", "2048"]) + \
+        return (["2", "10", "--dataset-size", "2048"] if quick else
+                ["3", "10", "--dataset-size", "8192"]) + \
             ["--snapshot-path", os.path.join(out, "snapshot")]
 
     def hybrid(lib, out):
@@ -48,7 +49,8 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
 
     n = 10 if quick else 30
     return [
-        ("ddp_example", 2, ["--steps", str(n)], "DDP step, ToyModel, batch 20 per process"),
+        ("ddp_example", 2, ["--steps", str(10 * n)],
+         "DDP step, ToyModel, batch 20 per process"),
         ("ddp_tutorial", 2, tutorial, "DDP step, Linear(20, 1), batch 32 per process"),
         # one trainer: with two, torch's own run fails at random ("one of the variables
         # needed for gradient computation has been modified by an inplace operation":

@@ -78,7 +78,7 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
     Bench("ports", "pytorch/examples programs ported (vs torch)", "benchmarks/ports.py",
           quick_timeout=480.0),
     Bench("checkpoint", "Checkpoints: async saving, restart to the first step (vs none / "
-          "a first launch)", "benchmarks/checkpoint.py", quick_timeout=300.0),
+          "a first launch)", "benchmarks/checkpoint.py", quick_timeout=420.0),
     Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",
           "benchmarks/ddp.py", quick=("--steps", "5"), quick_timeout=360.0),
     Bench("data", "Feeding a DDP step: torch DataLoader, grain, ArrayLoader (vs torch "
