@@ -44,6 +44,9 @@ import threading
 import time
 from collections.abc import Sequence
 
+from jdist.launch._spawn_child import arm_parent_death_signal
+from jdist.launch._stop import signal_group
+
 __all__ = ["set_forkserver_preload", "forkserver_process", "ForkedProcess"]
 
 _DEFAULT_PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "jdist.collectives")
@@ -91,19 +94,6 @@ class ForkedProcess:
                 raise subprocess.TimeoutExpired(f"forked rank pid {self.pid}", timeout)
             self._server.wait_for_exit(0.05)
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class _Server:
@@ -310,23 +300,10 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         sock.send(json.dumps({"exit": pid, "code": code}).encode())
 
 
-def _kill_children(children: set[int]) -> None:
-    for pid in children:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def serve(sock: socket.socket, parent: int, preload: Sequence[str]) -> list[str] | None:
     """The server's loop. Returns ``_spawn_child``'s argv in a forked child, None when
     the server ends (its caller closed the socket or died)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    arm_parent_death_signal()
     try:
         _preload_modules(preload)
     except BaseException as e:  # noqa: BLE001 - reported to the caller, then exit
@@ -368,7 +345,8 @@ def serve(sock: socket.socket, parent: int, preload: Sequence[str]) -> list[str]
         return None
     finally:
         if os.getpid() == server:  # not in a child returning from the loop
-            _kill_children(children)
+            for pid in children:  # each in its own session: its group is its pid
+                signal_group(pid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:

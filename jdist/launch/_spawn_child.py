@@ -23,14 +23,20 @@ import types
 _POLL_S = 0.5
 
 
-def die_with_parent(parent: int) -> None:
-    """Kill this process (group) when process ``parent`` is gone."""
+def arm_parent_death_signal() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing happens)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except Exception:
         pass
+
+
+def die_with_parent(parent: int) -> None:
+    """Kill this process (group) when process ``parent`` is gone."""
+    arm_parent_death_signal()
     if os.getppid() != parent:
         os._exit(137)  # the parent died before the signal was armed
 
