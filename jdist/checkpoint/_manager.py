@@ -184,7 +184,7 @@ class CheckpointManager:
             items[name] = entry
         # one host copy of everything, straight into the buffers the writer reads: the
         # training step may reuse or donate its device buffers once save() returns
-        arrays, places = _pack.pack(values)
+        arrays, places = _pack.pack(values, self._writer.take_spare())
         for rec, (buf, offset, shape) in zip(recs, places, strict=True):
             rec.update(buffer=buf, offset=offset, shape=shape)
         buffers = {k: {"dtype": str(a.dtype), "size": int(a.size), "crc": None}

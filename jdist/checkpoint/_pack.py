@@ -23,12 +23,16 @@ def _name(dtype: np.dtype) -> str:
     return f"{dtype.name}_buffer"
 
 
-def pack(pieces: list) -> tuple[dict, list]:
+def pack(pieces: list, spare: dict | None = None) -> tuple[dict, list]:
     """``({buffer name: flat array}, [(buffer, offset, shape), ...])`` of ``pieces``.
 
     ``pieces`` are array values (jax arrays, numpy arrays, scalars), copied to host
-    together (one ``jax.device_get``: the transfers overlap) and then into freshly
-    allocated buffers, so the caller's arrays may change or be donated afterwards.
+    together (one ``jax.device_get``: the transfers overlap) and then into buffers of
+    their own, so the caller's arrays may change or be donated afterwards. A buffer of
+    ``spare`` (an earlier result whose write has finished) with the same name, dtype
+    and size is filled again instead of a new one: its memory is already mapped, while
+    a fresh buffer of the training state's size costs a page fault per 4 KiB, in the
+    training loop's thread.
     """
     host = [np.asarray(a) for a in jax.device_get(list(pieces))]
     sizes: dict = {}
@@ -38,7 +42,12 @@ def pack(pieces: list) -> tuple[dict, list]:
         offset = sizes.get(name, (a.dtype, 0))[1]
         sizes[name] = (a.dtype, offset + a.size)
         places.append((name, offset, list(a.shape)))
-    buffers = {name: np.empty((n,), dtype) for name, (dtype, n) in sizes.items()}
+    spare = spare or {}
+    buffers = {}
+    for name, (dtype, n) in sizes.items():
+        old = spare.get(name)
+        ok = old is not None and old.dtype == dtype and old.shape == (n,)
+        buffers[name] = old if ok else np.empty((n,), dtype)
     for a, (name, offset, _) in zip(host, places, strict=True):
         buffers[name][offset:offset + a.size] = a.reshape(-1)
     return buffers, places
