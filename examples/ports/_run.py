@@ -125,6 +125,18 @@ class Launch:
         return results
 
 
+def _without_restarts(args) -> list:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--max-restarts":
+            skip = True
+        elif not a.startswith("--max-restarts="):
+            out.append(a)
+    return out
+
+
 def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
              concurrent: bool = True, tmp: str | None = None,
              relaunch_torch: bool = False, spawn: bool = False,
@@ -135,9 +147,10 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
     own (paths). ``launcher_args`` go to both launchers (``--max-restarts 1``);
     ``spawn``: no launcher, the scripts start their processes themselves. ``order``:
     which starts first (with ``concurrent=False``, which runs first).
-    ``relaunch_torch``: when the torch launch fails, start it once more (torchrun 2.13's
-    own restart could not re-form its gloo group on CPU: the restarted ranks' gloo
-    ``connectFullMesh`` was refused), which is what a restart does. Returns
+    ``relaunch_torch``: torchrun gets no ``--max-restarts``, and when its launch fails it
+    is started once more, which is what a restart does (torchrun 2.13's own restart
+    could not re-form its gloo group on CPU: the restarted ranks' gloo
+    ``connectFullMesh`` was refused, or they waited until the test's timeout). Returns
     ``(jdist_results, torch_results)``, each ``{rank: obj, "log": text}``.
     """
     tmp = tmp or tempfile.mkdtemp(prefix=f"port_{name}_")
@@ -147,7 +160,10 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
     def start(lib):
         out = os.path.join(tmp, lib)
         a = args(lib, out) if callable(args) else args
-        launches[lib] = Launch(command(lib, name, nproc, a, out, launcher_args, spawn), out)
+        la = launcher_args
+        if lib == "torch" and relaunch_torch:
+            la = _without_restarts(launcher_args)
+        launches[lib] = Launch(command(lib, name, nproc, a, out, la, spawn), out)
 
     def finish(lib):
         try:
