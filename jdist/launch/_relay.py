@@ -27,8 +27,9 @@ __all__ = ["Console", "Relay", "NOISE", "start_relay"]
 NOISE = re.compile(
     rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
     rb"|Using experimental recoverable task feature")
-# a partial line that may become a noise line is held until it is complete
-_MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} ")
+# a partial line that may become a noise line is held until it is complete (gloo
+# writes its message in small pieces: the held part may end in the middle of "[Gloo]")
+_MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} |\[(?:G(?:l(?:o(?:o)?)?)?)?$")
 _SETTLE_S = 0.03  # how long a partial line waits for its end before it is shown
 def _noise_start(line: bytes) -> int | None:
     """Where a routine message starts in ``line`` (its log prefix), or None."""

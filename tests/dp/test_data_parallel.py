@@ -36,8 +36,15 @@ def batch(n, d=5, seed=1):
 
 
 def close(a, b):
+    """Leaf by leaf within TOL, the absolute part scaled by the leaf's largest entry: a
+    gradient summed over replicas in another order differs by float32 rounding of its
+    largest terms, which an entry that cancels to near zero shows as a large relative
+    error (0.2645741 vs 0.2645758 in a leaf whose entries reach 35)."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+        y = np.asarray(y)
+        scale = max(1.0, float(np.abs(y).max(initial=0.0)))
+        np.testing.assert_allclose(np.asarray(x), y, rtol=TOL["rtol"],
+                                   atol=TOL["atol"] * scale)
 
 
 @pytest.mark.parametrize("n,ndev", [(16, 8), (10, 4)])

@@ -155,6 +155,10 @@ def test_console_keeps_ranks_apart_and_holds_back_partial_noise():
     b.flush()
     assert b"Gloo" not in out.data
     b.feed(b"ected to 1 peer ranks.\n")
+    for cut in range(1, 6):  # a piece that ends inside "[Gloo]" is held as well
+        b.feed(b"[Gloo] Rank 1 is connected to 1 peer ranks.\n"[:cut])
+        b.flush()
+        b.feed(b"[Gloo] Rank 1 is connected to 1 peer ranks.\n"[cut:])
     b.feed(b"x")
     b.close()
     a.feed(b"\rbar 4")  # C++ writes a routine message into the bar's open line
