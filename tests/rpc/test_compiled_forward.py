@@ -128,3 +128,48 @@ def test_bucket_sizes_and_unbucketed_inputs(agents):
 
 def table_and_grad_plain(module_rref):
     return np.asarray(module_rref.local_value().embedding[...])
+
+
+class _DropoutNet(nnx.Module):
+    """A Linear and a Dropout: the compiled forward must advance the owner's RNG."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(5)
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+def _lin_grad(module_rref):
+    ctx = C.current()
+    m = module_rref.local_value()
+    g = dist_autograd.get_gradients(ctx.context_id, agent=ctx.agent)[m.lin.kernel]
+    return np.asarray(g)
+
+
+def test_dropout_module_compiles_once_and_matches_local_grad(agents):
+    """A RemoteModule with Dropout (an RngCount in its non-parameter state) runs as one
+    compiled program; each step's loss and kernel gradient equal nnx.value_and_grad on
+    an identical local module (same masks: the owner's RNG advances once per call)."""
+    a0, _ = agents
+    net = RemoteModule("w1", _DropoutNet, agent=a0)
+    ref = _DropoutNet()
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4)
+    w = np.arange(18, dtype=np.float32).reshape(6, 3) / 10
+    before = dict(_compiled.TRACES)
+    losses = []
+    for _ in range(3):
+        with dist_autograd.context(a0) as cid:
+            loss = dist_autograd.backward(
+                cid, lambda s: jnp.sum(net(jnp.asarray(x) * s) * w), jnp.float32(1.0),
+                agent=a0)
+            g = a0.rpc_async("w1", _lin_grad, (net.get_module_rref(),)).wait()
+        want, grads = nnx.value_and_grad(lambda m: jnp.sum(m(jnp.asarray(x)) * w))(ref)
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+        np.testing.assert_allclose(g, np.asarray(grads.lin.kernel[...]), rtol=1e-5, atol=1e-6)
+        losses.append(float(loss))
+    assert len(set(losses)) == 3, f"dropout masks repeated across steps: {losses}"
+    assert _compiled.TRACES["forward"] - before.get("forward", 0) == 1
+    assert _compiled.TRACES["backward"] - before.get("backward", 0) == 1

@@ -135,7 +135,10 @@ def _build(gdef: Any, ptdef: Any, nargs: int, diff: tuple, static: dict, kwnames
         dv = [dyn[j] for j in diff]
 
         def h(pv, dv_):
-            module = nnx.merge(gdef, jax.tree_util.tree_unflatten(ptdef, list(pv)), rest)
+            # fresh Variables for the non-parameter state, made at this trace level: a
+            # Dropout's RngCount made by the jit trace cannot be updated inside the vjp
+            module = nnx.merge(gdef, jax.tree_util.tree_unflatten(ptdef, list(pv)),
+                               jax.tree.map(lambda x: x, rest))
             args, kwargs = assemble(dyn, dv_)
             out = module(*args, **kwargs)
             leaves = jax.tree_util.tree_leaves(out)
