@@ -118,14 +118,15 @@ class Writer:
         self.in_flight: str | None = None
         self._thread: threading.Thread | None = None
         self._error: list = []
-        self._written: dict | None = None  # the arrays of the last finished write
-        self._in_flight_arrays: dict | None = None
+        self._last: dict | None = None  # the arrays of the last write
 
     def take_spare(self) -> dict | None:
-        """The arrays of the last write, once it has finished (for ``_pack.pack`` to
-        fill again), or None; each is handed out once."""
-        spare, self._written = self._written, None
-        return spare if self._thread is None else None
+        """The arrays of the last write once it has ended (for ``_pack.pack`` to fill
+        again), else None; each is handed out once."""
+        if self._thread is not None:
+            return None
+        spare, self._last = self._last, None
+        return spare
 
     def save(self, path: str, arrays: dict, meta: dict, prepare=None, then=None) -> None:
         """Write ``arrays`` and ``meta``, in the writer's thread when asynchronous.
@@ -146,9 +147,9 @@ class Writer:
             if then is not None:
                 then()
 
+        self._last = arrays
         if not self.async_save:
             write_now()
-            self._written = arrays
             return
 
         def write():
@@ -158,7 +159,7 @@ class Writer:
             except BaseException as e:  # surfaced by wait() in the training thread
                 self._error.append(e)
 
-        self.in_flight, self._in_flight_arrays = path, arrays
+        self.in_flight = path
         self._thread = threading.Thread(target=write, name="jdist-checkpoint-write",
                                         daemon=True)
         self._thread.start()
@@ -176,7 +177,6 @@ class Writer:
         self._thread, self.in_flight = None, None
         if self._error:
             raise self._error.pop()
-        self._written, self._in_flight_arrays = self._in_flight_arrays, None
 
     def close(self) -> None:
         self._ck.close()
