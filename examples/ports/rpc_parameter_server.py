@@ -15,7 +15,9 @@ changes: the ``Net`` in NNX (channels-last convolutions, ``nnx.Dropout`` with
 runs the forward pass itself; ``optax.sgd`` with ``learning_rate=``; the parameter
 RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
 ``ParameterServer`` is an ``nnx.Module`` as torch's is an ``nn.Module`` (a plain class
-holding the model would work too: distributed autograd finds the modules inside it).
+holding the model would work too: distributed autograd finds the modules inside it);
+``call_method`` is marked ``@dist_autograd.pure``, so the server records the forward
+pass as one compiled forward+VJP program instead of tracing it eagerly every step.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def run_model(model, x):
 
 
 # --------- Helper Methods --------------------
+@dist_autograd.pure  # under dist autograd: one compiled forward+VJP program on the server
 def call_method(method, rref, *args, **kwargs):
     return method(rref.local_value(), *args, **kwargs)
 

@@ -58,7 +58,7 @@ from jdist.rpc.autograd._ddp_stage import ddp_stage as ddp_stage
 from jdist.rpc.autograd._gradients import GradientMap as GradientMap
 from jdist.rpc.autograd._gradients import ParamKey as ParamKey
 
-__all__ = ["DistAutogradContext", "GradientMap", "ParamKey", "backward", "context",
+__all__ = ["DistAutogradContext", "GradientMap", "ParamKey", "backward", "context", "pure",
            "ddp_stage", "get_gradients"]
 
 log = logging.getLogger("jdist.rpc")
@@ -181,6 +181,37 @@ def backward(context_id: int, loss_fn: Any, *args: Any, has_aux: bool = False,
         return _engine.backward(ctx, loss_fn, args, kwargs, has_aux)
     finally:
         C._set_current(prev)
+
+
+def pure(func: Any) -> Any:
+    """Mark ``func``, a function run by RPC, as pure: under distributed autograd its
+    callee may record it as one compiled forward+VJP program per signature.
+
+    A differentiable call of an unmarked function runs it under eager ``jax.vjp`` on
+    the callee: every call traces it op by op (several milliseconds of Python for a
+    small network, even when its body is an ``nnx.jit``). A marked function is traced
+    once per signature (the argument structure, the static leaves, the shapes and
+    dtypes of the arrays, the structure of the modules reached) and then runs as two
+    compiled programs, its forward with the VJP's residuals and the backward.
+
+    The contract is ``jax.jit``'s: the result depends only on the arrays and the state
+    of the modules among the arguments (RRefs owned by the callee included); Python
+    side effects run when it is traced, not on every call; it makes no RPCs. Numbers,
+    strings and functions among the arguments are static (a new value traces again).
+    Module state other than parameters (dropout RNG counters, batch statistics) is an
+    input and an output of the program, so it advances as in a plain call. Calls that
+    do not fit (a plain object holding modules, an RRef owned elsewhere, another kind
+    of leaf) run the generic way. Outside distributed autograd the mark changes
+    nothing. Returns ``func`` itself (it still pickles by reference)::
+
+        @dist_autograd.pure
+        def call_method(method, rref, *args):
+            return method(rref.local_value(), *args)
+    """
+    if not callable(func):
+        raise TypeError(f"dist_autograd.pure marks a function, got {func!r}")
+    func._jdist_pure = True
+    return func
 
 
 def get_gradients(context_id: int, agent: Any = None) -> GradientMap:

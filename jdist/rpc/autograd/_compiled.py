@@ -19,6 +19,12 @@ cotangents, so values and gradients are exactly the unpadded ones.
 Calls that do not fit (differentiable RRefs among the arguments, non-array arguments,
 outputs that are not floating arrays, a module that cannot be traced) take the generic
 path.
+
+A function marked :func:`jdist.rpc.dist_autograd.pure` gets the same treatment for any
+arguments (:func:`try_record_pure`): the parameter holders ``_params.find_params``
+finds, the received arrays, other arrays and static leaves (numbers, strings,
+functions); the holders' non-parameter state goes in and out of the program, so RNG
+counters and batch statistics advance per call.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from flax import nnx
 
 from jdist.rpc.autograd import _context as C
 
-__all__ = ["MIN_BUCKET", "bucket", "pad_bags", "try_record", "TRACES"]
+__all__ = ["MIN_BUCKET", "bucket", "pad_bags", "try_record", "try_record_pure", "TRACES"]
 
 MIN_BUCKET = 64
 """The smallest padded size of an EmbeddingBag's indices or bags."""
@@ -246,3 +252,133 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
             raise C.not_found(ctx.context_id)
         ctx.vjps[msg] = (vjp, [tracked], [])
     return _split_outputs(out)
+
+
+# ---------------------------------------------------------------- pure functions
+_STATIC = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _static_key(x: Any) -> Any:
+    """A hashable stand-in for a static leaf (compared by value), or raise TypeError."""
+    if isinstance(x, _STATIC):
+        return (type(x), x)
+    if callable(x) and not isinstance(x, (nnx.Module, nnx.Variable)):
+        hash(x)
+        return ("callable", x)
+    raise TypeError(type(x).__name__)
+
+
+def try_record_pure(ctx: Any, msg: tuple, func: Any, skeleton: Any,
+                    xs: list) -> tuple[Any, list] | None:
+    """Record a call of a function marked :func:`jdist.rpc.dist_autograd.pure` as one
+    compiled forward+VJP program (the state of its modules as inputs and outputs), or
+    return None when the generic path must run it: an RRef that is not a parameter
+    holder of this worker, a plain object holding modules, a leaf that is neither an
+    array nor a static value (number, string, None, function), or a first trace that
+    failed (then that signature always takes the generic path).
+    """
+    from jdist.rpc._rref import RRef
+    from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
+    from jdist.rpc.autograd._slots import _is_slot, _split_outputs
+
+    leaves, tdef = flatten_args(skeleton)
+    params = find_params(leaves, ctx.agent.info.id)
+    if any(not isinstance(t, Tracked) for _, t in params):
+        return None
+    held = {pos for pos, _ in params}
+    slots = [0] * len(xs)
+    dyn_pos, sig = [], []
+    for i, leaf in enumerate(leaves):
+        if i in held:
+            sig.append(("param",))
+        elif _is_slot(leaf):
+            slots[leaf.index] = i
+            sig.append(("slot", leaf.index))
+        elif isinstance(leaf, (np.ndarray, jax.Array)):
+            dyn_pos.append(i)
+            sig.append(("array", _aval(leaf)))
+        elif isinstance(leaf, RRef):
+            return None
+        else:
+            try:
+                sig.append(_static_key(leaf))
+            except TypeError:
+                return None
+    xs = [np.asarray(x) for x in xs]
+    dyn = [np.asarray(leaves[i]) for i in dyn_pos]
+    diff = tuple(k for k, x in enumerate(xs) if np.issubdtype(x.dtype, np.inexact))
+    try:
+        holders = tuple(
+            (t.gdef, t._tdef, jax.tree_util.tree_structure(t.rest),
+             tuple(_aval(v) for v in jax.tree_util.tree_leaves(t.rest)))
+            if t.gdef is not None else (type(t.holder), _aval(t.values()[0]))
+            for _, t in params)
+        key = ("pure", func, tdef, tuple(sig), holders, tuple(_aval(x) for x in xs), diff)
+        hash(key)
+    except TypeError:
+        return None
+    box: dict = {}  # the output skeleton, set when the program is traced
+
+    def build():
+        def forward(pvals, rests, xs_, dyn_):
+            TRACES["pure forward"] += 1
+            dv = [xs_[k] for k in diff]
+
+            def h(pv, dv_):
+                xs_in = list(xs_)
+                for k, v in zip(diff, dv_, strict=True):
+                    xs_in[k] = v
+                new = list(leaves)
+                for i, v in zip(dyn_pos, dyn_, strict=True):
+                    new[i] = v
+                for (_, t), rest in zip(params, rests, strict=True):
+                    if t.gdef is not None:  # the state as an input of the program
+                        t.rest = rest
+                args, kwargs = rebuild_args(new, tdef, slots, params, xs_in, list(pv))
+                out = C.call_traced(None, func, args, kwargs)
+                skel, diff_out = _split_outputs(out)
+                if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(skel)):
+                    raise _NotCompilable("an output computed inside is not a floating array")
+                box["skeleton"] = skel
+                return tuple(diff_out), [t.state_after() for _, t in params]
+
+            out, vjp_fn, states = jax.vjp(h, list(pvals), dv, has_aux=True)
+            return out, states, vjp_fn
+
+        def backward(vjp_fn, cts):
+            TRACES["pure backward"] += 1
+            return vjp_fn(cts)
+
+        return jax.jit(forward), jax.jit(backward), box
+
+    prog = _program(key, build)
+    if prog is _EAGER:
+        return None
+    fwd, bwd, pbox = prog
+    saved = [t.rest for _, t in params]
+    try:
+        out, states, vjp_fn = fwd([t.values() for _, t in params], saved, xs, dyn)
+    except Exception:  # noqa: BLE001 - not traceable here: the generic path runs it
+        with _lock:
+            _programs[key] = _EAGER
+        return None
+    finally:
+        for (_, t), rest in zip(params, saved, strict=True):
+            t.rest = rest
+    for (_, t), st in zip(params, states, strict=True):
+        t.write_back(st)
+    out_dtypes = [o.dtype for o in out]
+
+    def vjp(cts: tuple) -> tuple:
+        ct_p, ct_d = bwd(vjp_fn, tuple(np.asarray(c, d) for c, d in zip(cts, out_dtypes,
+                                                                           strict=True)))
+        ct_xs = [np.zeros(x.shape, x.dtype) for x in xs]
+        for k, c in zip(diff, ct_d, strict=True):
+            ct_xs[k] = c
+        return None, ct_xs, list(ct_p)
+
+    with ctx.lock:
+        if ctx.released:
+            raise C.not_found(ctx.context_id)
+        ctx.vjps[msg] = (vjp, [t for _, t in params], [])
+    return pbox["skeleton"], list(out)

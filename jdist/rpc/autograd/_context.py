@@ -35,6 +35,7 @@ __all__ = [
     "enter_context",
     "no_context",
     "not_found",
+    "call_traced",
 ]
 
 NO_CONTEXT = -1  # the same value as jdist.rpc._protocol.NO_CONTEXT
@@ -206,3 +207,12 @@ def set_tracing(trace: Any) -> Any:
     prev = getattr(_tls, "trace", None)
     _tls.trace = trace
     return prev
+
+
+def call_traced(token: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` with this thread's differentiable trace set to ``token``."""
+    prev = set_tracing(token)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        set_tracing(prev)

@@ -35,30 +35,11 @@ from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._params import Tracked, find_params, flatten_args
+from jdist.rpc.autograd._context import call_traced
+from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
 from jdist.rpc.autograd._slots import _fill, _is_slot, _Slot, _split_outputs, to_array
 
-__all__ = ["differentiable_call", "backward", "rebuild_args", "call_traced"]
-
-
-def rebuild_args(leaves: list, tdef: Any, slots: list[int], params: list, xs: list,
-                 pvals: list) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with received arrays and traced parameter copies put back."""
-    new = list(leaves)
-    for pos, x in zip(slots, xs, strict=True):
-        new[pos] = x
-    for (pos, tracked), pv in zip(params, pvals, strict=True):
-        new[pos] = tracked.rebuild(pv)
-    return jax.tree_util.tree_unflatten(tdef, new)
-
-
-def call_traced(token: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func(*args, **kwargs)`` with this thread's differentiable trace set to ``token``."""
-    prev = C.set_tracing(token)
-    try:
-        return func(*args, **kwargs)
-    finally:
-        C.set_tracing(prev)
+__all__ = ["differentiable_call", "backward"]
 
 
 def _concrete(x: Any, what: str) -> Any:
@@ -284,6 +265,13 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
     ctx = _require_context("a differentiable call")
     if getattr(func, "_jdist_compiled_forward", False) and not rref_pos:
         got = _try_compiled(ctx, msg, skeleton, xs)
+        if got is not None:
+            return got
+    if getattr(func, "_jdist_pure", False) and not rref_pos \
+            and not getattr(func, "_jdist_async_execution", False):
+        from jdist.rpc.autograd._compiled import try_record_pure
+
+        got = try_record_pure(ctx, msg, func, skeleton, xs)
         if got is not None:
             return got
     leaves, tdef = flatten_args(skeleton)

@@ -33,7 +33,7 @@ from jdist.errors import DistAutogradError
 from jdist.rpc._rref import RRef
 
 __all__ = ["Tracked", "is_holder_leaf", "flatten_args", "find_params", "param_variables",
-           "track"]
+           "rebuild_args", "track"]
 
 
 def is_holder_leaf(x: Any) -> bool:
@@ -367,3 +367,16 @@ def find_params(leaves: list, me: int) -> list[tuple[int, Any]]:
         if t is not None:
             out.append((i, t))
     return out
+
+
+def rebuild_args(leaves: list, tdef: Any, slots: list[int], params: list, xs: list,
+                 pvals: list) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` from flattened arguments with the arrays ``xs`` put back at
+    leaf positions ``slots`` and a traced copy of each ``(position, tracker)`` holder
+    in ``params`` (built from ``pvals``)."""
+    new = list(leaves)
+    for pos, x in zip(slots, xs, strict=True):
+        new[pos] = x
+    for (pos, tracked), pv in zip(params, pvals, strict=True):
+        new[pos] = tracked.rebuild(pv)
+    return jax.tree_util.tree_unflatten(tdef, new)
