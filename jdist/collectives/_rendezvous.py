@@ -256,8 +256,8 @@ def _raise_published(store, prefix: str) -> None:
     if not store.check([key]):
         return
     msg = store.get(key).decode()
+    store.add(prefix + "error_seen", 1)  # rank 0 keeps its store up until all have read it
     if msg.startswith("timeout:"):
-        store.add(prefix + "error_seen", 1)
         raise RendezvousTimeoutError(msg[len("timeout:"):])
     raise RendezvousError(msg)
 
@@ -326,6 +326,10 @@ def rendezvous(store, spec: InitSpec, timeout: float, generation: int,
                     f"process the same WORLD_SIZE"
                 )
                 store.set(prefix + "error", msg)
+                if rank == 0:  # the ranks that arrived read it before the store goes away
+                    _wait_count(store, prefix + "error_seen", len(infos) - 1, 2.0)
+                else:
+                    store.add(prefix + "error_seen", 1)
                 raise RendezvousError(msg)
         if len(infos) == n:
             break
