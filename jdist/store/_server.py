@@ -79,9 +79,15 @@ def adopt_listener(fd: int, port: int) -> socket.socket:
     return sock
 
 
+_DRAIN_BYTES = 1 << 26
+"""After refusing an oversized frame the server reads and drops up to this much of it:
+closing a socket with unread bytes sends a reset, which can destroy the refusal before
+the client (still sending) reads it."""
+
+
 class _Conn:
     __slots__ = ("sock", "inbuf", "outbuf", "authed", "nonce", "deadline", "waiter",
-                 "closing", "dead", "writing")
+                 "closing", "dead", "writing", "drain_left")
 
     def __init__(self, sock: socket.socket, nonce: bytes):
         self.sock = sock
@@ -94,6 +100,7 @@ class _Conn:
         self.closing = False
         self.dead = False
         self.writing = False
+        self.drain_left = _DRAIN_BYTES  # bytes read and dropped after a refused frame
 
 
 class _Waiter:
@@ -262,8 +269,11 @@ class StoreServer:
         if not data:
             self._close(conn)
             return
-        if conn.closing:
-            return  # discard whatever follows a refused frame
+        if conn.closing:  # discard whatever follows a refused frame (bounded)
+            conn.drain_left -= len(data)
+            if conn.drain_left <= 0:
+                self._close(conn)
+            return
         if (conn.authed and not conn.inbuf and conn.waiter is None and not conn.outbuf
                 and len(data) >= 4
                 and int.from_bytes(data[:4], "big") == len(data) - 4
@@ -289,11 +299,26 @@ class StoreServer:
                 return
             if sent == len(data):
                 if conn.closing:
-                    self._close(conn)
+                    self._finish_closing(conn)
                 return
             data = data[sent:]
         conn.outbuf += data
         self._flush(conn)
+
+    def _finish_closing(self, conn: _Conn) -> None:
+        """The last reply is out. After a refused frame: half-close and let the read
+        path drop the rest of the frame until the client closes (see _DRAIN_BYTES);
+        after a failed handshake: close at once."""
+        if not conn.authed:
+            self._close(conn)
+            return
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+            if conn.writing:  # nothing more to write: reads only
+                conn.writing = False
+                self._sel.modify(conn.sock, _READ, conn)
+        except (OSError, ValueError, KeyError):
+            self._close(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -307,7 +332,7 @@ class StoreServer:
             return
         want = bool(conn.outbuf)
         if not want and conn.closing:
-            self._close(conn)
+            self._finish_closing(conn)
             return
         if not want and conn.writing and conn.inbuf:
             self._resume.append(conn)  # frames held back while the reply was queued
