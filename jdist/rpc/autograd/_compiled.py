@@ -247,10 +247,7 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
             ct_xs[slot_pos[k]] = c
         return None, ct_xs, [list(ct_p)]
 
-    with ctx.lock:
-        if ctx.released:
-            raise C.not_found(ctx.context_id)
-        ctx.vjps[msg] = (vjp, [tracked], [])
+    ctx.keep_vjp(msg, (vjp, [tracked], []))
     return _split_outputs(out)
 
 
@@ -259,40 +256,40 @@ _STATIC = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _static_key(x: Any) -> Any:
-    """A hashable stand-in for a static leaf (compared by value), or raise TypeError."""
+    """A stand-in for a static leaf, compared by value (hashed with the key), or raise
+    TypeError."""
     if isinstance(x, _STATIC):
         return (type(x), x)
     if callable(x) and not isinstance(x, (nnx.Module, nnx.Variable)):
-        hash(x)
-        return ("callable", x)
+        return ("callable", x)  # an unhashable one fails the key's hash check
     raise TypeError(type(x).__name__)
 
 
-def try_record_pure(ctx: Any, msg: tuple, func: Any, skeleton: Any,
-                    xs: list) -> tuple[Any, list] | None:
+def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
+                    slots: list[int], params: list, xs: list) -> tuple[Any, list] | None:
     """Record a call of a function marked :func:`jdist.rpc.dist_autograd.pure` as one
     compiled forward+VJP program (the state of its modules as inputs and outputs), or
     return None when the generic path must run it: an RRef that is not a parameter
     holder of this worker, a plain object holding modules, a leaf that is neither an
     array nor a static value (number, string, None, function), or a first trace that
     failed (then that signature always takes the generic path).
+
+    ``leaves``, ``tdef``, ``slots``, ``params``: the call's flattened arguments, the
+    leaf position of each received array and the parameter holders, as ``_record``
+    found them.
     """
     from jdist.rpc._rref import RRef
-    from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
+    from jdist.rpc.autograd._params import Tracked, rebuild_args
     from jdist.rpc.autograd._slots import _is_slot, _split_outputs
 
-    leaves, tdef = flatten_args(skeleton)
-    params = find_params(leaves, ctx.agent.info.id)
     if any(not isinstance(t, Tracked) for _, t in params):
         return None
     held = {pos for pos, _ in params}
-    slots = [0] * len(xs)
     dyn_pos, sig = [], []
     for i, leaf in enumerate(leaves):
         if i in held:
             sig.append(("param",))
         elif _is_slot(leaf):
-            slots[leaf.index] = i
             sig.append(("slot", leaf.index))
         elif isinstance(leaf, (np.ndarray, jax.Array)):
             dyn_pos.append(i)
@@ -377,8 +374,5 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, skeleton: Any,
             ct_xs[k] = c
         return None, ct_xs, list(ct_p)
 
-    with ctx.lock:
-        if ctx.released:
-            raise C.not_found(ctx.context_id)
-        ctx.vjps[msg] = (vjp, [t for _, t in params], [])
+    ctx.keep_vjp(msg, (vjp, [t for _, t in params], []))
     return pbox["skeleton"], list(out)

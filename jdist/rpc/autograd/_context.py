@@ -73,6 +73,17 @@ class DistAutogradContext:
         """A message id unique in this context across workers: (this worker, counter)."""
         return (self.agent.info.id, next(self._msg_ids))
 
+    def keep_vjp(self, msg: tuple[int, int], entry: tuple) -> None:
+        """Keep a recorded call's ``(vjp, trackers, links)`` under its message id.
+
+        Raises:
+          DistAutogradError: the context was released meanwhile.
+        """
+        with self.lock:
+            if self.released:
+                raise not_found(self.context_id)
+            self.vjps[msg] = entry
+
     def accumulate(self, variable: Any, grad: Any) -> None:
         """Add ``grad`` to the gradient of ``variable`` (an ``nnx.Variable``)."""
         with self.lock:

@@ -267,19 +267,19 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         got = _try_compiled(ctx, msg, skeleton, xs)
         if got is not None:
             return got
-    if getattr(func, "_jdist_pure", False) and not rref_pos \
-            and not getattr(func, "_jdist_async_execution", False):
-        from jdist.rpc.autograd._compiled import try_record_pure
-
-        got = try_record_pure(ctx, msg, func, skeleton, xs)
-        if got is not None:
-            return got
     leaves, tdef = flatten_args(skeleton)
     slots = [0] * len(xs)
     for i, x in enumerate(leaves):
         if _is_slot(x):
             slots[x.index] = i
     params = find_params(leaves, ctx.agent.info.id)
+    if getattr(func, "_jdist_pure", False) and not rref_pos \
+            and not getattr(func, "_jdist_async_execution", False):
+        from jdist.rpc.autograd._compiled import try_record_pure
+
+        got = try_record_pure(ctx, msg, func, leaves, tdef, slots, params, xs)
+        if got is not None:
+            return got
     xs = [to_array(x) for x in xs]
     pvals = [t.values() for _, t in params]
     links = [_Link() for _ in rref_pos]
@@ -302,10 +302,7 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
                                                has_aux=True)
     for (_, t), st in zip(params, states, strict=True):
         t.write_back(st)
-    with ctx.lock:
-        if ctx.released:
-            raise C.not_found(ctx.context_id)
-        ctx.vjps[msg] = (vjp_fn, [t for _, t in params], links)
+    ctx.keep_vjp(msg, (vjp_fn, [t for _, t in params], links))
     return skel_out, diff
 
 
