@@ -24,20 +24,41 @@ from typing import IO
 
 __all__ = ["Console", "Relay", "NOISE", "start_relay"]
 
-NOISE = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
-    rb"|Using experimental recoverable task feature")
-# a partial line that may become a noise line is held until it is complete (gloo
-# writes its message in small pieces: the held part may end in the middle of "[Gloo]")
-_MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} |\[(?:G(?:l(?:o(?:o)?)?)?)?$")
+# gloo prints "[Gloo] Rank N is connected to N peer ranks. Expected number of connected
+# peer ranks is : N" to stdout as eight writes, one per token, and a process's threads
+# (one per local device) print theirs at once: a line may hold the tokens of several
+# messages in any order, and a message's last tokens may open the next line
+_GLOO_WORD = (rb"\[Gloo\] Rank| is connected to| peer ranks\."
+              rb"|Expected number of connected peer ranks is :")
+_GLOO_RUN = re.compile(rb"(?:^\d+)?(?:" + _GLOO_WORD + rb")(?:" + _GLOO_WORD + rb"|\d+|\s)*$")
+_GLOO_ONLY = re.compile(rb"(?:" + _GLOO_WORD + rb"|\d+|\s)*")  # a leftover line
+_GLOO_OPEN = b"[Gloo] Rank "
+_RECOVERABLE = re.compile(rb"Using experimental recoverable task feature")
+NOISE = re.compile(_GLOO_WORD + rb"|" + _RECOVERABLE.pattern)
+# a partial line that may become a noise line is held until it is complete (a held
+# part may end in the middle of a token: "[Glo")
+_MAYBE_NOISE = re.compile(rb"\[Gloo\]|[WIEF]\d{4} |\[(?:G(?:l(?:o(?:o)?)?)?)?$"
+                          rb"| is connected to| peer ranks\.|Expected number of")
 _SETTLE_S = 0.03  # how long a partial line waits for its end before it is shown
-def _noise_start(line: bytes) -> int | None:
-    """Where a routine message starts in ``line`` (its log prefix), or None."""
-    m = NOISE.search(line)
-    if m is None:
-        return None
-    starts = [s.start() for s in _MAYBE_NOISE.finditer(line, 0, m.start() + 1)]
-    return starts[-1] if starts else m.start()
+
+
+def _noise_start(line: bytes, after_gloo: bool = False) -> int | None:
+    """Where routine messages start in ``line`` (they run to its end), or None.
+
+    ``after_gloo``: a gloo message begun on an earlier line has not ended, so a line of
+    nothing but its tokens and numbers is the rest of it.
+    """
+    cuts = []
+    if after_gloo and _GLOO_ONLY.fullmatch(line):
+        return 0
+    m = _GLOO_RUN.search(line)
+    if m is not None:
+        cuts.append(m.start())
+    m = _RECOVERABLE.search(line)
+    if m is not None:  # from its log prefix ("W1201 22:17:12.5 file.cc:185] ")
+        starts = [s.start() for s in _MAYBE_NOISE.finditer(line, 0, m.start() + 1)]
+        cuts.append(starts[-1] if starts else m.start())
+    return min(cuts) if cuts else None
 
 
 _PIECE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|)")
@@ -91,6 +112,9 @@ class Relay:
         self.files, self.tail, self.verbose = list(files), tail, verbose
         self.held = b""  # a partial line kept back (may be noise, or a lone "\r")
         self.line = b""  # the current line's text already forwarded (for tail and noise)
+        # gloo messages begun whose "\n" has not come yet (see _GLOO_WORD): while there
+        # are any, a line of nothing but their tokens is the rest of one
+        self.gloo_open = 0
 
     def feed(self, data: bytes) -> None:
         """Forward ``data``; a last, unterminated piece is held (see :meth:`flush`)."""
@@ -116,8 +140,10 @@ class Relay:
     def _noise_candidate(self) -> bool:
         """The held piece may hold the start of a routine message (at any position:
         C++ writes it into a line a progress bar left open): wait for the line's end."""
-        return (not self.verbose and not self.held.endswith(b"\r")
-                and _MAYBE_NOISE.search(self.held) is not None)
+        if self.verbose or self.held.endswith(b"\r"):
+            return False
+        return (_MAYBE_NOISE.search(self.held) is not None
+                or (self.gloo_open > 0 and _GLOO_ONLY.fullmatch(self.held) is not None))
 
     def flush(self) -> None:
         """No more data came for a moment: forward the held piece (a live bar update).
@@ -134,7 +160,8 @@ class Relay:
 
     def _quiet(self, line: bytes, text: bytes) -> tuple[bytes, bytes] | None:
         """``(line, text)`` without a routine message (None: nothing left to show)."""
-        cut = _noise_start(line) if not self.verbose else None
+        cut = _noise_start(line, self.gloo_open > 0) if not self.verbose else None
+        self.gloo_open = max(0, self.gloo_open + line.count(_GLOO_OPEN) - 1)
         if cut is None:
             return line, text
         forwarded = len(line) - len(text)  # already on the console

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jdist.launch._cluster import derived_port
 from jdist.launch._config import parse_args
@@ -168,6 +170,43 @@ def test_console_keeps_ranks_apart_and_holds_back_partial_noise():
     a.feed(b" task feature.\nafter\n")
     assert out.data == (b"\r[rank 0] bar 1\r[rank 0] bar 2\n[rank 1] line from 1\n"
                         b"\r[rank 0] bar 3\n[rank 1] x\n\r[rank 0] bar 4\n[rank 0] after\n")
+
+
+def _gloo_tokens(rank, peers):
+    """gloo's message as its eight writes to stdout (seen with strace)."""
+    return [b"[Gloo] Rank ", b"%d" % rank, b" is connected to ", b"%d" % peers,
+            b" peer ranks. ", b"Expected number of connected peer ranks is : ",
+            b"%d" % peers, b"\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(order=st.lists(st.integers(0, 2), min_size=24, max_size=24),
+       flushes=st.lists(st.booleans(), min_size=24, max_size=24))
+def test_interleaved_gloo_messages_are_hidden_and_nothing_else(order, flushes):
+    """A process's device threads print their gloo messages at once, token by token:
+    any interleaving is hidden, a live flush between writes included, and the user's
+    lines around them (a bare number too) are kept."""
+    class Sink:
+        data = b""
+
+        def write(self, b):
+            self.data += b
+
+        def flush(self):
+            pass
+
+    msgs = [_gloo_tokens(r, 3) for r in range(3)]
+    out = Sink()
+    relay = Relay(b"[rank 0] ", Console(out, out), 1)
+    relay.feed(b"before\n")
+    for who, flush in zip(order, flushes, strict=True):
+        who = next((w for w in (who, 0, 1, 2) if msgs[w]), None)
+        relay.feed(msgs[who].pop(0))
+        if flush:
+            relay.flush()
+    relay.feed(b"42\nafter\n")
+    relay.close()
+    assert out.data == b"[rank 0] before\n[rank 0] 42\n[rank 0] after\n"
 
 
 _REPORT = """\
