@@ -12,6 +12,9 @@ import numpy as np
 
 from jdist.launch import set_forkserver_preload, spawn
 
+# the LLVM level tests/conftest.py sets; jobs that build their own XLA_FLAGS add it
+COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
 # what the ranks of the suite's jobs import: a fork server imports it once per test
 # session, instead of every rank of every job for seconds (tests/launch checks that
 # forked ranks behave as fresh ones)

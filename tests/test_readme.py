@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import COMPILE_FLAG
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,7 +24,7 @@ def _quick_start(tmp_path: Path) -> Path:
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAG}"
     env["PYTHONPATH"] = str(ROOT)
     return env
 
@@ -40,7 +42,7 @@ def test_quick_start_under_launcher_gives_same_loss(tmp_path):
                             capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
     env = _env(1)
-    env.pop("XLA_FLAGS")
+    env["XLA_FLAGS"] = COMPILE_FLAG  # one device per process
     multi = subprocess.run(
         [sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2", str(script)],
         env=env, capture_output=True, text=True, timeout=240)

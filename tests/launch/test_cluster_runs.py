@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jdist.launch._cluster import derived_port
+from tests.helpers import COMPILE_FLAG
 
 ROOT = str(Path(__file__).resolve().parents[2])
 pytestmark = pytest.mark.slow
@@ -46,6 +47,7 @@ def _env(**extra):
             "JDIST_AUTH_TOKEN", "XLA_FLAGS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = COMPILE_FLAG  # the same in every job
     env.update(extra)
     return env
 
