@@ -73,11 +73,19 @@ def command(lib: str, name: str, nproc: int, args: list[str], out: str,
     return [sys.executable, *launcher, *launcher_args, script, *args, "--out", out]
 
 
+# torch 2.13's gloo teardown now and then aborts a rank at interpreter exit, after the
+# program finished and wrote its results (std::terminate from a thread still joinable);
+# a twin launch whose every rank wrote its results is accepted despite that exit code
+_TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
 class Launch:
     """One launch in its own session, output to a file, killed whole on timeout."""
 
-    def __init__(self, cmd: list[str], out: str, env: dict | None = None):
-        self.cmd, self.out = cmd, out
+    def __init__(self, cmd: list[str], out: str, env: dict | None = None, *,
+                 nproc: int = 0, torch_exit_abort_ok: bool = False):
+        self.cmd, self.out, self.nproc = cmd, out, nproc
+        self.torch_exit_abort_ok = torch_exit_abort_ok
         os.makedirs(out, exist_ok=True)
         self.log_path = os.path.join(out, "log.txt")
         self._log = open(self.log_path, "wb")
@@ -114,14 +122,16 @@ class Launch:
                                f"{self.log_tail()}") from None
         finally:
             self._log.close()
-        if rc != 0:
-            raise PortRunError(f"exit code {rc}: {' '.join(self.cmd)}\n{self.log_tail()}")
         results = {}
         for f in sorted(os.listdir(self.out)):
             if f.startswith("rank") and f.endswith(".pkl"):
                 with open(os.path.join(self.out, f), "rb") as fh:
                     results[int(f[4:-4])] = pickle.load(fh)
-        results["log"] = self.log_tail(20000)
+        log = self.log_tail(20000)
+        if rc != 0 and not (self.torch_exit_abort_ok and len(results) == self.nproc
+                            and _TORCH_EXIT_ABORT in log):
+            raise PortRunError(f"exit code {rc}: {' '.join(self.cmd)}\n{self.log_tail()}")
+        results["log"] = log
         return results
 
 
@@ -163,7 +173,8 @@ def run_both(name: str, nproc: int, args, *, timeout: float, launcher_args=(),
         la = launcher_args
         if lib == "torch" and relaunch_torch:
             la = _without_restarts(launcher_args)
-        launches[lib] = Launch(command(lib, name, nproc, a, out, la, spawn), out)
+        launches[lib] = Launch(command(lib, name, nproc, a, out, la, spawn), out,
+                               nproc=nproc, torch_exit_abort_ok=lib == "torch")
 
     def finish(lib):
         try:
