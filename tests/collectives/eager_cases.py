@@ -59,8 +59,9 @@ def close(a, b, what: str) -> None:
         np.testing.assert_array_equal(a, b, err_msg=what)
 
 
-def _reductions(jdist, r: int, n: int) -> None:
-    for dtype, ops in OPS_BY_DTYPE.items():
+def _reductions(jdist, r: int, n: int, dtypes=tuple(OPS_BY_DTYPE)) -> None:
+    for dtype in dtypes:
+        ops = OPS_BY_DTYPE[dtype]
         for op_name in ops:
             op = getattr(jdist.ReduceOp, op_name)
             xs = [make_input(k, dtype) for k in range(n)]
@@ -93,8 +94,8 @@ def _reductions(jdist, r: int, n: int) -> None:
         assert "int32" in str(e), e
 
 
-def _data_movement(jdist, r: int, n: int) -> None:
-    for dtype in OPS_BY_DTYPE:
+def _data_movement(jdist, r: int, n: int, dtypes=tuple(OPS_BY_DTYPE)) -> None:
+    for dtype in dtypes:
         xs = [make_input(k, dtype, salt=3) for k in range(n)]
         src = 1 % n
         close(jdist.broadcast(xs[r].copy(), src=src), xs[src], f"broadcast {dtype}")
@@ -265,8 +266,11 @@ def _large(jdist, r: int, n: int) -> None:
           "large reduce_scatter_tensor")
 
 
-def battery(subgroup: bool = True) -> dict:
-    """Every eager collective on this job; returns timing and device facts."""
+def battery(subgroup: bool = True, dtypes=tuple(OPS_BY_DTYPE)) -> dict:
+    """Every eager collective on this job; returns timing and device facts.
+
+    ``dtypes``: the element types the reductions and data movement run over (each
+    dtype x op is a program of its own; a second topology needs only float32's)."""
     import jax
 
     import jdist
@@ -275,8 +279,8 @@ def battery(subgroup: bool = True) -> dict:
     jdist.init_process_group(timeout=60)
     r, n = jdist.get_rank(), jdist.get_world_size()
     assert r == int(os.environ["RANK"]) and n == int(os.environ["WORLD_SIZE"])
-    _reductions(jdist, r, n)
-    _data_movement(jdist, r, n)
+    _reductions(jdist, r, n, dtypes)
+    _data_movement(jdist, r, n, dtypes)
     _jax_in_jax_out(jdist, r, n)
     _async(jdist, r, n)
     _large(jdist, r, n)
