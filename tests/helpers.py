@@ -7,13 +7,17 @@ conftest's environment set-up.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
 from jdist.launch import set_forkserver_preload, spawn
 
-# the LLVM level tests/conftest.py sets; jobs that build their own XLA_FLAGS add it
-COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# the LLVM level tests/conftest.py sets (read back from it); jobs that build their own
+# XLA_FLAGS add it
+COMPILE_FLAG = next((f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if f.startswith("--xla_backend_optimization_level=")), "")
 
 # what the ranks of the suite's jobs import: a fork server imports it once per test
 # session, instead of every rank of every job for seconds (tests/launch checks that

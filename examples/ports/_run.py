@@ -122,15 +122,16 @@ class Launch:
                                f"{self.log_tail()}") from None
         finally:
             self._log.close()
-        results = {}
-        for f in sorted(os.listdir(self.out)):
-            if f.startswith("rank") and f.endswith(".pkl"):
-                with open(os.path.join(self.out, f), "rb") as fh:
-                    results[int(f[4:-4])] = pickle.load(fh)
+        names = sorted(f for f in os.listdir(self.out)
+                       if f.startswith("rank") and f.endswith(".pkl"))
         log = self.log_tail(20000)
-        if rc != 0 and not (self.torch_exit_abort_ok and len(results) == self.nproc
+        if rc != 0 and not (self.torch_exit_abort_ok and len(names) == self.nproc
                             and _TORCH_EXIT_ABORT in log):
-            raise PortRunError(f"exit code {rc}: {' '.join(self.cmd)}\n{self.log_tail()}")
+            raise PortRunError(f"exit code {rc}: {' '.join(self.cmd)}\n{log[-6000:]}")
+        results = {}
+        for f in names:
+            with open(os.path.join(self.out, f), "rb") as fh:
+                results[int(f[4:-4])] = pickle.load(fh)
         results["log"] = log
         return results
 
