@@ -9,7 +9,15 @@ time per training step of each and the ratio::
     python benchmarks/hybrid.py [--steps 30] [--num-embeddings 100000] [--dim 64] \\
         [--batch 256]
 
-``torch_main`` is also what ``tests/rpc/test_hybrid.py`` compares jdist with.
+``torch_main`` is also what ``tests/rpc/test_hybrid.py`` compares jdist with, there
+with ``locked_steps=True``: torch's ``DistributedOptimizer`` runs ``torch.optim.SGD`` as
+a TorchScript functional optimizer whose ``step`` takes no lock (torch 2.13's
+``_ScriptLocalOptimizer``; its ``_LocalOptimizer``, used for optimizer classes without a
+functional twin, holds a global one), so the two trainers' in-place updates of the
+shared table can interleave and lose part of one (seen as one or two rows off by about
+``lr * grad`` in a few runs of fifty). jdist's owner steps are serialized, as
+``_LocalOptimizer``'s. ``LockedSGD`` (an ``SGD`` subclass, hence no functional twin)
+gives torch that path; the benchmark keeps the plain ``SGD`` a torch user gets.
 """
 
 from __future__ import annotations
@@ -22,6 +30,20 @@ import time
 import numpy as np
 
 _TSTATE: dict = {}
+
+
+def __getattr__(name: str):
+    """``LockedSGD``, made on first use so that importing this module needs no torch
+    (pickle finds it here by name on the parameter server)."""
+    if name != "LockedSGD":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    cls = type("LockedSGD", (torch.optim.SGD,), {"__module__": __name__, "__doc__":
+                                                  "torch.optim.SGD, stepped under "
+                                                  "_LocalOptimizer's global lock."})
+    globals()[name] = cls
+    return cls
 
 
 # ---------------------------------------------------------------- torch's HybridModel
@@ -53,7 +75,8 @@ def _torch_trainer(emb, rank: int, cfg: dict) -> dict:
         fc.bias.copy_(torch.from_numpy(bias))
     ddp = DistributedDataParallel(fc, process_group=group)
     params = emb.remote_parameters() + [RRef(p) for p in ddp.parameters()]
-    opt = DistributedOptimizer(torch.optim.SGD, params, lr=cfg["lr"])
+    sgd = __getattr__("LockedSGD") if cfg.get("locked_steps") else torch.optim.SGD
+    opt = DistributedOptimizer(sgd, params, lr=cfg["lr"])
     losses, times = [], []
     for step in range(cfg["steps"]):
         idx, off, target = make_batch(rank, step, cfg["batch"], cfg["num_embeddings"])
@@ -75,8 +98,13 @@ def _torch_trainer(emb, rank: int, cfg: dict) -> dict:
             "bias": fc.bias.detach().numpy().copy()}
 
 
-def torch_main(cfg: dict, pg_port: int, rpc_port: int) -> dict | None:
-    """torch's HybridModel in this process (rank from $RANK); rank 0 returns results."""
+def torch_main(cfg: dict, pg_port: int, rpc_port: int, locked_steps: bool = False
+               ) -> dict | None:
+    """torch's HybridModel in this process (rank from $RANK); rank 0 returns results.
+
+    ``locked_steps``: the trainers' optimizer steps on the parameter server take one
+    lock (``LockedSGD``; see the module docstring), as jdist's do.
+    """
     import torch
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
@@ -95,6 +123,7 @@ def torch_main(cfg: dict, pg_port: int, rpc_port: int) -> dict | None:
     if rank == 0:
         emb = RemoteModule("ps/cpu", _torch_embedding_bag,
                            args=(cfg["num_embeddings"], cfg["dim"]))
+        cfg = dict(cfg, locked_steps=locked_steps)
         futs = [rpc.rpc_async(f"trainer{r}", _torch_trainer, args=(emb, r, cfg), timeout=0)
                 for r in (1, 2)]
         results = [f.wait() for f in futs]
@@ -109,12 +138,13 @@ def torch_main(cfg: dict, pg_port: int, rpc_port: int) -> dict | None:
 
 
 # ---------------------------------------------------------------- both, one launch
-def both(argv: list, pg_port: int, rpc_port: int) -> dict | None:
+def both(argv: list, pg_port: int, rpc_port: int, locked_steps: bool = False
+         ) -> dict | None:
     """jdist's example then torch's version, in this process (one rank of three)."""
     from examples.hybrid_ddp_rpc import config, main
 
     mine = main(argv)
-    theirs = torch_main(config(argv), pg_port, rpc_port)
+    theirs = torch_main(config(argv), pg_port, rpc_port, locked_steps)
     return None if mine is None else {"jdist": mine, "torch": theirs}
 
 

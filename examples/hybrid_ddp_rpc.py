@@ -66,8 +66,12 @@ class EmbeddingBag(nnx.Module):
     """
 
     def __init__(self, num_embeddings: int, dim: int, seed: int = 0):
-        w = np.random.RandomState(seed).randn(num_embeddings, dim).astype(np.float32)
-        self.weight = nnx.Param(jnp.asarray(w))
+        self.weight = nnx.Param(jnp.asarray(self.initial_weight(num_embeddings, dim, seed)))
+
+    @staticmethod
+    def initial_weight(num_embeddings: int, dim: int, seed: int = 0) -> np.ndarray:
+        """The starting table (float32 normal from a numpy seed)."""
+        return np.random.RandomState(seed).randn(num_embeddings, dim).astype(np.float32)
 
     def __call__(self, indices, offsets):
         return embedding_bag(self.weight[...], indices, offsets)
@@ -166,28 +170,38 @@ def run_trainer(remote_emb: RemoteModule, rank: int, cfg: dict) -> dict:
 
 # ---------------------------------------------------------------- single process
 def reference(cfg: dict) -> dict:
-    """The same mathematics in one process (deterministic mode): table, layer, losses."""
-    table = jnp.asarray(EmbeddingBag(cfg["num_embeddings"], cfg["dim"]).weight[...])
-    kernel, bias = (jnp.asarray(a) for a in fc_init(cfg["dim"]))
+    """The same mathematics in one process (deterministic mode), in float64 numpy with
+    the gradients written out: table, layer, losses.
 
-    def loss(table, kernel, bias, batch):
-        idx, off, target = batch
-        return loss_of(embedding_bag(table, idx, off) @ kernel + bias, target)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    losses = {1: [], 2: []}
+    Independent of JAX on purpose: the tests compare jdist (and torch) with it.
+    """
+    table = EmbeddingBag.initial_weight(cfg["num_embeddings"], cfg["dim"]).astype(np.float64)
+    kernel, bias = (a.astype(np.float64) for a in fc_init(cfg["dim"]))
+    losses: dict[int, list] = {1: [], 2: []}
     for step in range(cfg["steps"]):
-        g_t = jnp.zeros_like(table)
-        g_k, g_b = jnp.zeros_like(kernel), jnp.zeros_like(bias)
+        g_t = np.zeros_like(table)
+        g_k, g_b = np.zeros_like(kernel), np.zeros_like(bias)
         for r in (1, 2):
-            batch = make_batch(r, step, cfg["batch"], cfg["num_embeddings"])
-            value, (gt, gk, gb) = grad(table, kernel, bias, batch)
-            losses[r].append(float(value))
-            g_t, g_k, g_b = g_t + gt, g_k + gk / 2, g_b + gb / 2
-        table = table - cfg["lr"] * g_t
+            idx, off, target = make_batch(r, step, cfg["batch"], cfg["num_embeddings"])
+            idx = idx[:off[-1]]  # the padding is in no bag
+            bag = np.searchsorted(off[1:], np.arange(idx.shape[0]), side="right")
+            x = np.zeros((off.shape[0] - 1, table.shape[1]))
+            np.add.at(x, bag, table[idx])
+            logits = x @ kernel + bias
+            logits -= logits.max(axis=1, keepdims=True)
+            p = np.exp(logits)
+            p /= p.sum(axis=1, keepdims=True)
+            rows = np.arange(target.shape[0])
+            losses[r].append(float(-np.log(p[rows, target]).mean()))
+            d_logits = p
+            d_logits[rows, target] -= 1.0
+            d_logits /= target.shape[0]
+            np.add.at(g_t, idx, (d_logits @ kernel.T)[bag])  # this trainer's table gradient
+            g_k += x.T @ d_logits / 2  # DDP averages the layer's gradients
+            g_b += d_logits.sum(axis=0) / 2
+        table = table - cfg["lr"] * g_t  # both trainers' updates of the table
         kernel, bias = kernel - cfg["lr"] * g_k, bias - cfg["lr"] * g_b
-    return {"table": np.asarray(table), "kernel": np.asarray(kernel),
-            "bias": np.asarray(bias), "losses": losses}
+    return {"table": table, "kernel": kernel, "bias": bias, "losses": losses}
 
 
 # ---------------------------------------------------------------- main

@@ -1,6 +1,11 @@
 """examples/hybrid_ddp_rpc.py (3 real processes) equals the same maths in one process,
 and torch's HybridModel (torch RPC + DDP + dist_autograd + DistributedOptimizer) run
-from the same weights and batches in the same processes."""
+from the same weights and batches in the same processes.
+
+The single-process reference is float64 numpy with the gradients written out (not JAX:
+it is the independent check). torch runs with its trainers' optimizer steps under one
+lock (``benchmarks.hybrid`` ``locked_steps``): torch's default TorchScript SGD steps
+race on the shared table."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ def test_hybrid_matches_single_process_reference_and_torch():
     from examples.hybrid_ddp_rpc import config, reference
 
     argv = ["--smoke"]
-    results = run_procs(both, 3, args=(argv, free_port(), free_port()), timeout=300)
+    results = run_procs(both, 3, args=(argv, free_port(), free_port(), True), timeout=300)
     assert results[1] is None and results[2] is None
     mine, torch_out = results[0]["jdist"], results[0]["torch"]
     want = reference(config(argv))
