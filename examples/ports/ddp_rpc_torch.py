@@ -3,6 +3,11 @@ under torchrun (ranks from the environment instead of ``mp.spawn``), with the po
 seeded batches and flags::
 
     torchrun --nproc-per-node 4 examples/ports/ddp_rpc_torch.py --smoke --deterministic
+
+``--deterministic`` also steps the table under one lock (``LockedSGD``): torch runs
+``optim.SGD`` as a TorchScript functional optimizer whose steps take no lock, so the
+two trainers' in-place updates of the shared table can interleave and lose part of one
+(jdist's owner steps are serialized, as torch's ``_LocalOptimizer``'s).
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 NUM_EMBEDDINGS = 100
 EMBEDDING_DIM = 16
+
+
+class LockedSGD(optim.SGD):
+    """``optim.SGD`` without a TorchScript twin: ``DistributedOptimizer`` then steps it in
+    a ``_LocalOptimizer``, under that class's global lock."""
 
 
 def make_embedding_bag(num, dim, mode, init=None):
@@ -56,7 +66,8 @@ def _run_trainer(remote_emb_module, rank, args):
     model_parameter_rrefs = model.remote_emb_module.remote_parameters()
     for param in model.fc.parameters():
         model_parameter_rrefs.append(RRef(param))
-    opt = DistributedOptimizer(optim.SGD, model_parameter_rrefs, lr=0.05)
+    sgd = LockedSGD if args["deterministic"] else optim.SGD
+    opt = DistributedOptimizer(sgd, model_parameter_rrefs, lr=0.05)
     criterion = torch.nn.CrossEntropyLoss()
     losses, times = [], []
     for epoch in range(args["epochs"]):
