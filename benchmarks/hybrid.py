@@ -32,18 +32,23 @@ import numpy as np
 _TSTATE: dict = {}
 
 
-def __getattr__(name: str):
-    """``LockedSGD``, made on first use so that importing this module needs no torch
-    (pickle finds it here by name on the parameter server)."""
-    if name != "LockedSGD":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import torch
+def _locked_sgd():
+    """``LockedSGD`` (see the module docstring), made on first use: importing this module
+    needs no torch."""
+    if "LockedSGD" not in globals():
+        import torch
 
-    cls = type("LockedSGD", (torch.optim.SGD,), {"__module__": __name__, "__doc__":
-                                                  "torch.optim.SGD, stepped under "
-                                                  "_LocalOptimizer's global lock."})
-    globals()[name] = cls
-    return cls
+        globals()["LockedSGD"] = type("LockedSGD", (torch.optim.SGD,), {
+            "__module__": __name__,
+            "__doc__": "torch.optim.SGD, stepped under _LocalOptimizer's global lock."})
+    return globals()["LockedSGD"]
+
+
+def __getattr__(name: str):
+    """``benchmarks.hybrid.LockedSGD``, where pickle looks it up on the parameter server."""
+    if name == "LockedSGD":
+        return _locked_sgd()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------- torch's HybridModel
@@ -75,7 +80,7 @@ def _torch_trainer(emb, rank: int, cfg: dict) -> dict:
         fc.bias.copy_(torch.from_numpy(bias))
     ddp = DistributedDataParallel(fc, process_group=group)
     params = emb.remote_parameters() + [RRef(p) for p in ddp.parameters()]
-    sgd = __getattr__("LockedSGD") if cfg.get("locked_steps") else torch.optim.SGD
+    sgd = _locked_sgd() if cfg.get("locked_steps") else torch.optim.SGD
     opt = DistributedOptimizer(sgd, params, lr=cfg["lr"])
     losses, times = [], []
     for step in range(cfg["steps"]):
