@@ -55,8 +55,10 @@ def __getattr__(name: str):
 def _torch_embedding_bag(num_embeddings: int, dim: int, seed: int = 0):
     import torch
 
+    from examples.hybrid_ddp_rpc import EmbeddingBag
+
     emb = torch.nn.EmbeddingBag(num_embeddings, dim, mode="sum", include_last_offset=True)
-    w = np.random.RandomState(seed).randn(num_embeddings, dim).astype(np.float32)
+    w = EmbeddingBag.initial_weight(num_embeddings, dim, seed)
     with torch.no_grad():
         emb.weight.copy_(torch.from_numpy(w))
     return emb
