@@ -67,7 +67,8 @@ class CheckpointManager:
       max_to_keep: how many complete steps to keep (``None``: all). Older steps are
         deleted by rank 0 once a newer one is complete on every rank.
       async_save: write in a background thread; :meth:`save` returns once the values
-        are copied to host memory. At most one save is in flight: the next one (and
+        are on the host (on CPU, views of the device buffers; numpy values copied) and
+        the writer packs and writes them. At most one save is in flight: the next one (and
         :meth:`restore`, :meth:`wait`, :meth:`close`) waits for it first.
       elastic: allow restoring a checkpoint written by another number of processes
         (replicated state as is, samplers re-split, ZeRO shards re-partitioned).
@@ -146,12 +147,13 @@ class CheckpointManager:
         existing = next((s for s in _layout.scan(self.directory) if s.step == step), None)
         if existing is not None and existing.complete_world() == self.world:
             return False  # the step this job resumed from: already complete
-        arrays, meta = self._part(step, state)
+        host, meta = self._part(step, state)
         _layout.remove_own(self.directory, step, self.rank, self.world)
         path = os.path.join(_layout.step_dir(self.directory, step),
                             _layout.part_name(self.rank, self.world))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._writer.save(path, arrays, meta, prepare=_crcs, then=self._retain)
+        self._writer.save(path, lambda spare: _pack.pack(host, spare)[0], meta,
+                          prepare=_crcs, then=self._retain)
         return True
 
     def _part(self, step: int, state: dict) -> tuple[dict, dict]:
@@ -182,18 +184,20 @@ class CheckpointManager:
                 entry["num_replicas"] = value.process_group.num_replicas
                 entry["hook"] = [leaf_entry(p, x, False) for p, x in _items.hook_leaves(value)]
             items[name] = entry
-        # one host copy of everything, straight into the buffers the writer reads: the
-        # training step may reuse or donate its device buffers once save() returns
-        arrays, places = _pack.pack(values, self._writer.take_spare())
+        # host values that stay as they are (views of CPU device buffers, copies of
+        # anything mutable): the writer packs them into its buffers, while the training
+        # step goes on and may reuse or donate its arrays
+        host = _pack.to_host(values)
+        sizes, places = _pack.layout(host)
         for rec, (buf, offset, shape) in zip(recs, places, strict=True):
             rec.update(buffer=buf, offset=offset, shape=shape)
-        buffers = {k: {"dtype": str(a.dtype), "size": int(a.size), "crc": None}
-                   for k, a in arrays.items()}  # the CRCs: see _crcs
+        buffers = {k: {"dtype": str(dtype), "size": int(n), "crc": None}
+                   for k, (dtype, n) in sizes.items()}  # the CRCs: see _crcs
         meta = {"format": _pack.FORMAT, "step": step, "rank": self.rank, "world": self.world,
-                "time": time.time(), "items": items, "arrays": sorted(arrays),
+                "time": time.time(), "items": items, "arrays": sorted(buffers),
                 "buffers": buffers}
         # a copy: the async write serializes it later, while training mutates the state
-        return arrays, json.loads(json.dumps(meta))
+        return host, json.loads(json.dumps(meta))
 
     def _retain(self) -> None:
         """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones.

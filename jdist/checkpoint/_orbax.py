@@ -120,24 +120,20 @@ class Writer:
         self._error: list = []
         self._last: dict | None = None  # the arrays of the last write
 
-    def take_spare(self) -> dict | None:
-        """The arrays of the last write once it has ended (for ``_pack.pack`` to fill
-        again), else None; each is handed out once."""
-        if self._thread is not None:
-            return None
-        spare, self._last = self._last, None
-        return spare
+    def save(self, path: str, make_arrays, meta: dict, prepare=None, then=None) -> None:
+        """Write ``make_arrays(spare)`` and ``meta``, in the writer's thread when
+        asynchronous.
 
-    def save(self, path: str, arrays: dict, meta: dict, prepare=None, then=None) -> None:
-        """Write ``arrays`` and ``meta``, in the writer's thread when asynchronous.
-
-        ``prepare(arrays, meta)`` runs first (the arrays are the caller's copies, no
-        longer shared) and ``then()`` once the part is complete; all three in that
-        thread, so none of it costs the training loop.
+        ``make_arrays`` gets the arrays of the last write (``spare``: its buffers may be
+        filled again, that write has ended) and returns the arrays to write;
+        ``prepare(arrays, meta)`` runs next and ``then()`` once the part is complete.
+        All of it runs in that thread, so none of it costs the training loop.
         """
         import orbax.checkpoint as ocp
 
         def write_now():
+            spare, self._last = self._last, None
+            arrays = self._last = make_arrays(spare)
             if prepare is not None:
                 prepare(arrays, meta)
             items = {"meta": ocp.args.JsonSave(meta)}
@@ -147,7 +143,6 @@ class Writer:
             if then is not None:
                 then()
 
-        self._last = arrays
         if not self.async_save:
             write_now()
             return

@@ -1,10 +1,15 @@
-"""One rank's host pieces packed into one flat buffer per dtype, and sliced back out.
+"""One rank's pieces packed into one flat buffer per dtype, and sliced back out.
 
 A part holds a few large arrays instead of one per leaf: Orbax and TensorStore then
 open, write, record and merge a handful of arrays per save (a DDP model with Adam has
-dozens of leaves), and the host copy of the training state is one pass that writes
-each piece straight into its buffer. Each buffer carries one CRC-32, computed in the
+dozens of leaves), and the copy of the training state is one pass that writes each
+piece straight into its buffer. Each buffer carries one CRC-32, computed in the
 writer's thread and checked once when the buffer is read back.
+
+A save takes :func:`to_host` in the training loop and leaves :func:`pack` to the
+writer's thread: on a CPU device ``to_host`` costs no copy at all (a numpy view of each
+device buffer, safe to read later because JAX arrays never change and JAX does not
+donate a buffer that a view still shares), so the loop does not pay for the copy.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import zlib
 import jax
 import numpy as np
 
-__all__ = ["FORMAT", "pack", "buffer_crc", "piece_of"]
+__all__ = ["FORMAT", "to_host", "layout", "pack", "buffer_crc", "piece_of"]
 
 FORMAT = 2  # the part's layout (1: one array per piece, 2: one buffer per dtype)
 
@@ -23,18 +28,21 @@ def _name(dtype: np.dtype) -> str:
     return f"{dtype.name}_buffer"
 
 
-def pack(pieces: list, spare: dict | None = None) -> tuple[dict, list]:
-    """``({buffer name: flat array}, [(buffer, offset, shape), ...])`` of ``pieces``.
+def to_host(pieces: list) -> list[np.ndarray]:
+    """Host values of ``pieces`` that stay valid whatever the caller does next.
 
-    ``pieces`` are array values (jax arrays, numpy arrays, scalars), copied to host
-    together (one ``jax.device_get``: the transfers overlap) and then into buffers of
-    their own, so the caller's arrays may change or be donated afterwards. A buffer of
-    ``spare`` (an earlier result whose write has finished) with the same name, dtype
-    and size is filled again instead of a new one: its memory is already mapped, while
-    a fresh buffer of the training state's size costs a page fault per 4 KiB, in the
-    training loop's thread.
+    Jax arrays come back from one ``jax.device_get`` (the transfers overlap; on CPU,
+    views of the device buffers); any other value (a numpy array the caller may change
+    in place, a scalar) is copied.
     """
-    host = [np.asarray(a) for a in jax.device_get(list(pieces))]
+    host = jax.device_get(list(pieces))
+    return [np.asarray(h) if isinstance(p, jax.Array) else np.array(h, copy=True)
+            for p, h in zip(pieces, host, strict=True)]
+
+
+def layout(host: list) -> tuple[dict, list]:
+    """``({buffer name: (dtype, elements)}, [(buffer, offset, shape), ...])``: where
+    :func:`pack` puts each of ``host``'s arrays."""
     sizes: dict = {}
     places = []
     for a in host:
@@ -42,6 +50,20 @@ def pack(pieces: list, spare: dict | None = None) -> tuple[dict, list]:
         offset = sizes.get(name, (a.dtype, 0))[1]
         sizes[name] = (a.dtype, offset + a.size)
         places.append((name, offset, list(a.shape)))
+    return sizes, places
+
+
+def pack(pieces: list, spare: dict | None = None) -> tuple[dict, list]:
+    """``({buffer name: flat array}, [(buffer, offset, shape), ...])`` of ``pieces``.
+
+    ``pieces`` are array values (jax arrays, numpy arrays, scalars; :func:`to_host`'s
+    result in a save), copied into buffers of their own. A buffer of ``spare`` (an
+    earlier result whose write has finished) with the same name, dtype and size is
+    filled again instead of a new one: its memory is already mapped, while a fresh
+    buffer of the training state's size costs a page fault per 4 KiB.
+    """
+    host = [np.asarray(a) for a in jax.device_get(list(pieces))]
+    sizes, places = layout(host)
     spare = spare or {}
     buffers = {}
     for name, (dtype, n) in sizes.items():

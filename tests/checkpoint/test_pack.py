@@ -62,3 +62,37 @@ def test_every_kept_step_holds_its_own_values_when_buffers_are_reused(tmp_path, 
             out = m.restore({"p": {"w": np.zeros((64, 8), np.float32)}, "step": 0}, step=step)
             assert out["step"] == step
             np.testing.assert_array_equal(out["p"]["w"], values[step])
+
+
+def test_an_async_save_keeps_the_values_of_save_time(tmp_path, monkeypatch):
+    """The writer packs the pieces after save() returned: a jax array donated to the
+    next step and a numpy array changed in place must still be saved as they were."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+
+    started = threading.Event()
+    real_pack = _pack.pack
+
+    def slow_pack(pieces, spare=None):  # the writer packs only after the loop went on
+        started.wait(30)
+        return real_pack(pieces, spare)
+
+    monkeypatch.setattr(_pack, "pack", slow_pack)
+    w = jnp.arange(4096, dtype=jnp.float32)
+    host = np.arange(16, dtype=np.int64)
+    with CheckpointManager(tmp_path, async_save=True) as m:
+        m.save(1, {"p": {"w": w, "host": host}})
+        donate = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)
+        out = donate(w)
+        junk = [jnp.full((4096,), 7.0) for _ in range(8)]  # reuse of freed memory
+        host[:] = -5
+        jax.block_until_ready((out, junk))
+        started.set()
+    monkeypatch.setattr(_pack, "pack", real_pack)
+    with CheckpointManager(tmp_path) as m:
+        got = m.restore({"p": {"w": np.zeros(4096, np.float32),
+                               "host": np.zeros(16, np.int64)}})
+    np.testing.assert_array_equal(got["p"]["w"], np.arange(4096, dtype=np.float32))
+    np.testing.assert_array_equal(got["p"]["host"], np.arange(16))
