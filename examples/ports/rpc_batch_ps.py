@@ -14,7 +14,8 @@ the original does with ``mp.spawn``; under ``jdist-run`` the processes are the
 launcher's (``batch_update_size`` = processes - 1). A small CNN on 3 x 8 x 8 inputs stands in for
 the original's ResNet-50 on 64 x 64. What a torch user changes: the model in NNX; the
 gradients are a list of arrays from ``nnx.grad`` (no ``.grad`` fields, so the server
-keeps its own accumulators); ``nnx.Optimizer`` applies the averaged gradients;
+keeps its own accumulators); ``nnx.Optimizer`` applies the averaged gradients, in one
+``nnx.jit`` program with the zeroing;
 ``jdist.rpc.Future`` for ``torch.futures.Future``.
 """
 
@@ -64,6 +65,17 @@ def params_of(model) -> list:
     return jax.tree.leaves(nnx.state(model, nnx.Param))
 
 
+@nnx.jit
+def step_and_zero(optimizer, model, grads, n):
+    """torch's ``p.grad /= n``, ``optimizer.step()`` and ``zero_grad()`` as one compiled
+    program (eager, optax's update is a few dozen small ops); returns the zeroed
+    accumulators."""
+    state = nnx.state(model, nnx.Param)
+    optimizer.update(model, jax.tree.unflatten(jax.tree.structure(state),
+                                               [g / n for g in grads]))
+    return [jnp.zeros_like(g) for g in grads]
+
+
 class BatchUpdateParameterServer:
     def __init__(self, batch_update_size, init=None):
         self.model = Model(nnx.Rngs(0))
@@ -90,11 +102,8 @@ class BatchUpdateParameterServer:
             self.curr_update_size += 1
             fut = self.future_model
             if self.curr_update_size >= self.batch_update_size:
-                mean = [g / self.batch_update_size for g in self.grads]
-                state = nnx.state(self.model, nnx.Param)
-                self.optimizer.update(self.model, jax.tree.unflatten(
-                    jax.tree.structure(state), mean))
-                self.grads = [jnp.zeros_like(g) for g in self.grads]
+                self.grads = step_and_zero(self.optimizer, self.model, self.grads,
+                                           self.batch_update_size)
                 self.curr_update_size = 0
                 fut.set_result(self.model)
                 timed_log("PS updated model")

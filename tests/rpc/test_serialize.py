@@ -36,6 +36,24 @@ def test_jax_arrays_come_back_as_jax_on_the_default_device():
     assert f == np.float32(1.5)
 
 
+@pytest.mark.parametrize("arr", [
+    np.ones((64, 10), np.float32), np.arange(5), np.array(3.0), np.zeros((0, 3), np.float32),
+    np.ones(3, bool), np.ones(4, jnp.bfloat16), np.arange(12, dtype=np.uint8)[1:],
+], ids=lambda a: f"{a.dtype}{a.shape}")
+def test_a_received_jax_array_is_placed_as_device_put_places_it(arr):
+    """rebuild_jax's fast placement gives what jax.device_put gives: dtype (64-bit
+    canonicalized), sharding, uncommitted, not weak, same values; and it honours
+    jax.default_device."""
+    got, ref = S.rebuild_jax(arr), jax.device_put(arr)
+    assert (got.dtype, got.shape, got.sharding, got.weak_type, got.committed) == (
+        ref.dtype, ref.shape, ref.sharding, ref.weak_type, ref.committed)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(jnp.zeros_like(got) + got), np.asarray(ref))
+    other = jax.devices()[-1]
+    with jax.default_device(other):
+        assert S.rebuild_jax(arr).devices() == jax.device_put(arr).devices() == {other}
+
+
 def test_rref_payload_cannot_be_unpickled_outside_an_agent():
     payload = pickle.dumps((S.load_hook, ((0, (0, 1), (0, 2), -1),)))
     blob = pickle.dumps(S.load_hook)  # the hook itself pickles by reference
