@@ -34,7 +34,10 @@ Differences from torch:
   there is no freed graph to complain about);
 - a call whose result is never used in the loss keeps its recorded VJP until the
   context exits (torch's FAST mode can hang or error on it);
-- ``rpc_async`` inside the loss function completes before it returns;
+- ``rpc_async`` and ``remote()`` inside the loss function return at once and run
+  while it goes on (pipelining as in torch); wait on their futures inside the loss
+  function; one worker records the calls it gets from one caller in the order they
+  were made;
 - ``remote()`` inside the loss function is differentiable through ``to_here()`` calls
   made in the same loss function or on a worker the RRef is handed to in a
   differentiable call (the cotangents of all of them are summed and sent once);

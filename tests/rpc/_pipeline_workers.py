@@ -10,6 +10,8 @@ Shard 2 has a dropout layer, whose RNG state must advance on every forward.
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ from jdist.rpc import (
     dist_autograd,
     init_rpc,
     remote,
+    rpc_async,
     rpc_sync,
     shutdown,
     wait_all,
@@ -121,8 +124,101 @@ def run() -> dict:
             zs.append(np.asarray(z))
         out = {"losses": losses, "z": zs, "p1": rpc_sync("worker1", params_np, (p1,)),
                "p2": rpc_sync("worker2", params_np, (p2,)), "grads_nonempty": grads}
+        out.update(started_calls_checks())
     shutdown()
     return out
+
+
+# ---- differentiable calls started before any is waited on (master side)
+def started_calls_checks() -> dict:
+    """Calls started by a loss function run at once (two workers overlap), calls to one
+    worker are recorded in the order made, gradients are right, and an error of a
+    call the loss function never waited on is raised by the backward pass."""
+    out: dict = {}
+    w_rref = remote("worker1", Weight)
+    marker = os.path.join(tempfile.mkdtemp(prefix="jdist_overlap_"), "worker2_started")
+    xs = [np.full(3, k + 1.0, np.float32) for k in range(4)]
+
+    def overlap_loss():
+        a = rpc_async("worker1", wait_for_file, (w_rref, marker, xs[0]))
+        b = rpc_async("worker2", touch_file, (marker, xs[1]))
+        va, vb = a.wait(), b.wait()
+        return jnp.sum(va[0]) + jnp.sum(vb), va[1]
+
+    with dist_autograd.context() as cid:
+        _, saw = dist_autograd.backward(cid, overlap_loss, has_aux=True)
+        out["overlap_saw_marker"] = bool(saw)
+        out["overlap_grad"] = rpc_sync("worker1", weight_grad, (w_rref, cid))
+
+    def ordered_loss():
+        futs = [rpc_async("worker1", scaled_in_order, (w_rref, k, xs[k])) for k in range(4)]
+        return sum(jnp.sum(f.wait()) for f in futs)
+
+    rpc_sync("worker1", reset_order)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, ordered_loss)
+        out["order_grad"] = rpc_sync("worker1", weight_grad, (w_rref, cid))
+    out["order"] = rpc_sync("worker1", get_order)
+
+    def unwaited_failure():
+        rpc_async("worker2", fail_later, (xs[0],))  # never waited on
+        return jnp.sum(rpc_sync("worker1", scaled_in_order, (w_rref, 9, xs[0])))
+
+    try:
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, unwaited_failure)
+        out["unwaited_error"] = None
+    except Exception as e:  # noqa: BLE001 - what the test checks
+        out["unwaited_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+class Weight(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.array([1.0, 2.0, 3.0], jnp.float32))
+
+
+ORDER: list = []
+
+
+def wait_for_file(w_rref, path, x):
+    """Waits (up to 20 s) until worker 2's call has started: only calls running at
+    the same time see the file."""
+    for _ in range(400):
+        if os.path.exists(path):
+            break
+        time.sleep(0.05)
+    return w_rref.local_value().w * x, jnp.asarray(os.path.exists(path))
+
+
+def touch_file(path, x):
+    with open(path, "w"):
+        pass
+    return jnp.asarray(x) * 2.0
+
+
+def scaled_in_order(w_rref, k, x):
+    time.sleep(0.05 * (3 - k) if k < 4 else 0)  # later calls would finish first
+    ORDER.append(k)
+    return w_rref.local_value().w * x
+
+
+def reset_order():
+    ORDER.clear()
+
+
+def get_order():
+    return list(ORDER)
+
+
+def fail_later(x):
+    time.sleep(0.2)
+    raise ValueError("fail_later: this call fails after the loss function returned")
+
+
+def weight_grad(w_rref, cid):
+    g = dist_autograd.get_gradients(cid)
+    return np.asarray(g[w_rref.local_value().w])
 
 
 def grads_nonempty(cid):

@@ -1,6 +1,7 @@
 """pytorch/examples' RPC pipeline in 3 real processes: shard 1 gets its gradient through
 the RRef the master hands from worker 1 to worker 2, dropout masks advance per step,
-and the whole training matches the same training run locally with plain nnx."""
+and the whole training matches the same training run locally with plain nnx; calls a
+loss function starts before waiting run at once, recorded in order per worker."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ def test_pipeline_gradients_through_forwarded_rref_and_dropout():
     # with the dropout RNG not advanced, step 2 would already differ from this run
     assert not np.allclose(out["z"][1], frozen["z"][1], atol=1e-3)
     assert out["grads_nonempty"][0] is True and out["grads_nonempty"][1] == 2
+    # calls started before any is waited on: both workers ran at once (worker 1's call
+    # saw worker 2's start), with the right gradient (d/dw of sum(w * x0))
+    assert out["overlap_saw_marker"] is True
+    np.testing.assert_allclose(out["overlap_grad"], np.full(3, 1.0))
+    # four calls to one worker, the later ones quicker: recorded in the order made
+    assert out["order"] == [0, 1, 2, 3]
+    np.testing.assert_allclose(out["order_grad"], np.full(3, 1.0 + 2.0 + 3.0 + 4.0))
+    # a call the loss function never waited on still fails the pass
+    assert out["unwaited_error"] is not None and "fail_later" in out["unwaited_error"]

@@ -64,6 +64,8 @@ class DistAutogradContext:
         self.vjps: dict[tuple[int, int], Any] = {}  # message id -> recorded VJP
         self._msg_ids = itertools.count()
         self.released = False
+        self._last_sent: dict[int, tuple[int, int]] = {}  # worker id -> last message id
+        self._recorded: dict[tuple, threading.Event] = {}  # (caller, message) -> recorded
 
     def __repr__(self) -> str:
         return (f"DistAutogradContext(id={self.context_id}, worker={self.agent.info}, "
@@ -72,6 +74,46 @@ class DistAutogradContext:
     def new_message_id(self) -> tuple[int, int]:
         """A message id unique in this context across workers: (this worker, counter)."""
         return (self.agent.info.id, next(self._msg_ids))
+
+    def chain(self, worker_id: int, msg: tuple[int, int]) -> tuple[int, int] | None:
+        """Note ``msg`` as the newest differentiable call from here to ``worker_id``;
+        returns the one before it (the callee records them in this order)."""
+        with self.lock:
+            prev = self._last_sent.get(worker_id)
+            self._last_sent[worker_id] = msg
+        return prev
+
+    def _event(self, msg: tuple) -> threading.Event:
+        with self.lock:
+            ev = self._recorded.get(msg)
+            if ev is None:
+                ev = self._recorded[msg] = threading.Event()
+            return ev
+
+    def wait_recorded(self, msg: Any, timeout: float | None) -> None:
+        """Wait until the call ``msg`` (from the same caller, sent before this one) is
+        recorded here, so that a caller's differentiable calls to one worker read and
+        write its modules' state in the order they were made, as when each waited for
+        the one before.
+
+        Raises:
+          DistAutogradError: not recorded within ``timeout`` seconds, or the context
+            was released meanwhile.
+        """
+        if msg is None:
+            return
+        if not self._event(tuple(msg)).wait(timeout):
+            raise DistAutogradError(
+                f"{self.agent.info} waited {timeout} s in autograd context "
+                f"{self.context_id} for the differentiable call {tuple(msg)} sent before "
+                "this one by the same worker, which never ran here (its message was lost, "
+                "or every thread of the RPC pool is busy: raise num_worker_threads)")
+        if self.released:
+            raise not_found(self.context_id)
+
+    def mark_recorded(self, msg: tuple) -> None:
+        """The call ``msg`` has been recorded (or failed): the next one may run."""
+        self._event(tuple(msg)).set()
 
     def keep_vjp(self, msg: tuple[int, int], entry: tuple) -> None:
         """Keep a recorded call's ``(vjp, trackers, links)`` under its message id.
@@ -221,9 +263,38 @@ def set_tracing(trace: Any) -> Any:
 
 
 def call_traced(token: Any, func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func(*args, **kwargs)`` with this thread's differentiable trace set to ``token``."""
+    """``func(*args, **kwargs)`` with this thread's differentiable trace set to ``token``.
+
+    The differentiable calls it starts without waiting for them (``rpc_async`` futures
+    never waited on, ``remote()`` values never fetched) are waited for before it
+    returns (:func:`pending_scope`): their callees' recordings are part of this pass.
+    """
     prev = set_tracing(token)
     try:
-        return func(*args, **kwargs)
+        with pending_scope():
+            return func(*args, **kwargs)
     finally:
         set_tracing(prev)
+
+
+@contextmanager
+def pending_scope() -> Iterator[None]:
+    """Collect the futures that :func:`add_pending` is given in the body (calls and
+    backward messages sent without waiting) and wait for all of them at its end: an
+    error in one is an error of the body."""
+    prev = getattr(_tls, "pending", None)
+    pending: list = []
+    _tls.pending = pending
+    try:
+        yield
+        for fut in pending:
+            fut.wait()
+    finally:
+        _tls.pending = prev
+
+
+def add_pending(fut: Any) -> None:
+    """A future for the current :func:`pending_scope` to wait for."""
+    pending = getattr(_tls, "pending", None)
+    if pending is not None:
+        pending.append(fut)

@@ -57,45 +57,149 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
                         kwargs: Any, timeout: Any) -> Future:
     """An RPC made inside a differentiable trace (see the module docstring).
 
-    The call completes before this returns (the ``custom_vjp`` needs its value), so
-    ``rpc_async`` inside a loss function gives an already-completed Future.
+    Two ``custom_vjp`` s of the trace: the *send*, bound now, starts the call and does
+    not wait for it (its output is a scalar token), and the *receive*, bound when the
+    returned future is first waited on (or given a callback), takes the token and
+    returns the value. So a loss function that starts several calls before it waits
+    (torch's pipelining over micro-batches) has them all running at once. In the
+    backward pass the receive's rule keeps the value's cotangents and the send's rule
+    sends them to the callee.
     """
     agent = ctx.agent
+    worker = agent.worker_info(to)
     token = C.tracing()
     xs, _, skeleton, links = _prepare(args, kwargs, token)
     msg = ctx.new_message_id()
     fn_name = getattr(func, "__qualname__", repr(func))
-    box: dict = {}
     rref_pos = [pos for pos, _, _ in links]
+    state: dict = {}
 
-    def forward(xs_concrete):
+    def send(xs_concrete):
         vals = [_concrete(x, f"rpc of {fn_name}") for x in xs_concrete]
-        skel_out, diff_out = agent.rpc_async(
-            to, _callee_forward, (msg, func, skeleton, vals, rref_pos), None, timeout).wait()
-        box["skeleton"] = skel_out
-        return tuple(to_array(d) for d in diff_out)
+        after = ctx.chain(worker.id, msg)
+        state["reply"] = agent.rpc_async(
+            worker, _callee_forward, (msg, func, skeleton, vals, rref_pos, after), None,
+            timeout)
+        C.add_pending(state["reply"])
+        return jnp.zeros((), jnp.float32)
 
-    def backward(cts):
-        cts = [np.asarray(c) for c in cts]
-        return agent.rpc_async(to, _callee_backward, (msg, cts), None, timeout).wait()
+    def backward(ct):
+        del ct
+        cts = state.pop("cts", None)
+        if cts is None:  # the value never reached the loss
+            return _done(([np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)))
+        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
 
-    diff = _bind(token, xs, forward, backward, links)
-    out = _fill(box["skeleton"], list(diff))
-    fut: Future = Future(_desc=f"differentiable rpc of {fn_name}")
-    fut.set_result(out)
+    sent = _bind(token, xs, send, backward, links)
+
+    def receive() -> Any:
+        if C.tracing() is not token:
+            raise DistAutogradError(
+                f"the future of a differentiable rpc of {fn_name} was waited on outside "
+                "the loss function that made it; wait for it inside (its value is part "
+                "of the differentiated pass)")
+        box: dict = {}
+
+        def value():
+            skel_out, diff_out = state["reply"].wait()
+            box["skeleton"] = skel_out
+            return tuple(to_array(d) for d in diff_out)
+
+        def fwd(s_):
+            del s_
+            return value(), None
+
+        def bwd(_, cts):
+            state["cts"] = [np.asarray(c) for c in cts]
+            return (jnp.ones((), jnp.float32),)  # non-zero: the send's rule must run
+
+        @jax.custom_vjp
+        def recv(s_):
+            del s_
+            return value()
+
+        recv.defvjp(fwd, bwd)
+        diff = recv(sent)
+        return _fill(box["skeleton"], list(diff))
+
+    return _ReceiveFuture(receive, f"differentiable rpc of {fn_name}")
+
+
+class _ReceiveFuture(Future):
+    """The future of a differentiable call: waiting on it (or ``value()``, ``then``,
+    ``add_done_callback``) binds the call's receive in the waiting trace, once."""
+
+    def __init__(self, receive: Callable[[], Any], desc: str):
+        super().__init__(_desc=desc)
+        self._receive: Callable[[], Any] | None = receive
+
+    def _bind_receive(self) -> None:
+        receive, self._receive = self._receive, None
+        if receive is None:
+            return
+        try:
+            out = receive()
+        except BaseException as e:  # noqa: BLE001 - the future's error
+            self.set_exception(e)
+        else:
+            self.set_result(out)
+
+    def done(self) -> bool:
+        self._bind_receive()
+        return super().done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._bind_receive()
+        return super().wait(timeout)
+
+    def value(self) -> Any:
+        self._bind_receive()
+        return super().value()
+
+    def exception(self) -> BaseException | None:
+        self._bind_receive()
+        return super().exception()
+
+    def add_done_callback(self, callback: Callable[[Future], Any]) -> None:
+        self._bind_receive()
+        super().add_done_callback(callback)
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future(_desc="a local backward result")
+    fut.set_result(value)
     return fut
 
 
 class _Link:
     """A differentiable ``remote()``'s state on the caller: cotangents from its
-    ``to_here()`` calls, summed until the remote call's own backward rule sends them."""
+    ``to_here()`` calls, summed until the remote call's own backward rule sends them.
+
+    Cotangents that come back with the backward of a call the RRef was passed to
+    arrive later: that call's backward message is in flight (``pending``).
+    """
 
     def __init__(self) -> None:
         self.cts: list | None = None
+        self._pending: list[tuple[Future, int]] = []
 
     def add(self, cts: list) -> None:
         self.cts = cts if self.cts is None else [a + b for a, b in zip(self.cts, cts,
                                                                            strict=True)]
+
+    def add_pending(self, fut: Future, k: int) -> None:
+        """Entry ``k`` of the RRef cotangents in ``fut``'s ``(ct_xs, rref_cts)``."""
+        self._pending.append((fut, k))
+
+    def collect(self) -> list | None:
+        """All the cotangents (waiting for those in flight); None if none came."""
+        pending, self._pending = self._pending, []
+        for fut, k in pending:
+            c = fut.wait()[1][k]
+            if c is not None:
+                self.add(c)
+        cts, self.cts = self.cts, None
+        return cts
 
 
 def _prepare(args: Any, kwargs: Any, token: Any) -> tuple[list, list, Any, list]:
@@ -118,19 +222,33 @@ def _bind(token: Any, xs: list, forward: Callable, backward: Callable,
           links: list = ()) -> Any:
     """``forward(xs)`` as a ``custom_vjp`` of the trace ``token`` and ``xs``, whose
     backward rule sends the output cotangents through ``backward(cts)``, which returns
-    ``(ct_xs, rref_cts)``: the cotangents of ``xs`` and those that came back for the
-    differentiable RRefs sent along (``links``: ``(position, tracer, link)``). Those
-    are added to each RRef's link, and the RRef's tracer (an input here) gets a
-    non-zero cotangent so that the backward rule of the call that made it runs later
-    and sends them on to the RRef's owner."""
+    a future of ``(ct_xs, rref_cts)``: the cotangents of ``xs`` and those that come back
+    for the differentiable RRefs sent along (``links``: ``(position, tracer, link)``).
+    Those go to each RRef's link, and the RRef's tracer (an input here) gets a non-zero
+    cotangent so that the backward rule of the call that made it runs later and sends
+    them on to the RRef's owner.
+
+    When no ``x`` needs a cotangent (no floating ``xs``) the rule does not wait for the
+    callee: the backward message stays in flight (the enclosing ``pending_scope`` waits
+    for it) while the backward pass goes on, so the backward of one micro-batch on one
+    worker runs beside another's on the next worker.
+    """
     tracers = [t for _, t, _ in links]
+    needs_cts = any(jnp.issubdtype(x.dtype, jnp.inexact) for x in xs)
 
     def fwd(tok, xs_, ts_):
         del tok, ts_
         return forward(xs_), None
 
     def bwd(_, cts):
-        ct_xs, rref_cts = backward(cts)
+        fut = backward(cts)
+        if not needs_cts:
+            C.add_pending(fut)
+            for k, (_, _, link) in enumerate(links):
+                link.add_pending(fut, k)
+            return (jnp.zeros((), token.dtype), _input_cts(xs, [None] * len(xs)),
+                    tuple(jnp.ones((), t.dtype) for t in tracers))
+        ct_xs, rref_cts = fut.wait()
         ct_ts = []
         for (_, t, link), c in zip(links, rref_cts, strict=True):
             if c is not None:
@@ -175,19 +293,25 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
     box: dict = {}
     rref_pos = [pos for pos, _, _ in links]
 
-    def forward(xs_c):
+    def forward(xs_c):  # the value is made on the callee; this does not wait for it
         vals = [_concrete(x, f"remote of {fn_name}") for x in xs_c]
-        box["rref"] = agent.rpc_async(worker, _callee_remote,
-                                      (msg, func, skeleton, vals, rref_pos),
-                                      None, timeout).wait()
+        after = ctx.chain(worker.id, msg)
+        prev = C.set_tracing(None)  # the remote() itself is a plain one
+        try:
+            box["rref"] = agent.remote(worker, _callee_remote,
+                                       (msg, func, skeleton, vals, rref_pos, after), None,
+                                       timeout)
+        finally:
+            C.set_tracing(prev)
+        C.add_pending(box["rref"]._get_future())
         return jnp.zeros((), jnp.float32)
 
     def backward(ct):
         del ct  # the to_here() calls' cotangents, summed in link, are what flows back
-        cts, link.cts = link.cts, None
+        cts = link.collect()
         if cts is None:  # the value never reached the loss
-            return [np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)
-        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout).wait()
+            return _done(([np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)))
+        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
 
     tracer = _bind(token, xs, forward, backward, links)
     rref = box["rref"]
@@ -321,21 +445,33 @@ def _try_compiled(ctx: C.DistAutogradContext, msg: tuple, skeleton: Any,
     return try_record(ctx, msg, rref, args, kwargs, xs)
 
 
+def _record_in_order(msg: tuple, func: Any, skeleton: Any, xs: list, rref_pos: list,
+                     after: Any) -> tuple[Any, list]:
+    """:func:`_record`, once the caller's previous call to this worker (``after``) is
+    recorded."""
+    ctx = _require_context("a differentiable call")
+    try:
+        ctx.wait_recorded(after, ctx.agent.options.rpc_timeout or None)
+        return _record(msg, func, skeleton, xs, rref_pos)
+    finally:
+        ctx.mark_recorded(msg)
+
+
 @C._internal
 def _callee_forward(msg: tuple, func: Any, skeleton: Any, xs: list,
-                    rref_pos: list[int] = ()) -> tuple[Any, list]:
+                    rref_pos: list[int] = (), after: Any = None) -> tuple[Any, list]:
     """Callee side of a differentiable call: the value, its VJP kept under ``msg``."""
-    skel_out, diff = _record(msg, func, skeleton, xs, list(rref_pos))
+    skel_out, diff = _record_in_order(msg, func, skeleton, xs, list(rref_pos), after)
     return skel_out, [np.asarray(d) for d in diff]
 
 
 @C._internal
 def _callee_remote(msg: tuple, func: Any, skeleton: Any, xs: list,
-                   rref_pos: list[int] = ()) -> Any:
-    """Callee side of a differentiable ``remote()``: an RRef to the value kept here."""
-    skel_out, diff = _record(msg, func, skeleton, xs, list(rref_pos))
-    value = _fill(skel_out, [to_array(d) for d in diff])
-    return RRef.owned_by(C.current().agent, value)
+                   rref_pos: list[int] = (), after: Any = None) -> Any:
+    """Callee side of a differentiable ``remote()``: the value (kept here by the
+    ``remote()`` that ran this)."""
+    skel_out, diff = _record_in_order(msg, func, skeleton, xs, list(rref_pos), after)
+    return _fill(skel_out, [to_array(d) for d in diff])
 
 
 @C._internal
@@ -350,10 +486,12 @@ def _callee_backward(msg: tuple, cts: list) -> list:
             f"{ctx.context_id}: it was already used by a backward pass, or the context was "
             "released")
     vjp_fn, params, links = entry
-    _, ct_xs, ct_p = vjp_fn(tuple(to_array(c) for c in cts))
+    with C.pending_scope():  # its own differentiable calls' backward messages
+        _, ct_xs, ct_p = vjp_fn(tuple(to_array(c) for c in cts))
     for tracked, g in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, g)
-    rref_cts = [None if lk.cts is None else [np.asarray(c) for c in lk.cts] for lk in links]
+    rref_cts = [None if c is None else [np.asarray(x) for x in c]
+                for c in (lk.collect() for lk in links)]
     return [np.asarray(c) for c in ct_xs], rref_cts
 
 
@@ -374,7 +512,8 @@ def backward(ctx: C.DistAutogradContext, loss_fn: Any, args: tuple, kwargs: dict
     loss, vjp_fn, (aux, states) = jax.vjp(g, jnp.zeros((), jnp.float32), pvals, has_aux=True)
     for (_, t), st in zip(params, states, strict=True):
         t.write_back(st)
-    _, ct_p = vjp_fn(jnp.ones_like(loss))
+    with C.pending_scope():  # backward messages still in flight
+        _, ct_p = vjp_fn(jnp.ones_like(loss))
     for (_, tracked), grads in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, grads)
     return (loss, aux) if has_aux else loss
