@@ -88,6 +88,10 @@ class LocalOptimizer:
         return [v.get_value() for v in self.variables]
 
     def _pure_update(self, grads, opt_state, params):
+        # a parameter without a gradient in the context (None: a static leaf of the
+        # signature) steps with zeros, as torch's optimizers see a zero gradient
+        grads = [jnp.zeros_like(p) if g is None else jnp.asarray(g, p.dtype)
+                 for g, p in zip(grads, params, strict=True)]
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -100,8 +104,7 @@ class LocalOptimizer:
                 found = [ctx.grads.get(id(v)) for v in self.variables]
             if all(g is None for g in found):
                 return 0
-            grads = [jnp.zeros_like(p) if g is None else jnp.asarray(g[1], p.dtype)
-                     for p, g in zip(params, found, strict=True)]
+            grads = [None if g is None else g[1] for g in found]
             new, self.opt_state = self._update(grads, self.opt_state, params)
             for var, value in zip(self.variables, new, strict=True):
                 var.set_value(value)
