@@ -18,7 +18,9 @@ interface), their layers run as one ``nnx.jit`` program (``run_seq``: the shard'
 forward runs under distributed autograd's ``jax.vjp``, op by op unless jitted; the
 RPCs stay outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)`` runs the
 forward pass; ``parameter_rrefs`` from ``nnx.variables``; ``optax.sgd`` with
-``learning_rate=``; ``rpc.wait_all`` for ``torch.futures.wait_all``.
+``learning_rate=``; ``rpc.wait_all`` for ``torch.futures.wait_all``; the shards'
+``forward`` marked ``@dist_autograd.pure``, so each worker records it as one compiled
+forward+VJP program (the RRef's value fetched first) instead of tracing it every call.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Shard1(ShardBase):
         out = nnx.max_pool(nnx.relu(self.bn(self.conv(x))), (2, 2), strides=(2, 2))
         return jnp.transpose(out, (0, 3, 1, 2))
 
+    @dist_autograd.pure  # under dist autograd: one compiled forward+VJP program
     def forward(self, x_rref):
         x = x_rref.to_here()
         with self._lock:
@@ -107,6 +110,7 @@ class Shard2(ShardBase):
         x = jnp.transpose(x, (0, 2, 3, 1))
         return self.fc(jnp.mean(nnx.relu(self.bn(self.conv(x))), axis=(1, 2)))
 
+    @dist_autograd.pure  # under dist autograd: one compiled forward+VJP program
     def forward(self, x_rref):
         x = x_rref.to_here()
         with self._lock:

@@ -199,13 +199,18 @@ def pure(func: Any) -> Any:
 
     The contract is ``jax.jit``'s: the result depends only on the arrays and the state
     of the modules among the arguments (RRefs owned by the callee included); Python
-    side effects run when it is traced, not on every call; it makes no RPCs. Numbers,
-    strings and functions among the arguments are static (a new value traces again).
-    Module state other than parameters (dropout RNG counters, batch statistics) is an
-    input and an output of the program, so it advances as in a plain call. Calls that
-    do not fit (a plain object holding modules, an RRef owned elsewhere, another kind
-    of leaf) run the generic way. Outside distributed autograd the mark changes
-    nothing. Returns ``func`` itself (it still pickles by reference)::
+    side effects run when it is traced, not on every call; it makes no RPCs other than
+    ``to_here()`` of RRefs among its arguments that hold an array (fetched before the
+    program runs, their values are inputs of it; the value of a differentiable
+    ``remote()`` gets its gradient as in an unmarked call). Numbers, strings and
+    functions among the arguments are static (a new value traces again). Module state
+    other than parameters (dropout RNG counters, batch statistics) is an input and an
+    output of the program, so it advances as in a plain call. A method so marked is
+    compiled when called through an RRef proxy of its owner (``rref.remote().forward(x)``).
+    Calls that do not fit (a plain object holding modules, an RRef holding neither a
+    module nor an array, another kind of leaf) run the generic way. Outside distributed
+    autograd the mark changes nothing. Returns ``func`` itself (it still pickles by
+    reference)::
 
         @dist_autograd.pure
         def call_method(method, rref, *args):

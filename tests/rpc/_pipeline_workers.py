@@ -99,34 +99,58 @@ def run() -> dict:
     init_rpc(["master", "worker1", "worker2"][rank], rank=rank, world_size=3)
     out: dict = {}
     if rank == 0:
-        p1 = remote("worker1", Shard1)
-        p2 = remote("worker2", Shard2)
-        opt = DistributedOptimizer(
-            optax.sgd, rpc_sync("worker1", param_rrefs, (p1,))
-            + rpc_sync("worker2", param_rrefs, (p2,)), learning_rate=LR)
-
-        def loss_fn():
-            futs = []
-            for xc in np.split(X, SPLITS):
-                x_rref = RRef(xc)
-                y_rref = p1.remote().forward(x_rref)
-                futs.append(p2.rpc_async().forward(y_rref))
-            z = jnp.concatenate(wait_all(futs))
-            return jnp.sum((z - Y) ** 2), z
-
-        losses, zs = [], []
-        for _ in range(STEPS):
-            with dist_autograd.context() as cid:
-                loss, z = dist_autograd.backward(cid, loss_fn, has_aux=True)
-                grads = rpc_sync("worker1", grads_nonempty, (cid,))
-                opt.step(cid)
-            losses.append(float(loss))
-            zs.append(np.asarray(z))
-        out = {"losses": losses, "z": zs, "p1": rpc_sync("worker1", params_np, (p1,)),
-               "p2": rpc_sync("worker2", params_np, (p2,)), "grads_nonempty": grads}
+        out = train(remote("worker1", Shard1), remote("worker2", Shard2))
+        pure = train(remote("worker1", PureShard1), remote("worker2", PureShard2))
+        out["pure"] = {k: pure[k] for k in ("losses", "z", "p1", "p2")}
+        out["pure_traces"] = [rpc_sync(w, traces) for w in ("worker1", "worker2")]
         out.update(started_calls_checks())
     shutdown()
     return out
+
+
+class PureShard1(Shard1):
+    @dist_autograd.pure  # one compiled program; the RRef's value fetched first
+    def forward(self, x_rref):
+        return jnp.tanh(self.lin(jnp.asarray(x_rref.to_here())))
+
+
+class PureShard2(Shard2):
+    @dist_autograd.pure
+    def forward(self, y_rref):
+        return self.lin(self.drop(y_rref.to_here()))
+
+
+def traces():
+    from jdist.rpc.autograd._compiled import TRACES
+
+    return dict(TRACES)
+
+
+def train(p1, p2) -> dict:
+    """The pipeline's training on the master (shards ``p1``, ``p2``)."""
+    opt = DistributedOptimizer(
+        optax.sgd, rpc_sync("worker1", param_rrefs, (p1,))
+        + rpc_sync("worker2", param_rrefs, (p2,)), learning_rate=LR)
+
+    def loss_fn():
+        futs = []
+        for xc in np.split(X, SPLITS):
+            x_rref = RRef(xc)
+            y_rref = p1.remote().forward(x_rref)
+            futs.append(p2.rpc_async().forward(y_rref))
+        z = jnp.concatenate(wait_all(futs))
+        return jnp.sum((z - Y) ** 2), z
+
+    losses, zs = [], []
+    for _ in range(STEPS):
+        with dist_autograd.context() as cid:
+            loss, z = dist_autograd.backward(cid, loss_fn, has_aux=True)
+            grads = rpc_sync("worker1", grads_nonempty, (cid,))
+            opt.step(cid)
+        losses.append(float(loss))
+        zs.append(np.asarray(z))
+    return {"losses": losses, "z": zs, "p1": rpc_sync("worker1", params_np, (p1,)),
+            "p2": rpc_sync("worker2", params_np, (p2,)), "grads_nonempty": grads}
 
 
 # ---- differentiable calls started before any is waited on (master side)

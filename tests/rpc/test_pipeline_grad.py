@@ -27,6 +27,15 @@ def test_pipeline_gradients_through_forwarded_rref_and_dropout():
     # with the dropout RNG not advanced, step 2 would already differ from this run
     assert not np.allclose(out["z"][1], frozen["z"][1], atol=1e-3)
     assert out["grads_nonempty"][0] is True and out["grads_nonempty"][1] == 2
+    # the same shards with forward marked @dist_autograd.pure: each worker compiles it
+    # once (its RRef argument fetched first) and trains exactly as the reference
+    pure = out["pure"]
+    np.testing.assert_allclose(pure["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+    for key in ("p1", "p2", "z"):
+        for a, b in zip(pure[key], ref[key], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [t.get("pure forward") for t in out["pure_traces"]] == [1, 1]
+    assert [t.get("pure backward") for t in out["pure_traces"]] == [1, 1]
     # calls started before any is waited on: both workers ran at once (worker 1's call
     # saw worker 2's start), with the right gradient (d/dw of sum(w * x0))
     assert out["overlap_saw_marker"] is True

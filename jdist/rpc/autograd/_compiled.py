@@ -266,7 +266,8 @@ def _static_key(x: Any) -> Any:
 
 
 def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
-                    slots: list[int], params: list, xs: list) -> tuple[Any, list] | None:
+                    slots: list[int], params: list, xs: list,
+                    rref_pos: list[int] = ()) -> tuple[Any, list] | None:
     """Record a call of a function marked :func:`jdist.rpc.dist_autograd.pure` as one
     compiled forward+VJP program (the state of its modules as inputs and outputs), or
     return None when the generic path must run it: an RRef that is not a parameter
@@ -276,16 +277,21 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
 
     ``leaves``, ``tdef``, ``slots``, ``params``: the call's flattened arguments, the
     leaf position of each received array and the parameter holders, as ``_record``
-    found them.
+    found them. An RRef among the arguments that holds an array (owned elsewhere, or
+    here but not a module) is fetched first and its value is an input of the program
+    (its ``to_here()`` inside returns it); for those at ``rref_pos`` (made by a
+    differentiable ``remote()`` of the caller) the value's cotangent goes back with the
+    backward answer, as the generic path's differentiable fetch sends it.
     """
     from jdist.rpc._rref import RRef
-    from jdist.rpc.autograd._params import Tracked, rebuild_args
-    from jdist.rpc.autograd._slots import _is_slot, _split_outputs
+    from jdist.rpc.autograd._params import Tracked, _TrackedRRef, rebuild_args
+    from jdist.rpc.autograd._slots import _is_slot, _Link, _split_outputs
 
     if any(not isinstance(t, Tracked) for _, t in params):
         return None
     held = {pos for pos, _ in params}
-    dyn_pos, sig = [], []
+    linked = list(rref_pos)
+    dyn_pos, ref_pos, refs, sig = [], [], [], []
     for i, leaf in enumerate(leaves):
         if i in held:
             sig.append(("param",))
@@ -295,7 +301,12 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
             dyn_pos.append(i)
             sig.append(("array", _aval(leaf)))
         elif isinstance(leaf, RRef):
-            return None
+            value = leaf.to_here()  # outside any trace: a plain fetch
+            if not isinstance(value, (np.ndarray, jax.Array)):
+                return None
+            ref_pos.append(i)
+            refs.append(np.asarray(value))
+            sig.append(("rref", _aval(refs[-1]), i in linked))
         else:
             try:
                 sig.append(_static_key(leaf))
@@ -304,30 +315,40 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
     xs = [np.asarray(x) for x in xs]
     dyn = [np.asarray(leaves[i]) for i in dyn_pos]
     diff = tuple(k for k, x in enumerate(xs) if np.issubdtype(x.dtype, np.inexact))
+    # fetched values differentiated: those of differentiable remote() calls
+    rdiff = tuple(k for k, (i, r) in enumerate(zip(ref_pos, refs, strict=True))
+                  if i in linked and np.issubdtype(r.dtype, np.inexact))
     try:
         holders = tuple(
             (t.gdef, t._tdef, jax.tree_util.tree_structure(t.rest),
              tuple(_aval(v) for v in jax.tree_util.tree_leaves(t.rest)))
             if t.gdef is not None else (type(t.holder), _aval(t.values()[0]))
             for _, t in params)
-        key = ("pure", func, tdef, tuple(sig), holders, tuple(_aval(x) for x in xs), diff)
+        key = ("pure", func, tdef, tuple(sig), holders, tuple(_aval(x) for x in xs), diff,
+               rdiff)
         hash(key)
     except TypeError:
         return None
     box: dict = {}  # the output skeleton, set when the program is traced
 
     def build():
-        def forward(pvals, rests, xs_, dyn_):
+        def forward(pvals, rests, xs_, dyn_, refs_):
             TRACES["pure forward"] += 1
             dv = [xs_[k] for k in diff]
+            rv = [refs_[k] for k in rdiff]
 
-            def h(pv, dv_):
+            def h(pv, dv_, rv_):
                 xs_in = list(xs_)
                 for k, v in zip(diff, dv_, strict=True):
                     xs_in[k] = v
+                refs_in = list(refs_)
+                for k, v in zip(rdiff, rv_, strict=True):
+                    refs_in[k] = v
                 new = list(leaves)
                 for i, v in zip(dyn_pos, dyn_, strict=True):
                     new[i] = v
+                for i, v in zip(ref_pos, refs_in, strict=True):
+                    new[i] = _TrackedRRef(leaves[i], v)
                 for (_, t), rest in zip(params, rests, strict=True):
                     if t.gdef is not None:  # the state as an input of the program
                         t.rest = rest
@@ -339,7 +360,7 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
                 box["skeleton"] = skel
                 return tuple(diff_out), [t.state_after() for _, t in params]
 
-            out, vjp_fn, states = jax.vjp(h, list(pvals), dv, has_aux=True)
+            out, vjp_fn, states = jax.vjp(h, list(pvals), dv, rv, has_aux=True)
             return out, states, vjp_fn
 
         def backward(vjp_fn, cts):
@@ -354,7 +375,7 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
     fwd, bwd, pbox = prog
     saved = [t.rest for _, t in params]
     try:
-        out, states, vjp_fn = fwd([t.values() for _, t in params], saved, xs, dyn)
+        out, states, vjp_fn = fwd([t.values() for _, t in params], saved, xs, dyn, refs)
     except Exception:  # noqa: BLE001 - not traceable here: the generic path runs it
         with _lock:
             _programs[key] = _EAGER
@@ -366,13 +387,17 @@ def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
         t.write_back(st)
     out_dtypes = [o.dtype for o in out]
 
+    links = {i: _Link() for i in linked}
+
     def vjp(cts: tuple) -> tuple:
-        ct_p, ct_d = bwd(vjp_fn, tuple(np.asarray(c, d) for c, d in zip(cts, out_dtypes,
-                                                                           strict=True)))
+        ct_p, ct_d, ct_r = bwd(vjp_fn, tuple(np.asarray(c, d) for c, d in zip(
+            cts, out_dtypes, strict=True)))
         ct_xs = [np.zeros(x.shape, x.dtype) for x in xs]
         for k, c in zip(diff, ct_d, strict=True):
             ct_xs[k] = c
+        for k, c in zip(rdiff, ct_r, strict=True):
+            links[ref_pos[k]].add([c])
         return None, ct_xs, list(ct_p)
 
-    ctx.keep_vjp(msg, (vjp, [t for _, t in params], []))
+    ctx.keep_vjp(msg, (vjp, [t for _, t in params], [links[i] for i in linked]))
     return pbox["skeleton"], list(out)

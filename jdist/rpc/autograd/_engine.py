@@ -33,11 +33,11 @@ import numpy as np
 
 from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc._futures import Future
-from jdist.rpc._rref import RRef
+from jdist.rpc._rref import RRef, rref_method_call
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._context import call_traced
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
-from jdist.rpc.autograd._slots import _fill, _is_slot, _Slot, _split_outputs, to_array
+from jdist.rpc.autograd._slots import _fill, _is_slot, _Link, _Slot, _split_outputs, to_array
 
 __all__ = ["differentiable_call", "backward"]
 
@@ -169,37 +169,6 @@ def _done(value: Any) -> Future:
     fut: Future = Future(_desc="a local backward result")
     fut.set_result(value)
     return fut
-
-
-class _Link:
-    """A differentiable ``remote()``'s state on the caller: cotangents from its
-    ``to_here()`` calls, summed until the remote call's own backward rule sends them.
-
-    Cotangents that come back with the backward of a call the RRef was passed to
-    arrive later: that call's backward message is in flight (``pending``).
-    """
-
-    def __init__(self) -> None:
-        self.cts: list | None = None
-        self._pending: list[tuple[Future, int]] = []
-
-    def add(self, cts: list) -> None:
-        self.cts = cts if self.cts is None else [a + b for a, b in zip(self.cts, cts,
-                                                                           strict=True)]
-
-    def add_pending(self, fut: Future, k: int) -> None:
-        """Entry ``k`` of the RRef cotangents in ``fut``'s ``(ct_xs, rref_cts)``."""
-        self._pending.append((fut, k))
-
-    def collect(self) -> list | None:
-        """All the cotangents (waiting for those in flight); None if none came."""
-        pending, self._pending = self._pending, []
-        for fut, k in pending:
-            c = fut.wait()[1][k]
-            if c is not None:
-                self.add(c)
-        cts, self.cts = self.cts, None
-        return cts
 
 
 def _prepare(args: Any, kwargs: Any, token: Any) -> tuple[list, list, Any, list]:
@@ -397,11 +366,10 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         if _is_slot(x):
             slots[x.index] = i
     params = find_params(leaves, ctx.agent.info.id)
-    if getattr(func, "_jdist_pure", False) and not rref_pos \
-            and not getattr(func, "_jdist_async_execution", False):
+    if _is_pure(func, leaves) and not getattr(func, "_jdist_async_execution", False):
         from jdist.rpc.autograd._compiled import try_record_pure
 
-        got = try_record_pure(ctx, msg, func, leaves, tdef, slots, params, xs)
+        got = try_record_pure(ctx, msg, func, leaves, tdef, slots, params, xs, rref_pos)
         if got is not None:
             return got
     xs = [to_array(x) for x in xs]
@@ -428,6 +396,19 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         t.write_back(st)
     ctx.keep_vjp(msg, (vjp_fn, [t for _, t in params], links))
     return skel_out, diff
+
+
+def _is_pure(func: Any, leaves: list) -> bool:
+    """Whether ``func`` is marked :func:`jdist.rpc.dist_autograd.pure`, or is an RRef
+    proxy's call (``rref.rpc_sync().name(...)``, ``rref.remote().name(...)``) of a
+    method so marked."""
+    if getattr(func, "_jdist_pure", False):
+        return True
+    if func is rref_method_call and len(leaves) >= 2 and isinstance(leaves[0], RRef) \
+            and isinstance(leaves[1], str) and leaves[0].is_owner():
+        method = getattr(type(leaves[0].local_value()), leaves[1], None)
+        return bool(getattr(method, "_jdist_pure", False))
+    return False
 
 
 def _try_compiled(ctx: C.DistAutogradContext, msg: tuple, skeleton: Any,

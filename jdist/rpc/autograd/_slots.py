@@ -1,12 +1,13 @@
 """Slots: the differentiable arrays of a sent or returned structure, by position.
 
 A structure crosses the wire as a skeleton (``_Slot(i)`` at each differentiable leaf) plus
-the list of those arrays; the engine and the compiled forward path both build on this.
+the list of those arrays; the engine and the compiled forward path both build on this,
+and on :class:`_Link`, where the cotangents of a differentiable RRef's value gather.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,10 @@ import numpy as np
 
 from jdist.rpc.autograd._params import flatten_args
 
-__all__ = ["_Slot", "_fill", "_is_diff_value", "_is_slot", "_split_outputs", "to_array"]
+if TYPE_CHECKING:
+    from jdist.rpc._futures import Future
+
+__all__ = ["_Link", "_Slot", "_fill", "_is_diff_value", "_is_slot", "_split_outputs", "to_array"]
 
 
 class _Slot:
@@ -73,3 +77,34 @@ def to_array(x: Any, dtype: Any = None) -> jax.Array:
     if isinstance(x, jax.core.Tracer):
         return jnp.asarray(x, dtype)
     return jax.device_put(np.asarray(x, dtype))
+
+
+class _Link:
+    """A differentiable ``remote()``'s state on the caller: cotangents from its
+    ``to_here()`` calls, summed until the remote call's own backward rule sends them.
+
+    Cotangents that come back with the backward of a call the RRef was passed to
+    arrive later: that call's backward message is in flight (``pending``).
+    """
+
+    def __init__(self) -> None:
+        self.cts: list | None = None
+        self._pending: list[tuple[Future, int]] = []
+
+    def add(self, cts: list) -> None:
+        self.cts = cts if self.cts is None else [a + b for a, b in zip(self.cts, cts,
+                                                                           strict=True)]
+
+    def add_pending(self, fut: Future, k: int) -> None:
+        """Entry ``k`` of the RRef cotangents in ``fut``'s ``(ct_xs, rref_cts)``."""
+        self._pending.append((fut, k))
+
+    def collect(self) -> list | None:
+        """All the cotangents (waiting for those in flight); None if none came."""
+        pending, self._pending = self._pending, []
+        for fut, k in pending:
+            c = fut.wait()[1][k]
+            if c is not None:
+                self.add(c)
+        cts, self.cts = self.cts, None
+        return cts
