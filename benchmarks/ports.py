@@ -62,7 +62,7 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
         ("ddp_rpc", 4, hybrid, "HybridModel step, variable-size bags (2 trainers)"),
         ("ddp_rpc", 4, hybrid_padded, "HybridModel step, the same bags padded to one "
          "shape in the jdist run (--pad; torch unpadded)"),
-        ("rpc_pipeline", 3, ["--num-batches", "3" if quick else "6"],
+        ("rpc_pipeline", 3, ["--num-batches", "3" if quick else "16"],
          "pipeline step: batch 32 in 4 micro-batches over 2 shards"),
     ]
 
