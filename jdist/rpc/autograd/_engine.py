@@ -105,24 +105,33 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
             box["skeleton"] = skel_out
             return tuple(to_array(d) for d in diff_out)
 
-        def fwd(s_):
-            del s_
-            return value(), None
-
-        def bwd(_, cts):
-            state["cts"] = [np.asarray(c) for c in cts]
-            return (jnp.ones((), jnp.float32),)  # non-zero: the send's rule must run
-
-        @jax.custom_vjp
-        def recv(s_):
-            del s_
-            return value()
-
-        recv.defvjp(fwd, bwd)
-        diff = recv(sent)
+        diff = _from_token(sent, value, lambda cts: state.__setitem__("cts", cts))
         return _fill(box["skeleton"], list(diff))
 
     return _ReceiveFuture(receive, f"differentiable rpc of {fn_name}")
+
+
+def _from_token(tracer: Any, produce: Callable[[], tuple], sink: Callable[[list], Any]
+                ) -> tuple:
+    """``produce()``'s arrays as a ``custom_vjp`` of the scalar ``tracer`` (the output
+    of the op that started the call or made the RRef): its backward rule hands the
+    arrays' cotangents to ``sink`` and gives ``tracer`` a non-zero cotangent, so that
+    the rule of that op runs later and sends them on."""
+    def fwd(t):
+        del t
+        return produce(), None
+
+    def bwd(_, cts):
+        sink([np.asarray(c) for c in cts])
+        return (jnp.ones((), tracer.dtype),)
+
+    @jax.custom_vjp
+    def op(t):
+        del t
+        return produce()
+
+    op.defvjp(fwd, bwd)
+    return op(tracer)
 
 
 class _ReceiveFuture(Future):
@@ -317,21 +326,7 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
         box["skeleton"] = skel
         return tuple(to_array(d) for d in diff)
 
-    def fwd(lk):
-        del lk
-        return forward(), None
-
-    def bwd(_, cts):
-        link.add([np.asarray(c) for c in cts])
-        return (jnp.ones((), jnp.float32),)  # non-zero: the remote call's rule must run
-
-    @jax.custom_vjp
-    def fetch(lk):
-        del lk
-        return forward()
-
-    fetch.defvjp(fwd, bwd)
-    diff = fetch(tracer)
+    diff = _from_token(tracer, forward, link.add)
     fut: Future = Future(_desc=f"differentiable to_here of {rref!r}")
     fut.set_result(_fill(box["skeleton"], list(diff)))
     return fut
