@@ -62,14 +62,16 @@ def _jax_to_host(x: Any) -> Any:
     return np.asarray(x)
 
 
-_PUT: list = []  # (device, sharding, put, ShapedArray, canonicalize_dtype, default
-# device option) once made
+# (device, sharding, put, ShapedArray, canonicalize_dtype, default-device option),
+# made on first use
+_PUT: list = []
 
 
 def _fast_put() -> tuple | None:
-    """JAX's own one-array placement, without ``jax.device_put``'s dispatch (which costs
-    ~75 us an array on CPU, against ~11 us here; a message of a model's gradients holds
-    dozens). None when this JAX has no such internals: ``jax.device_put`` then."""
+    """JAX's own one-array placement, without ``jax.device_put``'s Python dispatch (a
+    message of a model's gradients holds dozens of arrays, and that dispatch is most of
+    their cost on receipt). None when this JAX has no such internals: ``jax.device_put``
+    then."""
     if not _PUT:
         try:
             import jax

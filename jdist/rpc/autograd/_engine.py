@@ -87,7 +87,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         del ct
         cts = state.pop("cts", None)
         if cts is None:  # the value never reached the loss
-            return _done(([np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)))
+            return _no_answer(xs, links)
         return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
 
     sent = _bind(token, xs, send, backward, links)
@@ -174,9 +174,11 @@ class _ReceiveFuture(Future):
         super().add_done_callback(callback)
 
 
-def _done(value: Any) -> Future:
-    fut: Future = Future(_desc="a local backward result")
-    fut.set_result(value)
+def _no_answer(xs: list, links: list) -> Future:
+    """The backward answer of a call whose value never reached the loss (no message
+    sent): zero cotangents for ``xs``, none for the RRefs sent along."""
+    fut: Future = Future(_desc="a backward pass that sent nothing")
+    fut.set_result(([np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)))
     return fut
 
 
@@ -288,7 +290,7 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         del ct  # the to_here() calls' cotangents, summed in link, are what flows back
         cts = link.collect()
         if cts is None:  # the value never reached the loss
-            return _done(([np.zeros(x.shape, x.dtype) for x in xs], [None] * len(links)))
+            return _no_answer(xs, links)
         return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
 
     tracer = _bind(token, xs, forward, backward, links)
