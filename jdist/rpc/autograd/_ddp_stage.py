@@ -139,7 +139,7 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             for var, g in zip(variables, grads, strict=True):
                 ctx.accumulate(var, g * _beside(ct, g))
             gx = box.pop("gx")
-            return jnp.zeros((), token.dtype), to_array(
+            return np.zeros((), token.dtype), to_array(
                 (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
 
         run.defvjp(fwd, bwd)

@@ -81,7 +81,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
             worker, _callee_forward, (msg, func, skeleton, vals, rref_pos, after), None,
             timeout)
         C.add_pending(state["reply"])
-        return jnp.zeros((), jnp.float32)
+        return np.zeros((), np.float32)
 
     def backward(ct):
         del ct
@@ -123,7 +123,7 @@ def _from_token(tracer: Any, produce: Callable[[], tuple], sink: Callable[[list]
 
     def bwd(_, cts):
         sink([np.asarray(c) for c in cts])
-        return (jnp.ones((), tracer.dtype),)
+        return (np.ones((), tracer.dtype),)
 
     @jax.custom_vjp
     def op(t):
@@ -226,15 +226,15 @@ def _bind(token: Any, xs: list, forward: Callable, backward: Callable,
             C.add_pending(fut)
             for k, (_, _, link) in enumerate(links):
                 link.add_pending(fut, k)
-            return (jnp.zeros((), token.dtype), _input_cts(xs, [None] * len(xs)),
-                    tuple(jnp.ones((), t.dtype) for t in tracers))
+            return (np.zeros((), token.dtype), _input_cts(xs, [None] * len(xs)),
+                    tuple(np.ones((), t.dtype) for t in tracers))
         ct_xs, rref_cts = fut.wait()
         ct_ts = []
         for (_, t, link), c in zip(links, rref_cts, strict=True):
             if c is not None:
                 link.add(c)
-            ct_ts.append(jnp.ones((), t.dtype) if c is not None else jnp.zeros((), t.dtype))
-        return (jnp.zeros((), token.dtype), _input_cts(xs, ct_xs), tuple(ct_ts))
+            ct_ts.append(np.ones((), t.dtype) if c is not None else np.zeros((), t.dtype))
+        return (np.zeros((), token.dtype), _input_cts(xs, ct_xs), tuple(ct_ts))
 
     @jax.custom_vjp
     def call(tok, xs_, ts_):
@@ -284,7 +284,7 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         finally:
             C.set_tracing(prev)
         C.add_pending(box["rref"]._get_future())
-        return jnp.zeros((), jnp.float32)
+        return np.zeros((), np.float32)
 
     def backward(ct):
         del ct  # the to_here() calls' cotangents, summed in link, are what flows back
@@ -387,7 +387,7 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
                 leaves[pos]._ad_link = None
         return tuple(diff), (skel_out, [t.state_after() for _, t in params])
 
-    diff, vjp_fn, (skel_out, states) = jax.vjp(g, jnp.zeros((), jnp.float32), xs, pvals,
+    diff, vjp_fn, (skel_out, states) = jax.vjp(g, np.zeros((), np.float32), xs, pvals,
                                                has_aux=True)
     for (_, t), st in zip(params, states, strict=True):
         t.write_back(st)
@@ -487,11 +487,11 @@ def backward(ctx: C.DistAutogradContext, loss_fn: Any, args: tuple, kwargs: dict
         loss, aux = _check_loss(out, has_aux)
         return loss, (aux, [t.state_after() for _, t in params])
 
-    loss, vjp_fn, (aux, states) = jax.vjp(g, jnp.zeros((), jnp.float32), pvals, has_aux=True)
+    loss, vjp_fn, (aux, states) = jax.vjp(g, np.zeros((), np.float32), pvals, has_aux=True)
     for (_, t), st in zip(params, states, strict=True):
         t.write_back(st)
     with C.pending_scope():  # backward messages still in flight
-        _, ct_p = vjp_fn(jnp.ones_like(loss))
+        _, ct_p = vjp_fn(np.ones(loss.shape, loss.dtype))
     for (_, tracked), grads in zip(params, ct_p, strict=True):
         tracked.accumulate(ctx, grads)
     return (loss, aux) if has_aux else loss

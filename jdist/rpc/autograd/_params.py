@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import numbers
 import types
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,6 +121,75 @@ def _split_shares_variables() -> bool:
     return _SPLIT_SHARES[0]
 
 
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # holder -> treedef
+
+
+class _PytreeView:
+    """A module (or list of modules) through its pytree flattening, its Variables as
+    leaves: about a tenth of ``nnx.split``'s cost, which a recorded call pays on every
+    call. Used only where it sees the same Variables as ``nnx.split`` (checked once per
+    holder and structure, see :func:`_pytree_view`).
+
+    Attributes:
+      key: hashable, equal for holders of one structure and Variable types (a
+        compiled program's cache key, as a graph definition is).
+      params, others: the ``nnx.Param`` Variables and the rest, in flattening order.
+      param_values, values: their values (as ``nnx.split``'s states flatten).
+    """
+
+    def __init__(self, variables: list, values: list, treedef: Any):
+        self._treedef = treedef
+        self._mask = tuple(isinstance(v, nnx.Param) for v in variables)
+        self.key = ("pytree", treedef, tuple(type(v) for v in variables))
+        self.params = [v for v, p in zip(variables, self._mask, strict=True) if p]
+        self.others = [v for v, p in zip(variables, self._mask, strict=True) if not p]
+        self.param_values = [x for x, p in zip(values, self._mask, strict=True) if p]
+        self.values = [x for x, p in zip(values, self._mask, strict=True) if not p]
+
+    def rebuild(self, params: list, others: list) -> tuple[Any, list]:
+        """A copy with fresh Variables holding ``params`` and ``others`` (values in the
+        order of :attr:`params` / :attr:`others`), and the copy's other Variables."""
+        it_p = iter(zip(self.params, params, strict=True))
+        it_o = iter(zip(self.others, others, strict=True))
+        leaves, fresh = [], []
+        for is_param in self._mask:
+            var, value = next(it_p) if is_param else next(it_o)
+            leaves.append(var.replace(value))
+            if not is_param:
+                fresh.append(leaves[-1])
+        return jax.tree_util.tree_unflatten(self._treedef, leaves), fresh
+
+
+def _pytree_view(holder: Any) -> _PytreeView | None:
+    """The pytree view of ``holder``, or None where it would differ from ``nnx.split``:
+    a module that is no pytree (``pytree=False``), a leaf that is no Variable, or a
+    Variable reached twice (a shared submodule: ``nnx.split`` keeps one)."""
+    try:
+        variables, treedef = jax.tree_util.tree_flatten(holder, is_leaf=_is_variable)
+    except Exception:  # noqa: BLE001 - not flattenable here: nnx.split decides
+        return None
+    if not all(isinstance(v, nnx.Variable) for v in variables):
+        return None
+    values = jax.tree_util.tree_leaves(variables)
+    if len(values) != len(variables):  # a Variable holding a tree of arrays
+        return None
+    try:
+        known = _VERIFIED.get(holder)
+    except TypeError:  # a holder that cannot be weakly referenced (a list)
+        known = None
+    if known is not None and known == treedef:
+        return _PytreeView(variables, values, treedef)
+    ids = [id(v) for v in variables]
+    graph = jax.tree.leaves(nnx.state(holder), is_leaf=_is_variable)
+    if len(set(ids)) != len(ids) or sorted(ids) != sorted(id(v) for v in graph):
+        return None
+    try:
+        _VERIFIED[holder] = treedef
+    except TypeError:
+        pass
+    return _PytreeView(variables, values, treedef)
+
+
 class Tracked:
     """One parameter holder (module or Variable), split for differentiation.
 
@@ -127,15 +197,25 @@ class Tracked:
       holder: the original module or Variable (never modified during the call).
       variables: its parameter Variables, one per array in :meth:`values`.
       gdef, rest: a module's graph definition and its non-parameter state (None for a
-        Variable).
+        Variable); through a :class:`_PytreeView` (the default where it applies;
+        ``graph=True``: always ``nnx.split``) the view's key and the list of the
+        non-parameter Variables' values.
     """
 
-    def __init__(self, holder: Any, rref: RRef | None = None):
+    def __init__(self, holder: Any, rref: RRef | None = None, graph: bool = False):
         self.holder = holder
         self.rref = rref
         self.gdef = self.rest = None
         self._rest_vars: list = []
-        if isinstance(holder, (nnx.Module, list)):  # a list: _ObjectTracked's holders
+        self._view: _PytreeView | None = None
+        if isinstance(holder, (nnx.Module, list)) and not graph:
+            self._view = _pytree_view(holder)
+        if self._view is not None:
+            self.gdef, self._tdef = self._view.key, None
+            self.variables = list(self._view.params)
+            self._rest_vars = list(self._view.others)
+            self._leaves, self.rest = list(self._view.param_values), list(self._view.values)
+        elif isinstance(holder, (nnx.Module, list)):  # a list: _ObjectTracked's holders
             self.gdef, pstate, self.rest = nnx.split(holder, nnx.Param, ...)
             self._leaves, self._tdef = jax.tree_util.tree_flatten(pstate)
             if _split_shares_variables():
@@ -162,7 +242,9 @@ class Tracked:
 
     def rebuild(self, traced: Sequence[Any]) -> Any:
         """A copy of the holder (or of its RRef) whose parameters are ``traced``."""
-        if self.gdef is not None:
+        if self._view is not None:
+            value, self._copy_rest = self._view.rebuild(list(traced), list(self.rest))
+        elif self.gdef is not None:
             pstate = jax.tree_util.tree_unflatten(self._tdef, list(traced))
             rest = jax.tree.map(lambda x: x, self.rest)  # fresh Variables for the copy
             value = nnx.merge(self.gdef, pstate, rest)
@@ -177,7 +259,7 @@ class Tracked:
         trace: returned as auxiliary output, so it comes out concrete), or None."""
         if self.gdef is None or self._copy is None:
             return None
-        if self._rest_vars:
+        if self._view is not None or self._rest_vars:
             return [v.get_value() for v in self._copy_rest]
         return nnx.split(self._copy, nnx.Param, ...)[2]
 
