@@ -125,13 +125,41 @@ def _from_token(tracer: Any, produce: Callable[[], tuple], sink: Callable[[list]
         sink([np.asarray(c) for c in cts])
         return (np.ones((), tracer.dtype),)
 
-    @jax.custom_vjp
     def op(t):
         del t
         return produce()
 
+    return _custom_vjp(op, fwd, bwd)(tracer)
+
+
+_DEBUG_INFO: list = []  # [{"fun"|"fwd"|"bwd": DebugInfo} or None] once made
+
+
+def _custom_vjp(fun: Callable, fwd: Callable, bwd: Callable) -> Any:
+    """``jax.custom_vjp(fun)`` with ``fwd`` / ``bwd``, for the closures made per call.
+
+    ``custom_vjp`` describes its functions for error messages on every call, with an
+    ``inspect.signature`` of each (a tenth of a millisecond or more per call); a
+    function carrying a ready description skips that, so these get a shared one
+    (argument names unknown). With a JAX that has no such hook they go as they are.
+    """
+    if not _DEBUG_INFO:
+        try:
+            from jax._src import core
+
+            _DEBUG_INFO.append({w: core.DebugInfo(f"custom_vjp {w}", "jdist_differentiable_rpc",
+                                                  None, core.initial_result_paths)
+                                for w in ("fun", "fwd", "bwd")})
+        except Exception:  # noqa: BLE001 - another JAX layout
+            _DEBUG_INFO.append(None)
+    infos = _DEBUG_INFO[0]
+    if infos is not None:
+        fun.__fun_debug_info__ = infos["fun"]
+        fwd.__fun_debug_info__ = infos["fwd"]
+        bwd.__fun_debug_info__ = infos["bwd"]
+    op = jax.custom_vjp(fun)
     op.defvjp(fwd, bwd)
-    return op(tracer)
+    return op
 
 
 class _ReceiveFuture(Future):
@@ -236,13 +264,11 @@ def _bind(token: Any, xs: list, forward: Callable, backward: Callable,
             ct_ts.append(np.ones((), t.dtype) if c is not None else np.zeros((), t.dtype))
         return (np.zeros((), token.dtype), _input_cts(xs, ct_xs), tuple(ct_ts))
 
-    @jax.custom_vjp
     def call(tok, xs_, ts_):
         del tok, ts_
         return forward(xs_)
 
-    call.defvjp(fwd, bwd)
-    return call(token, tuple(xs), tuple(tracers))
+    return _custom_vjp(call, fwd, bwd)(token, tuple(xs), tuple(tracers))
 
 
 def _input_cts(xs: list, ct_xs: list) -> tuple:
