@@ -11,7 +11,8 @@ ranks 1.. are trainers. The data is scikit-learn's 8x8 digits (no download), so 
 first linear layer has 64 * 2 * 2 inputs instead of 9216. The lines a torch user
 changes: the ``Net`` in NNX (channels-last convolutions, ``nnx.Dropout`` with
 ``broadcast_dims`` for ``Dropout2d``), run as one ``nnx.jit`` program on the server
-(``run_model``; the RPC stays outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)``
+(``run_model``; the RPC stays outside the jit), and so is the trainer's
+``F.nll_loss`` (``nll``); ``dist_autograd.backward(cid, loss_fn, ...)``
 runs the forward pass itself; ``optax.sgd`` with ``learning_rate=``; the parameter
 RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
 ``ParameterServer`` is an ``nnx.Module`` as torch's is an ``nn.Module`` (a plain class
@@ -137,10 +138,16 @@ class TrainerNet:
         return remote_method(ParameterServer.forward, self.param_server_rref, x)
 
 
+@jax.jit
+def nll(model_output, target):
+    """``F.nll_loss`` as one compiled program (the local part of the loss function)."""
+    return -jnp.mean(jnp.take_along_axis(model_output, target[:, None], 1))
+
+
 def nll_loss(net, data, target):
     """The forward pass and ``F.nll_loss`` (dist_autograd.backward runs it)."""
     model_output = net(data)
-    return -jnp.mean(jnp.take_along_axis(model_output, jnp.asarray(target)[:, None], 1))
+    return nll(model_output, target)
 
 
 def run_training_loop(rank, args):

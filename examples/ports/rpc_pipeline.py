@@ -18,7 +18,8 @@ interface), their layers run as one ``nnx.jit`` program (``run_seq``: the shard'
 forward runs under distributed autograd's ``jax.vjp``, op by op unless jitted; the
 RPCs stay outside the jit); ``dist_autograd.backward(cid, loss_fn, ...)`` runs the
 forward pass; ``parameter_rrefs`` from ``nnx.variables``; ``optax.sgd`` with
-``learning_rate=``; ``rpc.wait_all`` for ``torch.futures.wait_all``; the shards'
+``learning_rate=``; ``rpc.wait_all`` for ``torch.futures.wait_all``; the master's
+``torch.cat`` and loss jitted too (``concat``, ``mse_of``); the shards'
 ``forward`` marked ``@dist_autograd.pure``, so each worker records it as one compiled
 forward+VJP program (the RRef's value fetched first) instead of tracing it every call.
 """
@@ -133,7 +134,7 @@ class DistNet:
             y_rref = self.p1_rref.remote().forward(x_rref)
             z_fut = self.p2_rref.rpc_async().forward(y_rref)
             out_futures.append(z_fut)
-        return jnp.concatenate(rpc.wait_all(out_futures))
+        return concat(rpc.wait_all(out_futures))
 
     def parameter_rrefs(self):
         remote_params = []
@@ -142,8 +143,20 @@ class DistNet:
         return remote_params
 
 
+@jax.jit
+def concat(outputs):
+    """``torch.cat`` of the micro-batches' outputs, compiled (a local part)."""
+    return jnp.concatenate(outputs)
+
+
+@jax.jit
+def mse_of(outputs, labels):
+    """``nn.MSELoss()``, compiled (a local part of the loss function)."""
+    return jnp.mean((outputs - labels) ** 2)
+
+
 def mse(model, inputs, labels):
-    return jnp.mean((model(inputs) - labels) ** 2)
+    return mse_of(model(inputs), labels)
 
 
 def run_master(args):
