@@ -104,3 +104,6 @@ def test_a_changed_structure_is_checked_again():
     m.lin.kernel = nnx.Param(jnp.zeros((3, 4)))  # a replaced Variable, same structure
     third = Tracked(m)
     assert third.gdef == again.gdef and any(v is m.lin.kernel for v in third.variables)
+    m.lin.bias = m.bn.bias  # the structure verified, but one Variable at two places
+    assert _pytree_view(m) is None
+    assert _ids(Tracked(m).variables) == _ids(Tracked(m, graph=True).variables)

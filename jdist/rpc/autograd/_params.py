@@ -171,17 +171,17 @@ def _pytree_view(holder: Any) -> _PytreeView | None:
     if not all(isinstance(v, nnx.Variable) for v in variables):
         return None
     values = jax.tree_util.tree_leaves(variables)
-    if len(values) != len(variables):  # a Variable holding a tree of arrays
-        return None
+    ids = [id(v) for v in variables]
+    if len(values) != len(variables) or len(set(ids)) != len(ids):
+        return None  # a Variable holding a tree of arrays, or one reached twice
     try:
         known = _VERIFIED.get(holder)
     except TypeError:  # a holder that cannot be weakly referenced (a list)
         known = None
     if known is not None and known == treedef:
         return _PytreeView(variables, values, treedef)
-    ids = [id(v) for v in variables]
     graph = jax.tree.leaves(nnx.state(holder), is_leaf=_is_variable)
-    if len(set(ids)) != len(ids) or sorted(ids) != sorted(id(v) for v in graph):
+    if sorted(ids) != sorted(id(v) for v in graph):
         return None
     try:
         _VERIFIED[holder] = treedef
