@@ -30,6 +30,7 @@ import numpy as np
 
 from jdist.errors import DistAutogradError
 from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._engine import custom_vjp_of
 from jdist.rpc.autograd._params import param_variables
 from jdist.rpc.autograd._slots import to_array
 
@@ -123,7 +124,6 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             box["gx"] = gx if n is None else gx[:n]  # numpy: no program per shape
             return jnp.mean(losses)
 
-        @jax.custom_vjp
         def run(tok, xv):
             del tok
             return forward(xv)
@@ -142,8 +142,7 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             return np.zeros((), token.dtype), to_array(
                 (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
 
-        run.defvjp(fwd, bwd)
-        return run(token, x)
+        return custom_vjp_of(run, fwd, bwd)(token, x)
 
     return stage
 

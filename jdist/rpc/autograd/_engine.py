@@ -39,7 +39,7 @@ from jdist.rpc.autograd._context import call_traced
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
 from jdist.rpc.autograd._slots import _fill, _is_slot, _Link, _Slot, _split_outputs, to_array
 
-__all__ = ["differentiable_call", "backward"]
+__all__ = ["differentiable_call", "backward", "custom_vjp_of"]
 
 
 def _concrete(x: Any, what: str) -> Any:
@@ -129,14 +129,15 @@ def _from_token(tracer: Any, produce: Callable[[], tuple], sink: Callable[[list]
         del t
         return produce()
 
-    return _custom_vjp(op, fwd, bwd)(tracer)
+    return custom_vjp_of(op, fwd, bwd)(tracer)
 
 
 _DEBUG_INFO: list = []  # [{"fun"|"fwd"|"bwd": DebugInfo} or None] once made
 
 
-def _custom_vjp(fun: Callable, fwd: Callable, bwd: Callable) -> Any:
-    """``jax.custom_vjp(fun)`` with ``fwd`` / ``bwd``, for the closures made per call.
+def custom_vjp_of(fun: Callable, fwd: Callable, bwd: Callable) -> Any:
+    """``jax.custom_vjp(fun)`` with ``fwd`` / ``bwd``, for closures made per call (here
+    and in ``_ddp_stage``).
 
     ``custom_vjp`` describes its functions for error messages on every call, with an
     ``inspect.signature`` of each (a tenth of a millisecond or more per call); a
@@ -147,7 +148,7 @@ def _custom_vjp(fun: Callable, fwd: Callable, bwd: Callable) -> Any:
         try:
             from jax._src import core
 
-            _DEBUG_INFO.append({w: core.DebugInfo(f"custom_vjp {w}", "jdist_differentiable_rpc",
+            _DEBUG_INFO.append({w: core.DebugInfo(f"custom_vjp {w}", "jdist_dist_autograd",
                                                   None, core.initial_result_paths)
                                 for w in ("fun", "fwd", "bwd")})
         except Exception:  # noqa: BLE001 - another JAX layout
@@ -268,7 +269,7 @@ def _bind(token: Any, xs: list, forward: Callable, backward: Callable,
         del tok, ts_
         return forward(xs_)
 
-    return _custom_vjp(call, fwd, bwd)(token, tuple(xs), tuple(tracers))
+    return custom_vjp_of(call, fwd, bwd)(token, tuple(xs), tuple(tracers))
 
 
 def _input_cts(xs: list, ct_xs: list) -> tuple:
