@@ -90,7 +90,21 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
             return _no_answer(xs, links)
         return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
 
-    sent = _bind(token, xs, send, backward, links)
+    # with no traced argument and no RRef sent along, the send has nothing to give a
+    # cotangent to: the receive's rule sends the backward message itself (one custom_vjp
+    # in the trace instead of two, a third of a millisecond of eager autodiff each)
+    direct = not xs and not links
+    if direct:
+        send([])
+        sent = token
+    else:
+        sent = _bind(token, xs, send, backward, links)
+
+    def sink(cts):
+        if not direct:
+            state["cts"] = cts
+            return
+        C.add_pending(agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout))
 
     def receive() -> Any:
         if C.tracing() is not token:
@@ -105,7 +119,7 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
             box["skeleton"] = skel_out
             return tuple(to_array(d) for d in diff_out)
 
-        diff = _from_token(sent, value, lambda cts: state.__setitem__("cts", cts))
+        diff = _from_token(sent, value, sink)
         return _fill(box["skeleton"], list(diff))
 
     return _ReceiveFuture(receive, f"differentiable rpc of {fn_name}")
