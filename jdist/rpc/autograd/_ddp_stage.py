@@ -30,9 +30,9 @@ import numpy as np
 
 from jdist.errors import DistAutogradError
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._engine import custom_vjp_of
 from jdist.rpc.autograd._params import param_variables
 from jdist.rpc.autograd._slots import to_array
+from jdist.rpc.autograd._vjp_ops import custom_vjp_of
 
 __all__ = ["ddp_stage"]
 
