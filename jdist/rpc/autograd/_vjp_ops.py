@@ -1,13 +1,15 @@
 """The ``custom_vjp`` building blocks of distributed autograd's differentiable calls.
 
 :mod:`jdist.rpc.autograd._engine` builds every differentiable RPC (``rpc_async``,
-``remote()``, ``to_here()``) from these: :func:`bind` (a call started with the traced
-arrays it sends, whose backward rule sends their cotangents' request and hands back
-what comes back), :func:`from_token` (a value received after a call started, whose
-backward rule keeps the value's cotangents for the call's rule) and
-:class:`ReceiveFuture` (binds a call's receive where its future is first waited on).
-:func:`custom_vjp_of` makes the per-call ``custom_vjp`` s cheaply (also used by
-``_ddp_stage``).
+``remote()``, ``to_here()``) from these:
+
+- :func:`bind`: a call started with the traced arrays it sends; its backward rule
+  sends the cotangents to the callee and hands the ones that come back to those arrays;
+- :func:`from_token`: a value received after a call started; its backward rule keeps
+  the value's cotangents for the call's rule;
+- :class:`ReceiveFuture`: binds a call's receive where its future is first waited on;
+- :func:`custom_vjp_of`: the per-call ``custom_vjp`` s, made cheaply (also used by
+  ``_ddp_stage``).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def no_answer(xs: list, links: list) -> Future:
 
 
 def bind(token: Any, xs: list, forward: Callable, backward: Callable,
-          links: list = ()) -> Any:
+         links: list = ()) -> Any:
     """``forward(xs)`` as a ``custom_vjp`` of the trace ``token`` and ``xs``, whose
     backward rule sends the output cotangents through ``backward(cts)``, which returns
     a future of ``(ct_xs, rref_cts)``: the cotangents of ``xs`` and those that come back
