@@ -37,8 +37,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # launched again and again (restarts, twins, doc examples); each program then
 # compiles once and later builds load it. The cached executables are the ones a
 # compile makes, so no result changes.
-_CACHE = tempfile.mkdtemp(prefix="jdist-tests-jax-cache-")
-atexit.register(shutil.rmtree, _CACHE, True)
+# Under xdist the workers are children of the controller, so they name the cache
+# after it and share it; the controller (or a plain pytest run) removes it at exit.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_CACHE = os.path.join(tempfile.gettempdir(),
+                      f"jdist-tests-jax-cache-{os.getppid() if _WORKER else os.getpid()}")
+os.makedirs(_CACHE, exist_ok=True)
+if not _WORKER:
+    atexit.register(shutil.rmtree, _CACHE, True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
