@@ -103,10 +103,9 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         sent = bind(token, xs, send, backward, links)
 
     def sink(cts):
-        if not direct:
-            state["cts"] = cts
-            return
-        C.add_pending(agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout))
+        state["cts"] = cts
+        if direct:  # no send's rule to send them: the backward message goes now
+            C.add_pending(backward(None))
 
     def receive() -> Any:
         if C.tracing() is not token:
