@@ -9,6 +9,7 @@ to that submodule only; the implicit import of the parent package does not count
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -35,22 +36,21 @@ def _is_package(name: str) -> bool:
     return MODULES.get(name, Path()).name == "__init__.py"
 
 
-def _in_type_checking(node: ast.AST, parents: dict) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under an ``if TYPE_CHECKING:`` (either branch)."""
+    return {id(c) for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for c in ast.walk(node) if c is not node}
 
 
 def _imports(name: str) -> set[str]:
     """What module ``name`` imports: jdist modules by full name, others by top package."""
     tree = ast.parse(MODULES[name].read_text())
-    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    skip = _type_checking_only(tree)
     package = name if _is_package(name) else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if _in_type_checking(node, parents):
+        if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
@@ -62,12 +62,14 @@ def _imports(name: str) -> set[str]:
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 found.add(sub if sub in MODULES else base)
-        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
-              and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (isinstance(node, ast.Call) and node.args
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and isinstance(node.args[0], ast.Constant)):
             found.add(node.args[0].value)
     return {m if m.startswith("jdist") else m.split(".")[0] for m in found}
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     return {m: {d for d in _imports(m) if d in MODULES or not d.startswith("jdist")}
             for m in MODULES}
