@@ -56,6 +56,27 @@ def test_port_zero_and_join_of_workers(master):
         TCPStore("127.0.0.1", 0, auth_token=TOKEN)
 
 
+def test_free_port_is_below_the_ephemeral_range_and_bindable(monkeypatch):
+    from jdist.store import _port
+
+    start = _port._ephemeral_start()
+    if start is None:  # not Linux: only the OS's pick exists
+        assert free_port() > 0
+        return
+    ports = [free_port() for _ in range(40)]
+    assert all(_port._LOWEST <= p < start for p in ports), (ports, start)
+    assert len(set(ports)) > 30  # drawn at random, not one port again and again
+    with socket.socket() as s:  # free: a server can bind it
+        s.bind(("127.0.0.1", ports[0]))
+        taken = ports[0]
+        monkeypatch.setattr(_port, "_RANDOM", type("R", (), {
+            "randrange": staticmethod(lambda lo, hi: taken)})())
+        # every draw is the bound port: it is never returned, the OS picks instead
+        assert free_port() >= start
+    monkeypatch.setattr(_port, "_ephemeral_start", lambda: None)
+    assert free_port() >= start  # range unknown: bind(0)
+
+
 def test_eight_clients_adding_concurrently_give_the_exact_total(master):
     clients = [_client(master.port) for _ in range(8)]
     errors = []
