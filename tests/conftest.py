@@ -32,6 +32,13 @@ _kept = [
 os.environ["XLA_FLAGS"] = " ".join(_kept + _FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# jdist-run's workers are forked from a server that imported JAX, Flax, Optax, Orbax and
+# jdist once per launch (--start-method forkserver), instead of each paying seconds of
+# imports; tests/launch, which test the launcher itself, keep jdist-run's default
+os.environ.setdefault("JDIST_START_METHOD", "forkserver")
+os.environ.setdefault("JDIST_FORKSERVER_PRELOAD", ",".join([
+    "jax", "jax.numpy", "numpy", "flax.nnx", "optax", "jdist.collectives", "jdist.ddp",
+    "jdist.optim", "jdist.rpc", "jdist.sampler", "jdist.checkpoint"]))
 # One JAX compilation cache for the session, this process and every job it starts:
 # tests build fresh models and wrappers whose programs are the same, and jobs are
 # launched again and again (restarts, twins, doc examples); each program then

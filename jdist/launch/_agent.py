@@ -40,7 +40,8 @@ import time
 
 from jdist.errors import StoreError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
-from jdist.launch._env import JobInfo, worker_command, worker_env
+from jdist.launch._env import JobInfo, worker_args, worker_command, worker_env
+from jdist.launch._forkserver import forkserver_script
 from jdist.launch._stop import signal_group
 from jdist.launch._worker_group import Failure, WorkerGroup, describe_exit, exit_code_of
 from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
@@ -226,8 +227,15 @@ class _Agent:
         log_dir = None
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
+        start = None
+        if cfg.start_method == "forkserver":
+            tail = worker_args(cfg.script, cfg.script_args, cfg.module)
+
+            def start(_argv, env):
+                return forkserver_script(tail, env, cfg.preload)
+
         self.group = WorkerGroup(cmds, sys.stdout.buffer, sys.stderr.buffer, log_dir,
-                                 cfg.hidden, cfg.verbose)
+                                 cfg.hidden, cfg.verbose, start)
         return self.group
 
     def watch(self, group: WorkerGroup, r: int) -> Failure | None:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from jdist.launch._cluster import detect_job
+from jdist.launch._forkserver import DEFAULT_PRELOAD
 
 __all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec"]
 
@@ -37,6 +38,8 @@ class LaunchConfig(NamedTuple):
     run_id: str | None = None
     detected: str = ""  # what was taken from the scheduler (SLURM), for the log
     min_nnodes: int | None = None  # --nnodes MIN:MAX (None: exactly nnodes)
+    start_method: str = "spawn"  # "spawn" (fresh interpreters) or "forkserver"
+    preload: tuple[str, ...] = DEFAULT_PRELOAD  # what a fork server imports
 
     @property
     def min_nodes(self) -> int:
@@ -138,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show the runtime's routine messages too (gloo's 'Rank N is "
                         "connected to N peer ranks', the coordination service's "
                         "'recoverable task' warning); hidden by default")
+    p.add_argument("--start-method", "--start_method", default=None,
+                   choices=["spawn", "fork", "forkserver"],
+                   help="how workers start: spawn, a fresh interpreter each (the default; "
+                        "fork is taken as spawn), or forkserver, forked from a server that "
+                        "imported the --forkserver-preload modules once, so a worker and "
+                        "each restart skip seconds of imports. Default: "
+                        "$JDIST_START_METHOD, else spawn")
+    p.add_argument("--forkserver-preload", default=None, metavar="MODULES",
+                   help="with --start-method forkserver: comma-separated modules the server "
+                        "imports (default: $JDIST_FORKSERVER_PRELOAD, else "
+                        f"{','.join(DEFAULT_PRELOAD)}); none may create a JAX array")
     p.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("script", help="the Python script (or module with -m) to run")
@@ -165,7 +179,8 @@ _VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--nproc-per-node",
                 "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--devices-per-proc",
                 "--devices_per_proc", "--max-restarts", "--max_restarts",
                 "--shutdown-timeout", "--grace", "--rdzv-timeout", "--heartbeat-timeout",
-                "--log-dir", "--log_dir", "-r", "--redirects", "--tee", "-t"}
+                "--log-dir", "--log_dir", "-r", "--redirects", "--tee", "-t",
+                "--start-method", "--start_method", "--forkserver-preload"}
 
 
 def _from_slurm(a, p, environ: Mapping[str, str]) -> str:
@@ -275,6 +290,19 @@ def parse_args(argv: list[str] | None = None,
         p.error("--tee needs --log-dir (without it the output goes to the console anyway)")
     if redirects is not None and a.log_dir is None:
         p.error("--redirects needs --log-dir DIR (where the redirected streams go)")
+    env = os.environ if environ is None else environ
+    start_method = a.start_method or env.get("JDIST_START_METHOD") or "spawn"
+    if start_method not in ("spawn", "fork", "forkserver"):
+        p.error(f"JDIST_START_METHOD must be spawn, fork or forkserver, got "
+                f"{start_method!r}")
+    start_method = "spawn" if start_method == "fork" else start_method
+    spec = a.forkserver_preload
+    if spec is None:
+        spec = env.get("JDIST_FORKSERVER_PRELOAD") or ",".join(DEFAULT_PRELOAD)
+    preload = tuple(m.strip() for m in spec.split(","))
+    if not all(re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", m) for m in preload):
+        p.error(f"--forkserver-preload / JDIST_FORKSERVER_PRELOAD must be comma-separated "
+                f"module names like jax,flax.nnx, got {spec!r}")
     return LaunchConfig(
         nnodes=a.nnodes, node_rank=a.node_rank, nproc_per_node=a.nproc_per_node,
         master_addr=a.master_addr, master_port=port, devices_per_proc=a.devices_per_proc,
@@ -283,5 +311,5 @@ def parse_args(argv: list[str] | None = None,
         log_dir=a.log_dir, tee=tee is not None, module=a.module,
         script=a.script, script_args=tuple(a.script_args), redirects=redirects,
         tee_std=tee, verbose=a.verbose, run_id=a.rdzv_id, detected=detected,
-        min_nnodes=min_nnodes,
+        min_nnodes=min_nnodes, start_method=start_method, preload=preload,
     )

@@ -6,7 +6,8 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["JobInfo", "worker_env", "worker_command", "xla_flags_with_devices"]
+__all__ = ["JobInfo", "worker_env", "worker_args", "worker_command",
+           "xla_flags_with_devices"]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:
@@ -78,31 +79,19 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     return env
 
 
-# Run in the child before the user's code: die with the launcher (PR_SET_PDEATHSIG),
-# even if it is SIGKILLed, with a polling thread as the fallback that also takes the
-# worker's own children (its process group); then run the script or module as
-# ``python`` would.
-_SHIM = """\
-import os, sys
-from jdist.launch._spawn_child import die_with_parent
-die_with_parent(int(sys.argv[1]))
-del die_with_parent
-import runpy
-mode, target = sys.argv[2], sys.argv[3]
-sys.argv = [target] + sys.argv[4:]
-if mode == "module":
-    sys.path.insert(0, os.getcwd())
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
-else:
-    if sys.path and sys.path[0] == "":
-        del sys.path[0]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    runpy.run_path(target, run_name="__main__")
-"""
+# The worker's program (jdist.launch._run_script): die with the launcher, then run the
+# script or module as ``python`` would.
+_SHIM = "import sys\nfrom jdist.launch._run_script import main\nmain(sys.argv[1:])\n"
+
+
+def worker_args(script: str, args: tuple[str, ...], module: bool) -> list[str]:
+    """What the worker's program runs: ``mode target args...`` (mode ``script`` or
+    ``module``)."""
+    return ["module" if module else "script", script, *args]
 
 
 def worker_command(launcher_pid: int, script: str, args: tuple[str, ...], module: bool,
                    python: str | None = None) -> list[str]:
     """The command line of one worker (``python -c SHIM pid mode script args...``)."""
     return [python or sys.executable, "-u", "-c", _SHIM, str(launcher_pid),
-            "module" if module else "script", script, *args]
+            *worker_args(script, args, module)]

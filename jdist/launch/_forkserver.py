@@ -1,14 +1,18 @@
-"""``spawn(start_method="forkserver")``: rank processes forked from a preloaded server.
+"""Rank processes forked from a preloaded server: ``spawn(start_method="forkserver")``
+and ``jdist-run --start-method forkserver``.
 
 A fresh interpreter spends seconds importing JAX, Flax and the program's modules
 before it runs a line of the user's function; a job that spawns many short runs (a
-test suite, a sweep) pays that per rank, per run. A fork server pays it once: a
-server process (:func:`main`) imports the modules named by
-:func:`set_forkserver_preload` and then forks one child per rank on request. As with
+test suite, a sweep, a restart after a lost rank) pays that per rank, per run. A fork
+server pays it once: a server process (:func:`main`) imports the preload modules
+(:func:`set_forkserver_preload` for ``spawn``, ``--forkserver-preload`` for
+``jdist-run``) and then forks one child per rank on request. As with
 ``multiprocessing``'s forkserver, the children are real, separate processes; each gets
 the rank's whole environment (``os.environ`` replaced before anything reads it), the
 caller's working directory, its own session, ``/dev/null`` as stdin and the caller's
-pipes as stdout and stderr, then runs :mod:`jdist.launch._spawn_child` exactly as a
+pipes as stdout and stderr, then runs :mod:`jdist.launch._spawn_child` (a spawn rank,
+with the caller's ``sys.path``) or :mod:`jdist.launch._run_script` (a ``jdist-run``
+worker, with the server's ``sys.path``, which is a fresh interpreter's) exactly as a
 fresh interpreter does (``sys.exit(main(argv))``, so threads are joined and ``atexit``
 runs).
 
@@ -19,14 +23,15 @@ reseeds numpy's global generator in each child, as a new interpreter would have.
 
 One server per interpreter, preload list and the variables read at import (JAX reads
 its ``JAX_*`` variables at import time, so a server is only reused for ranks whose
-values are the ones it imported under); a rank takes the caller's ``sys.path``.
-Servers end when the caller exits, and die with it if it is killed (their children
-die with them: ``PR_SET_PDEATHSIG`` and :func:`_spawn_child.die_with_parent`).
+values are the ones it imported under; for scripts ``PYTHONPATH`` too). Servers end
+when the caller exits, and die with it if it is killed (their children die with them:
+``PR_SET_PDEATHSIG`` and :func:`_spawn_child.die_with_parent`).
 
 Protocol, on a private ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair (no network, no
-pickle): the caller sends ``{"argv", "env", "cwd", "path"}`` as JSON with the two pipe ends
-attached (``SCM_RIGHTS``); the server answers ``{"pid"}`` (or ``{"error"}``) and later
-``{"exit": pid, "code": c}`` when that child ends (``Popen.returncode``'s convention).
+pickle): the caller sends ``{"argv", "env", "cwd", "path"}`` as JSON with the two pipe
+ends attached (``SCM_RIGHTS``; ``path`` null: keep the server's); the server answers
+``{"pid"}`` (or ``{"error"}``) and later ``{"exit": pid, "code": c}`` when that child
+ends (``Popen.returncode``'s convention).
 """
 
 from __future__ import annotations
@@ -47,16 +52,18 @@ from collections.abc import Sequence
 from jdist.launch._spawn_child import arm_parent_death_signal
 from jdist.launch._stop import signal_group
 
-__all__ = ["set_forkserver_preload", "forkserver_process", "ForkedProcess"]
+__all__ = ["set_forkserver_preload", "forkserver_process", "forkserver_script",
+           "ForkedProcess", "DEFAULT_PRELOAD"]
 
-_DEFAULT_PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "jdist.collectives")
-_preload: tuple[str, ...] = _DEFAULT_PRELOAD
+DEFAULT_PRELOAD = ("jax", "jax.numpy", "numpy", "flax.nnx", "optax", "jdist.collectives")
+_preload: tuple[str, ...] = DEFAULT_PRELOAD
 _MAX_SERVERS = 4
 _MSG_BYTES = 1 << 20
 _START_TIMEOUT_S = 120.0
 _REQUEST_TIMEOUT_S = 30.0
 _IMPORT_ENV = ("JAX_", "XLA_", "TF_", "FLAX_", "NPY_", "OMP_", "OPENBLAS_", "MKL_", "PYTHON")
 _SERVER_MAIN = "import sys; from jdist.launch._forkserver import main; sys.exit(main(sys.argv[1:]))"
+_SCRIPT = "--script"  # first word of a jdist-run worker's request (else a spawn rank's)
 
 
 def set_forkserver_preload(module_names: Sequence[str]) -> None:
@@ -153,11 +160,12 @@ class _Server:
     def alive(self) -> bool:
         return not self._closed and self.proc.poll() is None
 
-    def start(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+    def start(self, argv: list[str], env: dict[str, str],
+              path: list[str] | None) -> ForkedProcess:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(),
-                              "path": list(sys.path)}).encode()
+                              "path": path}).encode()
         try:
             with self._lock:
                 socket.send_fds(self.sock, [request], [out_w, err_w])
@@ -198,6 +206,12 @@ class _Server:
 
     def close(self) -> None:
         try:
+            # shutdown first: a plain close leaves the socket open while the reader
+            # thread is blocked in recv on it, and the server would see no EOF
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed, or the server is gone
             self.sock.close()  # the server sees EOF, kills its children and exits
         finally:
             try:
@@ -211,16 +225,16 @@ _servers: dict[tuple, _Server] = {}
 _servers_lock = threading.Lock()
 
 
-def _import_env(env: dict[str, str]) -> tuple:
+def _import_env(env: dict[str, str], with_path: bool) -> tuple:
     """The variables the preloaded modules may read as they import (JAX's and XLA's
-    configuration, thread counts, Python's own); ``PYTHONPATH`` is not among them (a
-    rank takes the caller's ``sys.path``)."""
+    configuration, thread counts, Python's own); ``PYTHONPATH`` only ``with_path`` (a
+    spawn rank takes the caller's ``sys.path``, a script the server's)."""
     return tuple(sorted((k, v) for k, v in env.items()
-                        if k.startswith(_IMPORT_ENV) and k != "PYTHONPATH"))
+                        if k.startswith(_IMPORT_ENV) and (with_path or k != "PYTHONPATH")))
 
 
-def _server_for(env: dict[str, str]) -> _Server:
-    key = (sys.executable, _preload, _import_env(env))
+def _server_for(env: dict[str, str], preload: tuple[str, ...], with_path: bool) -> _Server:
+    key = (sys.executable, preload, _import_env(env, with_path), with_path)
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and not server.alive():
@@ -229,17 +243,28 @@ def _server_for(env: dict[str, str]) -> _Server:
         if server is None:
             while len(_servers) >= _MAX_SERVERS:  # the oldest goes
                 _servers.pop(next(iter(_servers))).close()
-            server = _servers[key] = _Server(env, _preload)
+            server = _servers[key] = _Server(env, preload)
         return server
 
 
 def forkserver_process(argv: list[str], base_env: dict[str, str],
                        rank_env: dict[str, str]) -> ForkedProcess:
     """Start ``_spawn_child`` with ``argv`` (its payload and result paths) in a rank
-    forked from the server for ``base_env``; the rank dies with that server (the pid
-    added to ``argv``), which dies with this process."""
-    server = _server_for(base_env)
-    return server.start([*argv, str(server.pid)], rank_env)
+    forked from the server for ``base_env``, with the caller's ``sys.path``; the rank
+    dies with that server (the pid added to ``argv``), which dies with this process."""
+    server = _server_for(base_env, _preload, with_path=False)
+    return server.start([*argv, str(server.pid)], rank_env, list(sys.path))
+
+
+def forkserver_script(args: Sequence[str], env: dict[str, str],
+                      preload: Sequence[str]) -> ForkedProcess:
+    """Start a ``jdist-run`` worker (``args``: ``"script"`` or ``"module"``, the target,
+    its arguments; see :mod:`jdist.launch._run_script`) in a process forked from a
+    server that imported ``preload`` under ``env``'s variables. The worker gets ``env``
+    and the server's ``sys.path`` (a fresh interpreter's for that environment), and dies
+    with the server, which dies with this process."""
+    server = _server_for(env, tuple(preload), with_path=True)
+    return server.start([_SCRIPT, str(server.pid), *args], env, None)
 
 
 @atexit.register
@@ -279,7 +304,8 @@ def _child(msg: dict, fds: list[int], sock: socket.socket, started: int) -> list
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
-    sys.path[:] = msg["path"]
+    if msg["path"] is not None:
+        sys.path[:] = msg["path"]
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed()  # a new interpreter's global generator is seeded afresh
@@ -354,6 +380,11 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(fd))
     child_argv = serve(sock, int(parent), preload)
     if child_argv is None:
+        return 0
+    if child_argv[0] == _SCRIPT:
+        from jdist.launch import _run_script
+
+        _run_script.main(child_argv[1:])
         return 0
     from jdist.launch import _spawn_child
 

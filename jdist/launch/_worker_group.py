@@ -19,7 +19,7 @@ from typing import IO, NamedTuple
 from jdist.launch._relay import Console, Relay, start_relay
 from jdist.launch._stop import stop_processes
 
-__all__ = ["Worker", "WorkerGroup", "Failure", "exit_code_of", "describe_exit"]
+__all__ = ["Worker", "WorkerGroup", "start_process", "Failure", "exit_code_of", "describe_exit"]
 
 _TAIL_LINES = 20
 
@@ -66,6 +66,12 @@ class Worker:
         return b"".join(self.tail).decode("utf-8", "replace")
 
 
+def start_process(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``argv`` in a fresh process of its own session, stdout and stderr piped."""
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
 class WorkerGroup:
     """The workers of this node for one attempt.
 
@@ -76,17 +82,19 @@ class WorkerGroup:
       hidden: ``hidden(local_rank)`` -> streams kept off the console (bit 1 stdout,
         bit 2 stderr), e.g. ``--redirects``.
       verbose: show the runtime's routine messages (see ``_relay.NOISE``).
+      start: ``start(argv, env)`` -> a started process (``Popen``-like, in its own
+        session, stdout and stderr pipes); default :func:`start_process`.
     """
 
     def __init__(self, commands, stdout: IO[bytes] | None, stderr: IO[bytes] | None,
-                 log_dir: str | None, hidden=lambda local_rank: 0, verbose: bool = False):
+                 log_dir: str | None, hidden=lambda local_rank: 0, verbose: bool = False,
+                 start=None):
         self.workers: list[Worker] = []
         console = Console(stdout, stderr)
+        start = start or start_process
         try:
             for rank, local_rank, argv, env in commands:
-                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                proc = start(argv, env)
                 files: dict[int, list[IO[bytes]]] = {1: [], 2: []}
                 if log_dir is not None:
                     d = os.path.join(log_dir, f"rank_{rank}")

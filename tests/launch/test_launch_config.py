@@ -23,6 +23,19 @@ def test_defaults_and_script_arguments():
     assert cfg.shutdown_timeout == 1.5 and cfg.module and cfg.script == "pkg.main"
 
 
+def test_start_method_from_the_flag_or_the_environment():
+    from jdist.launch._forkserver import DEFAULT_PRELOAD
+
+    cfg = parse_args(["s.py"], environ={})
+    assert cfg.start_method == "spawn" and cfg.preload == DEFAULT_PRELOAD
+    env = {"JDIST_START_METHOD": "forkserver", "JDIST_FORKSERVER_PRELOAD": "jax, optax"}
+    cfg = parse_args(["s.py"], environ=env)
+    assert cfg.start_method == "forkserver" and cfg.preload == ("jax", "optax")
+    cfg = parse_args(["--start-method", "fork", "--forkserver-preload", "numpy", "s.py"],
+                     environ=env)  # the flags win; fork is taken as spawn, as in spawn()
+    assert cfg.start_method == "spawn" and cfg.preload == ("numpy",)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nnodes", "2", "--node-rank", "2", "s.py"], "--node-rank must be in [0, 2), got 2"),
     (["--nproc-per-node", "0", "s.py"], "--nproc-per-node must be >= 1, got 0"),
@@ -31,12 +44,22 @@ def test_defaults_and_script_arguments():
     (["--tee", "s.py"], "--tee needs --log-dir"),
     (["--standalone", "--nnodes", "2", "s.py"], "--standalone runs one node"),
     (["--master-port", "70000", "s.py"], "--master-port must be in [1, 65535], got 70000"),
+    (["--forkserver-preload", "jax,,optax", "s.py"],
+     "must be comma-separated module names like jax,flax.nnx, got 'jax,,optax'"),
+    (["--start-method", "thread", "s.py"], "invalid choice: 'thread'"),
 ])
 def test_bad_flags_are_refused_with_the_value(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_start_method_in_the_environment_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["s.py"], environ={"JDIST_START_METHOD": "threads"})
+    assert "JDIST_START_METHOD must be spawn, fork or forkserver, got 'threads'" in (
+        capsys.readouterr().err)
 
 
 def test_worker_env_of_a_two_node_job():

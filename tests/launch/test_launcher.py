@@ -1,7 +1,9 @@
-"""jdist-run end to end: environment, output prefixes, failures, restarts, two nodes, signals.
+"""jdist-run end to end: environment, output prefixes, failures, restarts, two nodes, signals,
+and the fork-server start (``--start-method forkserver``; tests taking ``start_method``
+run under both).
 
 The worker scripts are tiny and never import jax, so each launch costs about the
-launcher's own start-up.
+launcher's own start-up (one test preloads JAX in a fork server).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def test_env_vars_and_prefixed_output_and_log_dir(tmp_path):
     assert all(line.startswith("[rank ") for line in res.stdout.splitlines())
 
 
-def test_a_failing_rank_ends_the_others_and_is_named(tmp_path):
+def test_a_failing_rank_ends_the_others_and_is_named(tmp_path, start_method):
     script = _script(tmp_path, "fail.py", f"""\
         import os, signal, sys, time
         rank = os.environ["RANK"]
@@ -127,7 +129,7 @@ def test_max_restarts_recovers_from_a_first_attempt_crash(tmp_path):
     assert "attempt 3" not in res.stderr
 
 
-def test_two_launchers_form_one_job_and_restart_together(tmp_path):
+def test_two_launchers_form_one_job_and_restart_together(tmp_path, start_method):
     _script(tmp_path, "two.py", _REPORT + """\
     import time
     attempt = os.environ["JDIST_RESTART_COUNT"]
@@ -167,7 +169,7 @@ def _alive(pid):
         return False
 
 
-def test_sigterm_to_the_launcher_leaves_no_process(tmp_path):
+def test_sigterm_to_the_launcher_leaves_no_process(tmp_path, start_method):
     script = _script(tmp_path, "sleepy.py", f"""\
         import os, subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -196,7 +198,7 @@ def test_sigterm_to_the_launcher_leaves_no_process(tmp_path):
     assert not [p for p in pids if _alive(p)]
 
 
-def test_a_killed_launcher_takes_its_workers_and_stops_the_job(tmp_path):
+def test_a_killed_launcher_takes_its_workers_and_stops_the_job(tmp_path, start_method):
     script = _script(tmp_path, "hang.py", f"""\
         import os, time
         with open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"]), "w") as f:
@@ -225,3 +227,36 @@ def test_a_killed_launcher_takes_its_workers_and_stops_the_job(tmp_path):
     assert "restarting" not in err  # a vanished node is not restarted
     assert time.monotonic() - t0 < 2 + 1 + 5
     assert not [p for p in pids if _alive(p)]  # rank 1 died with its launcher too
+
+
+def test_forkserver_workers_run_the_script_as_python_does_and_restarts_reuse_the_server(
+        tmp_path):
+    script = _script(tmp_path, "fs.py", """\
+        import json, os, sys
+        seen = {
+            "preloaded": sorted(m for m in ("jax", "flax", "optax") if m in sys.modules),
+            "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+            "rank": os.environ["RANK"], "attempt": os.environ["JDIST_RESTART_COUNT"],
+            "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0)}
+        print("FS " + json.dumps(seen), flush=True)
+        if seen["rank"] == "1" and seen["attempt"] == "0":
+            sys.exit(4)
+    """)
+    (tmp_path / "run").mkdir()
+    res = _launch(["--nproc-per-node", "2", "--max-restarts", "1", "--start-method",
+                   "forkserver", script, "x", "--y"], cwd=str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr
+    assert "rank 1 exited with code 4; restarting the job (attempt 2 of 2)" in res.stderr
+    seen = [json.loads(line.split("FS ", 1)[1]) for line in res.stdout.splitlines()
+            if "] FS " in line]
+    assert sorted((s["rank"], s["attempt"]) for s in seen) == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    for s in seen:
+        assert s["preloaded"] == ["flax", "jax", "optax"]  # imported before the script
+        assert s["name"] == "__main__" and s["argv"] == [script, "x", "--y"]
+        assert s["path0"] == str(tmp_path) and s["cwd"] == str(tmp_path / "run")
+        assert s["sid"] == s["pid"]  # its own session: stopping its group reaches all
+    servers = {s["ppid"] for s in seen}
+    assert len(servers) == 1  # both attempts forked from one server: imported once
+    assert len({s["pid"] for s in seen}) == 4
+    assert not _alive(servers.pop())  # the server ended with the launcher

@@ -217,3 +217,12 @@ def test_forkserver_refuses_a_preload_that_starts_jax(tmp_path, monkeypatch):
         spawn(_env_of_rank, nprocs=1, timeout=60, start_method="forkserver")
     with pytest.raises(ValueError, match="non-empty strings, got \\[''\\]"):
         set_forkserver_preload([""])
+
+
+def test_a_closed_fork_server_sees_the_end_and_exits_by_itself():
+    from jdist.launch import _forkserver
+
+    server = _forkserver._Server(dict(os.environ), ("json",))
+    assert server.alive()
+    server.close()  # the reader thread is blocked in recv on the same socket meanwhile
+    assert server.proc.returncode == 0  # it saw EOF; it was not killed after a wait
