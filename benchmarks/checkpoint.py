@@ -16,6 +16,13 @@
 (b) Time from a restart to the first resumed step: a fresh process (imports, DDP set-up,
     compile) that restores the newest checkpoint and takes one step, against the same
     process on an empty directory (a first launch: ``init()`` and one step).
+(c) The same under ``jdist-run --max-restarts 1``: the first attempt takes a step,
+    saves and exits with an error; the time from that exit to the restarted worker's
+    restored state and first step. The baseline is what torchrun does, a fresh
+    interpreter that compiles everything again (``--no-compilation-cache``); against it
+    jdist-run's default (the attempts share a JAX compilation cache) and that with
+    ``--start-method forkserver`` (workers forked from a server that imported JAX, Flax,
+    Optax and jdist once).
 
     python benchmarks/checkpoint.py            # 8 intervals of 50 steps per variant
     python benchmarks/checkpoint.py --quick    # 3
@@ -154,6 +161,63 @@ def restart(devices: int) -> dict:
     return out
 
 
+def relaunch_worker(directory: str) -> None:
+    """A jdist-run worker: attempt 0 saves step INTERVAL and fails, attempt 1 restores it
+    and takes a step; each writes its times (``time.time()``) to ``directory``."""
+    from benchmarks.ddp import batch, loss_fn
+    from jdist.checkpoint import CheckpointManager
+
+    attempt = int(os.environ["JDIST_RESTART_COUNT"])
+    manager = CheckpointManager(os.path.join(directory, "ck"), save_interval_steps=INTERVAL)
+    state = manager.restore_or_init(_init)
+    ready = time.time()
+    step_fn = state["ddp"].train_step(loss_fn, state["optimizer"])
+    float(step_fn(batch("mlp", BATCH)))
+    done = time.time()
+    if attempt == 0:
+        manager.save(INTERVAL, state, force=True)
+        manager.close()
+        with open(os.path.join(directory, "exit.json"), "w") as f:
+            json.dump({"exit": time.time()}, f)
+        sys.exit(1)  # a failure after a checkpoint: jdist-run restarts the job
+    manager.close()
+    with open(os.path.join(directory, "resumed.json"), "w") as f:
+        json.dump({"restored_step": manager.restored_step, "ready": ready, "done": done}, f)
+
+
+_PRELOAD = "jax,jax.numpy,numpy,flax.nnx,optax,jdist.ddp,jdist.sampler,jdist.checkpoint"
+
+
+RESTARTS = {  # (c): label -> jdist-run flags
+    "fresh interpreter, no cache": ["--start-method", "spawn", "--no-compilation-cache"],
+    "default (shared compilation cache)": ["--start-method", "spawn"],
+    "--start-method forkserver": ["--start-method", "forkserver",
+                                  "--forkserver-preload", _PRELOAD],
+}
+
+
+def restart_under_launcher(devices: int, flags: list[str]) -> dict:
+    """(c): seconds from the failed attempt's exit to the restarted worker's restored
+    state (``ready_s``) and first step (``first_step_s``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")
+           and k != "JAX_COMPILATION_CACHE_DIR"}
+    env["PYTHONPATH"] = ROOT
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "jdist.launch", "--nproc-per-node", "1",
+               "--devices-per-proc", str(devices), "--max-restarts", "1", *flags,
+               __file__, "--devices", str(devices), "--relaunch", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if res.returncode:
+            raise SystemExit(f"jdist-run {flags} failed:\n{res.stderr[-3000:]}")
+        with open(os.path.join(tmp, "exit.json")) as f:
+            gone = json.load(f)["exit"]
+        with open(os.path.join(tmp, "resumed.json")) as f:
+            back = json.load(f)
+    if back["restored_step"] != INTERVAL:
+        raise SystemExit(f"jdist-run {flags} did not restore step {INTERVAL}: {back}")
+    return {"ready_s": back["ready"] - gone, "first_step_s": back["done"] - gone}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=2)
@@ -161,10 +225,14 @@ def main(argv=None) -> None:
                     help="rounds of one save interval per variant")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
     ap.add_argument("--first-step", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--relaunch", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     _setup(args.devices)
     if args.first_step:
         first_step(args.first_step)
+        return
+    if args.relaunch:
+        relaunch_worker(args.relaunch)
         return
     if args.quick:
         args.rounds = 3
@@ -191,6 +259,13 @@ def main(argv=None) -> None:
           f"{f['ready_s']:.2f} s)")
     print(f"  restart (restore step {INTERVAL})     {s['first_step_s']:8.2f} s   (state ready "
           f"at {s['ready_s']:.2f} s)   ratio {s['first_step_s'] / f['first_step_s']:.3f}x")
+    launched = {k: restart_under_launcher(args.devices, v) for k, v in RESTARTS.items()}
+    base = launched["fresh interpreter, no cache"]
+    print("(c) jdist-run --max-restarts 1: from the failed attempt's exit to the restarted "
+          "worker's first step")
+    for label, r in launched.items():
+        print(f"  {label:<37}{r['first_step_s']:8.2f} s   (state ready at "
+              f"{r['ready_s']:.2f} s)   ratio {r['first_step_s'] / base['first_step_s']:.3f}x")
     paired = (f"ratio: median of {args.rounds} rounds' ratios; load average "
               f"{o['load'][0]:.1f}-{o['load'][1]:.1f}")
     print(bench_json("checkpoint", [
@@ -208,6 +283,14 @@ def main(argv=None) -> None:
                    f["first_step_s"], s["first_step_s"] / f["first_step_s"]),
                row("restart, state ready", "s", s["ready_s"], f["ready_s"],
                    s["ready_s"] / f["ready_s"])]),
+        table("jdist-run --max-restarts 1: a failed attempt's exit to the restarted "
+              "worker's first step", "fresh interpreter, no cache (as torchrun)",
+              "jdist / fresh interpreter",
+              [row(f"{what}, {label}", "s", launched[label][key], base[key],
+                   launched[label][key] / base[key])
+               for label in list(RESTARTS)[1:]
+               for what, key in (("first resumed step", "first_step_s"),
+                                 ("state restored", "ready_s"))]),
     ]))
 
 

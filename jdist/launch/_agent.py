@@ -24,7 +24,9 @@ launchers' environment, and runs without a secret otherwise). Keys, under the pr
   ``job/exited``.
 
 The restart budget ``--max-restarts`` counts attempts of the whole job (torch counts
-it per agent, pytorch#108158).
+it per agent, pytorch#108158). A job that may restart gives its attempts one JAX
+compilation cache (a per-job temporary directory on each node, removed at the end;
+``_env.restart_cache_env``), so a restarted attempt loads what its predecessor compiled.
 """
 
 from __future__ import annotations
@@ -35,12 +37,19 @@ import secrets
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
 from jdist.errors import StoreError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
-from jdist.launch._env import JobInfo, worker_args, worker_command, worker_env
+from jdist.launch._env import (
+    JobInfo,
+    restart_cache_env,
+    worker_args,
+    worker_command,
+    worker_env,
+)
 from jdist.launch._forkserver import forkserver_script
 from jdist.launch._stop import signal_group
 from jdist.launch._worker_group import Failure, WorkerGroup, describe_exit, exit_code_of
@@ -327,6 +336,7 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
     agent = None
+    cache = None  # the attempts' compilation cache (a restarted attempt reuses it)
     r = 0
     if not cfg.module and not os.path.isfile(cfg.script):
         _say(f"error: script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
@@ -337,6 +347,9 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
     try:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()
+        if cfg.compilation_cache and (max_restarts > 0 or cfg.min_nnodes is not None):
+            cache = tempfile.mkdtemp(prefix=f"jdist-run-{run_id[:16]}-jax-cache-")
+            environ.update(restart_cache_env(environ, cache))  # agent.environ too
         s = agent.store
         agent.start_heartbeats()
         used = 0  # restarts spent on failures (a lost node of MIN:MAX spends none)
@@ -408,6 +421,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
             agent.stop_heartbeats()
             if agent.group is not None:
                 agent.group.stop(0.0)
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -40,6 +40,7 @@ class LaunchConfig(NamedTuple):
     min_nnodes: int | None = None  # --nnodes MIN:MAX (None: exactly nnodes)
     start_method: str = "spawn"  # "spawn" (fresh interpreters) or "forkserver"
     preload: tuple[str, ...] = DEFAULT_PRELOAD  # what a fork server imports
+    compilation_cache: bool = True  # attempts share a JAX compilation cache (restarts)
 
     @property
     def min_nodes(self) -> int:
@@ -152,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --start-method forkserver: comma-separated modules the server "
                         "imports (default: $JDIST_FORKSERVER_PRELOAD, else "
                         f"{','.join(DEFAULT_PRELOAD)}); none may create a JAX array")
+    p.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
+                   help="with --max-restarts: do not give the attempts a shared JAX "
+                        "compilation cache (by default a per-job directory, removed at the "
+                        "end, unless JAX_COMPILATION_CACHE_DIR is set: a restarted attempt "
+                        "then loads the programs its predecessor compiled)")
     p.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("script", help="the Python script (or module with -m) to run")
@@ -312,4 +318,5 @@ def parse_args(argv: list[str] | None = None,
         script=a.script, script_args=tuple(a.script_args), redirects=redirects,
         tee_std=tee, verbose=a.verbose, run_id=a.rdzv_id, detected=detected,
         min_nnodes=min_nnodes, start_method=start_method, preload=preload,
+        compilation_cache=a.compilation_cache,
     )

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["JobInfo", "worker_env", "worker_args", "worker_command",
+__all__ = ["JobInfo", "worker_env", "worker_args", "worker_command", "restart_cache_env",
            "xla_flags_with_devices"]
 
 
@@ -82,6 +82,22 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
 # The worker's program (jdist.launch._run_script): die with the launcher, then run the
 # script or module as ``python`` would.
 _SHIM = "import sys\nfrom jdist.launch._run_script import main\nmain(sys.argv[1:])\n"
+
+
+CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def restart_cache_env(base: Mapping[str, str], directory: str) -> dict[str, str]:
+    """The variables that give a job's attempts one JAX compilation cache in
+    ``directory``: every program an attempt compiles is written there (JAX's thresholds
+    at zero, where the user set none), so a restarted attempt loads it instead of
+    compiling again. Empty when ``base`` already names a cache (the user's wins)."""
+    if base.get("JAX_COMPILATION_CACHE_DIR"):
+        return {}
+    out = {"JAX_COMPILATION_CACHE_DIR": directory}
+    out.update({k: v for k, v in CACHE_VARS.items() if k not in base})
+    return out
 
 
 def worker_args(script: str, args: tuple[str, ...], module: bool) -> list[str]:

@@ -36,6 +36,19 @@ def test_start_method_from_the_flag_or_the_environment():
     assert cfg.start_method == "spawn" and cfg.preload == ("numpy",)
 
 
+def test_the_restart_cache_keeps_what_the_user_set():
+    from jdist.launch._env import restart_cache_env
+
+    assert parse_args(["s.py"], environ={}).compilation_cache
+    assert not parse_args(["--no-compilation-cache", "s.py"], environ={}).compilation_cache
+    assert restart_cache_env({}, "/c") == {
+        "JAX_COMPILATION_CACHE_DIR": "/c", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    assert restart_cache_env({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}, "/c") == {
+        "JAX_COMPILATION_CACHE_DIR": "/c", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    assert restart_cache_env({"JAX_COMPILATION_CACHE_DIR": "/mine"}, "/c") == {}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nnodes", "2", "--node-rank", "2", "s.py"], "--node-rank must be in [0, 2), got 2"),
     (["--nproc-per-node", "0", "s.py"], "--nproc-per-node must be >= 1, got 0"),

@@ -260,3 +260,44 @@ def test_forkserver_workers_run_the_script_as_python_does_and_restarts_reuse_the
     assert len(servers) == 1  # both attempts forked from one server: imported once
     assert len({s["pid"] for s in seen}) == 4
     assert not _alive(servers.pop())  # the server ended with the launcher
+
+
+def test_attempts_share_a_compilation_cache_that_ends_with_the_job(tmp_path):
+    script = _script(tmp_path, "cached.py", """\
+        import json, os, sys
+        import jax, jax.numpy as jnp
+        events = []
+        jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
+        jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+        keys = ["JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JDIST_RESTART_COUNT"]
+        seen = {k: os.environ.get(k) for k in keys}
+        seen["hits"] = events.count("/jax/compilation_cache/cache_hits")
+        print("CACHE " + json.dumps(seen), flush=True)
+        if seen["JDIST_RESTART_COUNT"] == "0":
+            sys.exit(1)
+    """)
+    env = {k: v for k, v in _env().items()
+           if k != "JAX_COMPILATION_CACHE_DIR" and not k.startswith("JAX_PERSISTENT_CACHE")}
+
+    def attempts(res):
+        assert res.returncode == 0, res.stderr
+        return [json.loads(line.split("CACHE ", 1)[1]) for line in res.stdout.splitlines()
+                if "] CACHE " in line]
+
+    first, second = attempts(_launch(["--max-restarts", "1", script], env=env, timeout=120))
+    cache = first["JAX_COMPILATION_CACHE_DIR"]
+    assert cache and second["JAX_COMPILATION_CACHE_DIR"] == cache
+    assert "jax-cache" in os.path.basename(cache)
+    assert (first["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"],
+            first["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]) == ("0", "-1")
+    assert first["hits"] == 0 and second["hits"] >= 1  # the restart loaded the program
+    assert not os.path.exists(cache)  # removed with the job
+    mine = tmp_path / "my-cache"  # the user's own cache is used and kept
+    first, second = attempts(_launch(["--max-restarts", "1", script], timeout=120,
+                                     env=dict(env, JAX_COMPILATION_CACHE_DIR=str(mine))))
+    assert first["JAX_COMPILATION_CACHE_DIR"] == str(mine) and mine.is_dir()
+    assert first["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] is None  # JAX's own
+    first, second = attempts(_launch(["--max-restarts", "1", "--no-compilation-cache",
+                                      script], env=env, timeout=120))
+    assert first["JAX_COMPILATION_CACHE_DIR"] is None and second["hits"] == 0
