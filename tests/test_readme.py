@@ -24,6 +24,8 @@ def _quick_start(tmp_path: Path) -> Path:
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
+    # the README's command as a user runs it: jdist-run's default start, not the suite's
+    env.pop("JDIST_START_METHOD", None)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {COMPILE_FLAG}"
     env["PYTHONPATH"] = str(ROOT)
     return env
