@@ -347,7 +347,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
     try:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()
-        if cfg.compilation_cache and (max_restarts > 0 or cfg.min_nnodes is not None):
+        if (cfg.compilation_cache and (max_restarts > 0 or cfg.min_nnodes is not None)
+                and restart_cache_env(environ, "")):  # (not when the user set one)
             cache = tempfile.mkdtemp(prefix=f"jdist-run-{run_id[:16]}-jax-cache-")
             environ.update(restart_cache_env(environ, cache))  # agent.environ too
         s = agent.store

@@ -8,6 +8,7 @@ launcher's own start-up (one test preloads JAX in a fork server).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -294,9 +295,12 @@ def test_attempts_share_a_compilation_cache_that_ends_with_the_job(tmp_path):
     assert first["hits"] == 0 and second["hits"] >= 1  # the restart loaded the program
     assert not os.path.exists(cache)  # removed with the job
     mine = tmp_path / "my-cache"  # the user's own cache is used and kept
+    ours = os.path.join(os.path.dirname(cache), "jdist-run-*-jax-cache-*")
+    before = set(glob.glob(ours))
     first, second = attempts(_launch(["--max-restarts", "1", script], timeout=120,
                                      env=dict(env, JAX_COMPILATION_CACHE_DIR=str(mine))))
     assert first["JAX_COMPILATION_CACHE_DIR"] == str(mine) and mine.is_dir()
+    assert not set(glob.glob(ours)) - before  # and no directory of jdist-run's is made
     assert first["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] is None  # JAX's own
     first, second = attempts(_launch(["--max-restarts", "1", "--no-compilation-cache",
                                       script], env=env, timeout=120))
