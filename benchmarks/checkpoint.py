@@ -126,18 +126,25 @@ def overhead(rounds: int) -> dict:
     return out
 
 
-def first_step(directory: str) -> None:
-    """One process: restore (or init) and take one step; prints seconds since start."""
+def _restore_and_step(directory: str, clock) -> tuple:
+    """``(manager, state, ready, done)``: restore (or init) the state in ``directory``
+    and take one step; ``clock()`` read when the state is ready and after the step."""
     from benchmarks.ddp import batch, loss_fn
     from jdist.checkpoint import CheckpointManager
 
     manager = CheckpointManager(directory, save_interval_steps=INTERVAL)
     state = manager.restore_or_init(_init)
-    restored = time.perf_counter() - T0
+    ready = clock()
     step_fn = state["ddp"].train_step(loss_fn, state["optimizer"])
     float(step_fn(batch("mlp", BATCH)))
     state["step"] += 1
-    done = time.perf_counter() - T0
+    return manager, state, ready, clock()
+
+
+def first_step(directory: str) -> None:
+    """One process: restore (or init) and take one step; prints seconds since start."""
+    manager, state, restored, done = _restore_and_step(
+        directory, lambda: time.perf_counter() - T0)
     if manager.restored_step is None:  # leave a checkpoint for the resumed run
         manager.save(INTERVAL, state, force=True)
     manager.close()
@@ -164,17 +171,8 @@ def restart(devices: int) -> dict:
 def relaunch_worker(directory: str) -> None:
     """A jdist-run worker: attempt 0 saves step INTERVAL and fails, attempt 1 restores it
     and takes a step; each writes its times (``time.time()``) to ``directory``."""
-    from benchmarks.ddp import batch, loss_fn
-    from jdist.checkpoint import CheckpointManager
-
-    attempt = int(os.environ["JDIST_RESTART_COUNT"])
-    manager = CheckpointManager(os.path.join(directory, "ck"), save_interval_steps=INTERVAL)
-    state = manager.restore_or_init(_init)
-    ready = time.time()
-    step_fn = state["ddp"].train_step(loss_fn, state["optimizer"])
-    float(step_fn(batch("mlp", BATCH)))
-    done = time.time()
-    if attempt == 0:
+    manager, state, ready, done = _restore_and_step(os.path.join(directory, "ck"), time.time)
+    if int(os.environ["JDIST_RESTART_COUNT"]) == 0:
         manager.save(INTERVAL, state, force=True)
         manager.close()
         with open(os.path.join(directory, "exit.json"), "w") as f:

@@ -45,6 +45,7 @@ from jdist.errors import StoreError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import (
     JobInfo,
+    has_user_cache,
     restart_cache_env,
     worker_args,
     worker_command,
@@ -348,7 +349,7 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         agent = _Agent(cfg, environ)
         nprocs, token, run_id, max_restarts = agent.rendezvous()
         if (cfg.compilation_cache and (max_restarts > 0 or cfg.min_nnodes is not None)
-                and restart_cache_env(environ, "")):  # (not when the user set one)
+                and not has_user_cache(environ)):
             cache = tempfile.mkdtemp(prefix=f"jdist-run-{run_id[:16]}-jax-cache-")
             environ.update(restart_cache_env(environ, cache))  # agent.environ too
         s = agent.store

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = ["JobInfo", "worker_env", "worker_args", "worker_command", "restart_cache_env",
-           "xla_flags_with_devices"]
+           "has_user_cache", "xla_flags_with_devices"]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:
@@ -88,12 +88,17 @@ CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
+def has_user_cache(base: Mapping[str, str]) -> bool:
+    """Whether ``base`` names a JAX compilation cache of its own."""
+    return bool(base.get("JAX_COMPILATION_CACHE_DIR"))
+
+
 def restart_cache_env(base: Mapping[str, str], directory: str) -> dict[str, str]:
     """The variables that give a job's attempts one JAX compilation cache in
     ``directory``: every program an attempt compiles is written there (JAX's thresholds
     at zero, where the user set none), so a restarted attempt loads it instead of
     compiling again. Empty when ``base`` already names a cache (the user's wins)."""
-    if base.get("JAX_COMPILATION_CACHE_DIR"):
+    if has_user_cache(base):
         return {}
     out = {"JAX_COMPILATION_CACHE_DIR": directory}
     out.update({k: v for k, v in CACHE_VARS.items() if k not in base})
