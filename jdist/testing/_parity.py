@@ -161,15 +161,19 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
     return _run_cases([case], nprocs, timeout)[0]
 
 
-def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0
-                     ) -> list[ParityReport]:
+def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0,
+                     start_method: str = "spawn") -> list[ParityReport]:
     """Several :func:`run_parity` runs; with ``nprocs > 1`` all in one launch per framework.
 
     Args:
       cases: dicts of :func:`run_parity` arguments (``torch_model``, ``nnx_model``,
-        ``loss``, ``data``, ``optimizer`` and any keyword but ``nprocs``/``timeout``).
+        ``loss``, ``data``, ``optimizer`` and any keyword but ``nprocs``, ``timeout``
+        and ``start_method``).
       nprocs: processes per framework, as in :func:`run_parity`.
       timeout: seconds for each framework's launch (all cases together).
+      start_method: how the ``nprocs > 1`` processes start, as in
+        :func:`jdist.launch.spawn` (``"forkserver"``: forked from a server that imported
+        :func:`jdist.launch.set_forkserver_preload`'s modules once).
 
     Returns:
       One :class:`ParityReport` per case, in order.
@@ -182,7 +186,7 @@ def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0
         if not isinstance(c, dict):
             raise TypeError(f"case #{i} must be a dict of run_parity arguments, got "
                             f"{type(c).__name__}")
-        bad = {"nprocs", "timeout"} & set(c)
+        bad = {"nprocs", "timeout", "start_method"} & set(c)
         if bad:
             raise ValueError(f"case #{i} sets {sorted(bad)}; pass them to "
                              f"run_parity_cases itself")
@@ -192,16 +196,18 @@ def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0
             if "argument" in str(e) and "make_case" in str(e):
                 raise TypeError(f"case #{i}: {e} (keys are run_parity's arguments)") from e
             raise
-    return _run_cases(prepared, nprocs, timeout)
+    return _run_cases(prepared, nprocs, timeout, start_method)
 
 
-def _run_cases(cases: list[Case], nprocs, timeout) -> list[ParityReport]:
+def _run_cases(cases: list[Case], nprocs, timeout, start_method="spawn"
+               ) -> list[ParityReport]:
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if nprocs > 1:
         from jdist.testing._parity_ddp import run_ddp_parity
 
-        return run_ddp_parity(cases, nprocs=nprocs, timeout=timeout)
+        return run_ddp_parity(cases, nprocs=nprocs, timeout=timeout,
+                              start_method=start_method)
     return [_run_single(c) for c in cases]
 
 

@@ -174,8 +174,8 @@ def _check_picklable(c: Case, i: int) -> None:
                             f"{v!r}: {e}") from e
 
 
-def run_ddp_parity(cases: list[Case], *, nprocs: int, timeout: float
-                   ) -> list[ParityReport]:
+def run_ddp_parity(cases: list[Case], *, nprocs: int, timeout: float,
+                   start_method: str = "spawn") -> list[ParityReport]:
     """:func:`~jdist.testing.run_parity_cases` for ``nprocs > 1`` (see the module doc)."""
     from jdist.launch import spawn
 
@@ -188,8 +188,10 @@ def run_ddp_parity(cases: list[Case], *, nprocs: int, timeout: float
         check_models(t_ref, n_ref)
         compare_models(t_ref, n_ref, strict=c.strict)  # pairing errors before launching
         refs.append((t_ref, n_ref))
-    tres = spawn(_torch_worker, args=(cases, float(timeout)), nprocs=nprocs, timeout=timeout)
-    jres = spawn(_jax_worker, args=(cases, tres), nprocs=nprocs, timeout=timeout)
+    tres = spawn(_torch_worker, args=(cases, float(timeout)), nprocs=nprocs, timeout=timeout,
+                 start_method=start_method)
+    jres = spawn(_jax_worker, args=(cases, tres), nprocs=nprocs, timeout=timeout,
+                 start_method=start_method)
     return [_report(c, [r[i] for r in tres], [r[i] for r in jres], *refs[i], nprocs)
             for i, c in enumerate(cases)]
 

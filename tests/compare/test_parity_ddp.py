@@ -14,6 +14,7 @@ import functools
 
 import pytest
 
+import tests.helpers  # noqa: F401  (the suite's fork-server preload)
 from jdist.errors import WeightConversionError
 from jdist.testing import OptimizerSpec, run_parity, run_parity_cases
 from jdist.testing.parity import EXAMPLES, build_nnx_model, build_torch_model, example
@@ -38,7 +39,8 @@ def test_ddp_parity_two_processes():
     assert {name for name, _ in keys} == set(EXAMPLES)
     cases = [_case(name, opt) for name, opt in keys]
     cases.append(_case("mlp", "sgd", copy_weights=False, params_every_step=True))
-    reports = run_parity_cases(cases, nprocs=2, timeout=400)
+    # forked from the suite's fork server (tests/helpers.py preloads torch and JAX)
+    reports = run_parity_cases(cases, nprocs=2, timeout=400, start_method="forkserver")
     for (name, opt), report in zip(keys, reports[:-1], strict=False):
         assert report.ok(TOL), f"{name}/{opt}\n{report.table(TOL)}"
         assert len(report.steps) == 5 and report.per_step_arrays is None

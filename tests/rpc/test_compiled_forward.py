@@ -79,7 +79,7 @@ def test_bucketed_lookup_matches_jax_grad_and_compiles_once(agents, mode, last):
         idx, off = batch(rng, last)
         loss, table, g_table, g_head, g_scale = _run(a0, emb, head, scale, idx, off, mode)
 
-        def ref(tab, h, s, idx=idx, off=off):
+        def ref(tab, h, s, idx, off):
             psw = jnp.full(idx.shape, 1.0, jnp.float32) * s if mode == "sum" else None
             out = embedding_bag(tab, idx, off, mode=mode, per_sample_weights=psw,
                                 include_last_offset=last)
@@ -87,7 +87,8 @@ def test_bucketed_lookup_matches_jax_grad_and_compiles_once(agents, mode, last):
 
         h = head.local_value()[...]
         s = scale.local_value()[...]
-        want, wg = jax.value_and_grad(ref, argnums=(0, 1, 2))(table, h, s)
+        # one compiled reference per batch shape (eagerly, each of its ops compiles)
+        want, wg = jax.jit(jax.value_and_grad(ref, argnums=(0, 1, 2)))(table, h, s, idx, off)
         np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g_table, wg[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g_head, wg[1], rtol=1e-5, atol=1e-6)
