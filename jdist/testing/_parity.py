@@ -105,8 +105,8 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
                batch_size: int | None = None, shuffle: bool = False, seed: int = 0,
                drop_last: bool = False, jax_input: Any = None, train: bool = True,
                copy_weights: bool = True, params_every_step: bool = False,
-               nprocs: int = 1, timeout: float = 300.0, strict: bool = True,
-               check_config: bool = True) -> ParityReport:
+               nprocs: int = 1, timeout: float = 300.0, start_method: str = "spawn",
+               strict: bool = True, check_config: bool = True) -> ParityReport:
     """Train ``torch_model`` and ``nnx_model`` the same way and report how they diverge.
 
     Example::
@@ -142,6 +142,9 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
         every process taking its :class:`~jdist.sampler.DistributedSampler` share
         (see :mod:`jdist.testing._parity_ddp`).
       timeout: seconds for each framework's processes (``nprocs > 1``).
+      start_method: how those processes start, as in :func:`jdist.launch.spawn`
+        (``"forkserver"``: forked from a server that imported
+        :func:`jdist.launch.set_forkserver_preload`'s modules once).
       strict, check_config: passed to :func:`~jdist.testing.torch_to_nnx`.
 
     Returns:
@@ -158,7 +161,7 @@ def run_parity(torch_model, nnx_model, loss, data, optimizer, *, steps: int = 5,
                      jax_input=jax_input, train=train, copy_weights=copy_weights,
                      params_every_step=params_every_step, strict=strict,
                      check_config=check_config)
-    return _run_cases([case], nprocs, timeout)[0]
+    return _run_cases([case], nprocs, timeout, start_method)[0]
 
 
 def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0,
@@ -171,9 +174,7 @@ def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0,
         and ``start_method``).
       nprocs: processes per framework, as in :func:`run_parity`.
       timeout: seconds for each framework's launch (all cases together).
-      start_method: how the ``nprocs > 1`` processes start, as in
-        :func:`jdist.launch.spawn` (``"forkserver"``: forked from a server that imported
-        :func:`jdist.launch.set_forkserver_preload`'s modules once).
+      start_method: as in :func:`run_parity`.
 
     Returns:
       One :class:`ParityReport` per case, in order.
@@ -199,8 +200,7 @@ def run_parity_cases(cases, *, nprocs: int = 1, timeout: float = 300.0,
     return _run_cases(prepared, nprocs, timeout, start_method)
 
 
-def _run_cases(cases: list[Case], nprocs, timeout, start_method="spawn"
-               ) -> list[ParityReport]:
+def _run_cases(cases: list[Case], nprocs, timeout, start_method) -> list[ParityReport]:
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if nprocs > 1:
