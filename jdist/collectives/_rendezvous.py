@@ -256,10 +256,21 @@ def _raise_published(store, prefix: str) -> None:
     if not store.check([key]):
         return
     msg = store.get(key).decode()
-    store.add(prefix + "error_seen", 1)  # rank 0 keeps its store up until all have read it
+    _ack_error(store, prefix)
     if msg.startswith("timeout:"):
         raise RendezvousTimeoutError(msg[len("timeout:"):])
     raise RendezvousError(msg)
+
+
+def _ack_error(store, prefix: str) -> None:
+    """Tell rank 0 this rank has read the published error (rank 0 keeps its store up
+    until all have). Best effort: rank 0 may close the store as soon as the count is
+    reached, before this request's reply is sent, and the error is raised anyway: a
+    lost reply must not turn into a reconnect that waits for a store that is gone."""
+    try:
+        store.add(prefix + "error_seen", 1)
+    except StoreError:
+        pass
 
 
 def _wait_count(store, key: str, count: int, wait: float) -> None:
@@ -327,9 +338,10 @@ def rendezvous(store, spec: InitSpec, timeout: float, generation: int,
                 )
                 store.set(prefix + "error", msg)
                 if rank == 0:  # the ranks that arrived read it before the store goes away
-                    _wait_count(store, prefix + "error_seen", len(infos) - 1, 2.0)
+                    _wait_count(store, prefix + "error_seen", len(infos) - 1,
+                                max(2.0, deadline - time.monotonic()))
                 else:
-                    store.add(prefix + "error_seen", 1)
+                    _ack_error(store, prefix)
                 raise RendezvousError(msg)
         if len(infos) == n:
             break

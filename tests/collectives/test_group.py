@@ -125,3 +125,49 @@ def test_bad_backend_and_rank(clean_env):
     clean_env.setenv("RANK", "0")
     with pytest.raises(ValueError, match="environment variable MASTER_ADDR expected"):
         jdist.init_process_group()
+
+
+def test_world_size_mismatch_reaches_a_rank_that_is_slow_to_read_it():
+    """Rank 0 keeps its store up until the rank that arrived has read the mismatch,
+    however slow that rank is (CI saw a rank that read it late and then spent its
+    whole timeout reconnecting to a store that was gone)."""
+    import threading
+    import time
+
+    from jdist.errors import RendezvousError
+    from jdist.store import TCPStore, free_port
+
+    port, errors = free_port(), {}
+
+    class Slow:  # rank 1 reads the store late, after rank 0 has seen its claim
+        def __init__(self, store):
+            self.store, self.polls = store, 0
+
+        def check(self, keys):
+            self.polls += 1
+            if self.polls == 1:
+                time.sleep(2.5)
+            return self.store.check(keys)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    def run(rank: int) -> None:
+        n = 2 + rank
+        spec = rdzv.InitSpec("tcp", rank, n, "127.0.0.1", port)
+        store = TCPStore("127.0.0.1", port, n, rank == 0, timedelta(seconds=10),
+                         wait_for_workers=False)
+        try:
+            rdzv.rendezvous(store if rank == 0 else Slow(store), spec, 10.0, 1, "127.0.0.1")
+        except RendezvousError as e:
+            errors[rank] = str(e)
+        finally:
+            del store  # rank 0's server stops with its last reference, as in init
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(errors) == [0, 1], errors
+    assert all("world size mismatch" in m for m in errors.values()), errors
