@@ -88,6 +88,8 @@ class RpcAgent(CallClient, CallServer):
         self._dead: dict[int, str] = {}
         self._pending: dict[int, Pending] = {}
         self._ctl_pending: set[Future] = set()
+        #: request id -> forks of user RRefs it sent to their owner, kept until its reply
+        self._reply_holds: dict[int, list] = {}
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._timers: list[tuple[float, int]] = []

@@ -24,7 +24,7 @@ from jdist.rpc._futures import Future, others_running
 from jdist.rpc._options import resolve_timeout
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import rebuild_exception
-from jdist.rpc._rref import RRef, collect_fork_acks
+from jdist.rpc._rref import RRef, collect_fork_acks, collect_reply_holds
 from jdist.rpc.transport import Comm, CommClosedError
 
 __all__ = ["CallClient", "Pending", "same_process", "LOCAL_ADDRESSES"]
@@ -80,26 +80,49 @@ class CallClient:
             self._conn_to(worker.id).send(frames, timeout or self._send_timeout())
         except CommClosedError as e:
             self._mark_dead(worker.id, str(e))
+            self._release_reply_holds(rid)
             self._fail(rid, WorkerUnavailableError(f"worker {worker} is unavailable: {e}"))
         except RpcError as e:
+            self._release_reply_holds(rid)
             self._fail(rid, e)
 
     def _encode_call(self, worker: WorkerInfo, msg: Any, func: Any, args: Any,
-                     kwargs: Any) -> list:
+                     kwargs: Any) -> tuple[list, list]:
+        """The call's frames, and the forks of the user RRefs among its arguments that
+        go to their owner (:meth:`_hold_until_reply` keeps them until the reply)."""
         name = getattr(func, "__qualname__", "")
         if not callable(func) or "<lambda>" in name or "<locals>" in name:
             S.check_callable_picklable(func, str(worker))
+        held: list = []
+        prev = collect_reply_holds(held)
         try:
             payload, bufs = self._dumps((func, tuple(args or ()), dict(kwargs or {})),
                                         worker.id)
         except RpcError:  # an RRef or Future that cannot travel: its own message
+            self.rrefs.release_holds(held)
             raise
         except Exception as e:
+            self.rrefs.release_holds(held)
             S.check_callable_picklable(func, str(worker))
             raise TypeError(f"cannot send the arguments of {S.describe_callable(func)} to "
                             f"{worker}: {e}. Pass picklable values (numpy/jax arrays, "
                             "pytrees of them, plain Python objects).") from e
-        return P.encode(msg, payload, bufs)
+        finally:
+            collect_reply_holds(prev)
+        return P.encode(msg, payload, bufs), held
+
+    def _hold_until_reply(self, rid: int, held: list) -> None:
+        """Keep the RRefs sent to their owner as ``held`` until request ``rid``'s reply
+        (also a late one, after a timeout: the owner may decode the call until then)."""
+        if held:
+            with self._lock:
+                self._reply_holds[rid] = held
+
+    def _release_reply_holds(self, rid: int) -> None:
+        with self._lock:
+            held = self._reply_holds.pop(rid, None)
+        if held:
+            self.rrefs.release_holds(held)
 
     def _send_timeout(self) -> float | None:
         """Bound on handing one message to a peer that does not read (then it's cut off)."""
@@ -119,9 +142,10 @@ class CallClient:
         t = resolve_timeout(timeout, self.options.rpc_timeout)
         fn = S.describe_callable(func)
         rid = next(self._ids)
-        frames = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
-                                   args, kwargs)
+        frames, held = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
+                                         args, kwargs)
         fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
+        self._hold_until_reply(rid, held)
         self._send_request(worker, rid, frames, t)
         comm = self._conns.get(worker.id)
         if comm is not None and self.polls(worker.id):
@@ -171,10 +195,11 @@ class CallClient:
             return self._remote_local(rref_id, func, args, kwargs, fn)
         fork = self.rrefs.new_id()
         rid = next(self._ids)
-        frames = self._encode_call(worker, P.Remote(rid, fn, rref_id, fork, self._context_id()),
-                                   func, args, kwargs)
+        frames, held = self._encode_call(
+            worker, P.Remote(rid, fn, rref_id, fork, self._context_id()), func, args, kwargs)
         rref = RRef._make(self, worker, rref_id, fork, False)
         fut = self._register_rid(rid, worker, fn, t, f"remote({worker}, {fn})")
+        self._hold_until_reply(rid, held)
         rref._created = fut
         fut.add_done_callback(rref._on_confirmed)
         self._send_request(worker, rid, frames, t)
@@ -235,6 +260,7 @@ class CallClient:
             body = self._loads(frames)
         except Exception as e:
             body = e
+        self._release_reply_holds(msg.rid)  # the callee has decoded the call
         if p is None:
             return  # timed out already (any RRefs in it are released by GC)
         if isinstance(body, Exception):

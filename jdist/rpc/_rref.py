@@ -10,7 +10,10 @@ value is deleted when both are empty.
 - A user X sends its RRef to the owner: X keeps its own RRef alive (``holds``) until
   the owner has decoded it into a local handle and said so (``CHILD_ACCEPT``); a reply
   travels on another connection than X's later ``USER_DELETE``, so order alone is not
-  enough.
+  enough. When the RRef is an argument of X's call (``rpc_*`` or ``remote()``) to the
+  owner, the call's reply says it: the owner decodes a call before it answers it, so X
+  lets go of its hold when the reply comes (``_BY_REPLY``), and no control message
+  travels (torch sends one for every such argument).
 - User X sends to user Y: X makes a child fork id and keeps its own RRef alive
   until the owner has registered the child; Y asks the owner (``FORK_REQUEST``), the
   owner registers it, confirms to Y and tells X (``CHILD_ACCEPT``), and X lets go.
@@ -39,6 +42,7 @@ __all__ = ["RRef", "RRefContext", "rref_fetch", "rref_method_call"]
 Id = tuple[int, int]
 _NONE: Id = (-1, -1)
 _PINNED = -2  # RRefPid.parent: the owner sent its own RRef to itself and pinned it
+_BY_REPLY = -3  # RRefPid.parent: a user's argument to its owner, released by the reply
 
 
 class _Owned:
@@ -217,11 +221,23 @@ class RRefContext:
                 entry.forks[fork] = dest
             return RRefPid(me, obj._rref_id, fork, -1)
         # a user's RRef (to the owner or to another user): keep ours alive until the
-        # owner has the new reference (CHILD_ACCEPT), whatever connection carries it
+        # owner has the new reference (CHILD_ACCEPT, or the reply of the call that
+        # carries it to the owner), whatever connection carries it
         child = self.new_id()
         with self.lock:
             self.holds[child] = (obj, dest)
+        by_reply = getattr(_encoding, "by_reply", None)
+        if by_reply is not None and dest == obj._owner.id:
+            by_reply.append(child)
+            return RRefPid(obj._owner.id, obj._rref_id, child, _BY_REPLY)
         return RRefPid(obj._owner.id, obj._rref_id, child, me)
+
+    def release_holds(self, children: list[Id]) -> None:
+        """The owner has the RRefs sent as ``children`` (the reply of the call that
+        carried them came): let go of ours."""
+        with self.lock:
+            held = [self.holds.pop(c, None) for c in children]
+        del held  # may send our own USER_DELETEs (queued, in order)
 
     def persistent_load(self, pid: Any) -> RRef:
         """The RRef for a received :class:`RRefPid` (sends the protocol's messages)."""
@@ -235,7 +251,10 @@ class RRefContext:
                 self.handle_released(rref_id)
             elif parent >= 0:
                 self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
-            return rref
+            return rref  # _BY_REPLY: our reply to the call tells the sender
+        if parent == _BY_REPLY:
+            raise RRefError(f"RRef {rref_id} was sent to {self.agent.info} as if it were "
+                            f"its owner; its owner is {info}")
         rref = RRef._make(self.agent, info, rref_id, fork, parent < 0)
         if parent >= 0:
             ack = self.agent.send_control(owner, ControlOp.FORK_REQUEST, rref_id, fork, parent)
@@ -247,6 +266,16 @@ class RRefContext:
 
 
 _decoding = threading.local()  # .acks: fork confirmations a call being decoded waits for
+_encoding = threading.local()  # .by_reply: user RRefs a call being encoded sends to owners
+
+
+def collect_reply_holds(children: list | None) -> list | None:
+    """Start (``[]``) or end (``None``) collecting, in this thread, the user RRefs that
+    the call being encoded sends to their owner (released by its reply); returns the
+    previous list."""
+    prev = getattr(_encoding, "by_reply", None)
+    _encoding.by_reply = children
+    return prev
 
 
 def collect_fork_acks(acks: list | None) -> list | None:

@@ -294,6 +294,48 @@ def fetch_counter_n(rref):
     return rref.rpc_sync().add(0)
 
 
+def stash_on_owner(key, rref, seconds=0.0):
+    """On the owner: keep the owner-side handle of a user's RRef (after a while)."""
+    time.sleep(seconds)
+    _STASH[key] = rref
+    return rref.is_owner()
+
+
+def test_user_rref_sent_to_its_owner_is_released_by_the_reply(agents):
+    """A user's RRef in a call to its owner: the reply tells the user that the owner
+    has it (no CHILD_ACCEPT message), a late reply after a timeout too, and the value
+    lives on in the owner's handle after the user drops every reference."""
+    a0, a1, _ = agents
+    ops = []
+
+    def counted(send):
+        def send_control(to, op, *rest):
+            ops.append(op)
+            return send(to, op, *rest)
+        return send_control
+
+    for a in agents:
+        a.send_control = counted(a.send_control)
+    rrefs = [a0.remote("w1", Counter, (i,)) for i in range(20)]
+    assert all(a0.rpc_async("w1", stash_on_owner, (i, r)).wait()
+               for i, r in enumerate(rrefs[:10]))
+    assert holds_empty(a0, timeout=0.0)  # released before each reply's future is done
+    assert all(a0.remote("w1", stash_on_owner, (i, r)).to_here()
+               for i, r in enumerate(rrefs[10:], 10))
+    assert holds_empty(a0)  # the remote()s' replies (they may come after to_here's)
+    with pytest.raises(RpcTimeoutError):
+        a0.rpc_async("w1", stash_on_owner, (20, rrefs[0], 0.5), timeout=0.1).wait()
+    assert len(a0.rrefs.holds) == 1  # the owner may still decode it: held
+    assert holds_empty(a0)  # until the late reply
+    assert P.ControlOp.CHILD_ACCEPT not in ops, ops
+    del rrefs
+    gc.collect()
+    assert [_STASH[i].local_value().n for i in range(20)] == list(range(20))
+    assert len(a1.rrefs.owned) == 20
+    _STASH.clear()
+    assert owned_empty(a1) and all(holds_empty(a) for a in agents)
+
+
 # ---------------------------------------------------------------- lifecycle / failures
 def test_unique_names_enforced():
     from jdist.rpc._api import start_agent
