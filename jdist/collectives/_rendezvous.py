@@ -264,9 +264,9 @@ def _raise_published(store, prefix: str) -> None:
 
 def _ack_error(store, prefix: str) -> None:
     """Tell rank 0 this rank has read the published error (rank 0 keeps its store up
-    until all have). Best effort: rank 0 may close the store as soon as the count is
-    reached, before this request's reply is sent, and the error is raised anyway: a
-    lost reply must not turn into a reconnect that waits for a store that is gone."""
+    until all have, or until its own deadline). Best effort: if rank 0 has closed the
+    store already, the error is raised anyway; a failed acknowledgement must not turn
+    into a reconnect that waits for a store that is gone."""
     try:
         store.add(prefix + "error_seen", 1)
     except StoreError:
