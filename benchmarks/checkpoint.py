@@ -24,7 +24,7 @@
     ``--start-method forkserver`` (workers forked from a server that imported JAX, Flax,
     Optax and jdist once).
 
-    python benchmarks/checkpoint.py            # 8 intervals of 50 steps per variant
+    python benchmarks/checkpoint.py            # 16 intervals of 50 steps per variant
     python benchmarks/checkpoint.py --quick    # 3
 """
 
@@ -219,7 +219,7 @@ def restart_under_launcher(devices: int, flags: list[str]) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=8,
+    ap.add_argument("--rounds", type=int, default=16,
                     help="rounds of one save interval per variant")
     ap.add_argument("--quick", action="store_true", help="3 rounds")
     ap.add_argument("--first-step", metavar="DIR", help=argparse.SUPPRESS)

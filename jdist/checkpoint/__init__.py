@@ -10,7 +10,7 @@ pytrees (Linen / ``FunctionalDDP`` users) and JSON-able extras.
 
 Each rank writes its part as one Orbax checkpoint (atomic: written under a temporary
 name, renamed when complete); a step counts once every rank's part is there, and
-restore takes the newest such step, checks every buffer's CRC-32, and falls back to
+restore takes the newest such step, checks every buffer's checksum, and falls back to
 the previous complete step when a part is broken. ``state =
 manager.restore_or_init(init)`` is the whole resume logic of a training script run
 under ``jdist-run --max-restarts K``. See ``docs/fault-tolerance.md``.

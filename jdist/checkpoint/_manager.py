@@ -51,10 +51,10 @@ def _rank_world() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def _crcs(arrays: dict, meta: dict) -> None:
-    """Fill in every buffer's CRC-32 (in the writer's thread: it reads every byte)."""
+def _checksums(arrays: dict, meta: dict) -> None:
+    """Fill in every buffer's checksum (in the writer's thread: it reads every byte)."""
     for name, rec in meta["buffers"].items():
-        rec["crc"] = _pack.buffer_crc(arrays[name])
+        rec.update(_pack.buffer_checksum(arrays[name]))
 
 
 class CheckpointManager:
@@ -153,7 +153,7 @@ class CheckpointManager:
                             _layout.part_name(self.rank, self.world))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self._writer.save(path, lambda spare: _pack.pack(host, spare)[0], meta,
-                          prepare=_crcs, then=self._retain)
+                          prepare=_checksums, then=self._retain)
         return True
 
     def _part(self, step: int, state: dict) -> tuple[dict, dict]:
@@ -191,8 +191,8 @@ class CheckpointManager:
         sizes, places = _pack.layout(host)
         for rec, (buf, offset, shape) in zip(recs, places, strict=True):
             rec.update(buffer=buf, offset=offset, shape=shape)
-        buffers = {k: {"dtype": str(dtype), "size": int(n), "crc": None}
-                   for k, (dtype, n) in sizes.items()}  # the CRCs: see _crcs
+        buffers = {k: {"dtype": str(dtype), "size": int(n)}
+                   for k, (dtype, n) in sizes.items()}  # checksums: see _checksums
         meta = {"format": _pack.FORMAT, "step": step, "rank": self.rank, "world": self.world,
                 "time": time.time(), "items": items, "arrays": sorted(buffers),
                 "buffers": buffers}

@@ -2,7 +2,7 @@
 
 :class:`StepReader` loads the parts this rank needs (every rank's small JSON record;
 the buffers of rank 0, of this rank, and of the ranks holding shards it needs),
-checks every buffer's CRC-32, and :func:`restore_items` builds the new state, checking
+checks every buffer's checksum, and :func:`restore_items` builds the new state, checking
 names, shapes and dtypes against the state given as the template before anything is
 written into it.
 """
@@ -33,7 +33,7 @@ class StepReader:
         self.paths = step.parts[world]
         self._meta: dict = {}
         self._arrays: dict = {}
-        self._checked: set = set()  # (rank, buffer) whose CRC-32 matched
+        self._checked: set = set()  # (rank, buffer) whose checksum matched
 
     def _guard(self, r: int, what: str, fn):
         try:
@@ -79,10 +79,10 @@ class StepReader:
         buf = self.arrays(r)[name]
         if (r, name) not in self._checked:
             rec = self.meta(r)["buffers"][name]
-            if buf.shape != (rec["size"],) or _pack.buffer_crc(buf) != rec["crc"]:
+            if buf.shape != (rec["size"],) or not _pack.checksum_ok(buf, rec):
                 raise CheckpointCorruptError(
                     f"{where}: the buffer {name!r} in the checkpoint part {self.paths[r]} "
-                    f"(step {self.step.step}) fails its CRC-32 check (the file was changed "
+                    f"(step {self.step.step}) fails its checksum (the file was changed "
                     "or cut after it was written)")
             self._checked.add((r, name))
         try:

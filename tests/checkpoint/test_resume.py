@@ -135,10 +135,14 @@ def test_partial_newest_step_is_skipped_and_removed(tmp_path):
 
 
 def _data_files(part):
+    """The chunk files of a part's buffers (``arrays/<buffer>/0``; an OCDBT part, as
+    jdist wrote before, keeps its data under ``d/``)."""
     out = []
     for root, _, files in os.walk(os.path.join(part, "arrays")):
-        out += [os.path.join(root, f) for f in files if os.sep + "d" + os.sep in
-                os.path.join(root, f) + os.sep or os.path.basename(root) == "d"]
+        if os.path.basename(root).endswith("_buffer"):
+            out += [os.path.join(root, f) for f in files if not f.startswith(".")]
+        elif os.path.basename(root) == "d":
+            out += [os.path.join(root, f) for f in files]
     return out
 
 
@@ -168,7 +172,7 @@ def test_corrupt_step_warns_naming_the_file_and_falls_back(tmp_path):
     m.close()
 
 
-def test_changed_bytes_fail_the_crc(tmp_path, monkeypatch):
+def test_changed_bytes_fail_the_checksum(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path, async_save=False) as m:
         m.save(1, _tree_state(1.0))
     from jdist.checkpoint import _orbax
@@ -184,9 +188,50 @@ def test_changed_bytes_fail_the_crc(tmp_path, monkeypatch):
     monkeypatch.setattr("jdist.checkpoint._restore.read_part", flipped)
     m = CheckpointManager(tmp_path)
     with pytest.warns(UserWarning), pytest.raises(CheckpointCorruptError,
-                                                   match=r"'float32_buffer'.*CRC-32"):
+                                                   match=r"'float32_buffer'.*checksum"):
         m.restore(_tree_state(0.0))
     m.close()
+
+
+def test_a_part_written_by_an_earlier_jdist_restores_and_is_checked(tmp_path, monkeypatch):
+    """Parts written before the XXH3 checksums and the plain zarr layout (an OCDBT
+    database, a CRC-32 per buffer) still restore, and a changed byte still fails."""
+    import zlib
+
+    import orbax.checkpoint as ocp
+
+    from jdist.checkpoint import _manager, _pack
+
+    real_handler = ocp.PyTreeCheckpointHandler
+
+    def ocdbt_handler(**kw):
+        return real_handler(**{**kw, "use_ocdbt": True})
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ocp, "PyTreeCheckpointHandler", ocdbt_handler)
+        mp.setattr(_manager._pack, "buffer_checksum",
+                   lambda a: {"crc": zlib.crc32(memoryview(a).cast("B"))})
+        with CheckpointManager(tmp_path, async_save=False) as m:
+            m.save(1, _tree_state(1.0))
+            m.save(2, _tree_state(2.0))
+    part2 = os.path.join(_layout.step_dir(str(tmp_path), 2), _layout.part_name(0, 1))
+    assert os.path.exists(os.path.join(part2, "arrays", "manifest.ocdbt"))
+    with CheckpointManager(tmp_path) as m:
+        out = m.restore(_tree_state(0.0))
+    assert m.restored_step == 2 and out["params"]["a"][0] == 2.0
+    buf = np.arange(5, dtype=np.float32)
+    assert _pack.checksum_ok(buf, {"crc": zlib.crc32(buf.tobytes())})
+    assert not _pack.checksum_ok(buf + 1, {"crc": zlib.crc32(buf.tobytes())})
+    assert not _pack.checksum_ok(buf, {})  # a record with no checksum is not trusted
+    files = _data_files(part2)
+    assert files
+    for f in files:  # step 2's data cut in half: the CRC-32 era part falls back too
+        with open(f, "r+b") as fh:
+            fh.truncate(max(0, os.path.getsize(f) // 2))
+    with CheckpointManager(tmp_path) as m, pytest.warns(
+            UserWarning, match="skipping checkpoint step 2"):
+        out = m.restore(_tree_state(0.0))
+    assert m.restored_step == 1 and out["params"]["a"][0] == 1.0
 
 
 class _Net(nnx.Module):
