@@ -43,6 +43,7 @@ from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handsh
 from jdist.rpc._client import LOCAL_ADDRESSES, CallClient, Pending
 from jdist.rpc._futures import Future
 from jdist.rpc._options import RpcBackendOptions
+from jdist.rpc._pollgate import PollGate
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import failure_payload
 from jdist.rpc._rref import RRef, RRefContext
@@ -107,6 +108,10 @@ class RpcAgent(CallClient, CallServer):
         self._backlog_lock = threading.Lock()
         self._closed = threading.Event()  # set when close() has finished
         self._poll_s = options.busy_poll_us * 1e-6
+        #: which waits busy-poll, learned from how long such waits lasted
+        self.poll_gate = PollGate(self._poll_s)
+        #: peer -> (kind, start) of a pool thread's wait for that peer's next call
+        self._next_call_waits: dict[int, tuple] = {}
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)

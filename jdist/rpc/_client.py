@@ -148,8 +148,8 @@ class CallClient:
         self._hold_until_reply(rid, held)
         self._send_request(worker, rid, frames, t)
         comm = self._conns.get(worker.id)
-        if comm is not None and self.polls(worker.id):
-            fut._poll = functools.partial(self._poll_reply, comm)  # the reply's connection
+        if comm is not None and self.polls(worker.id):  # the reply's connection
+            fut._poll = functools.partial(self._poll_reply, comm, ("reply", worker.id, fn))
         return fut
 
     def polls(self, rank: int) -> bool:
@@ -157,15 +157,23 @@ class CallClient:
         peer in this process (it needs this process's GIL to answer)."""
         return self._poll_s > 0 and not same_process(self._addresses.get(rank))
 
-    def _poll_reply(self, comm: Comm, fut: Future, timeout: float | None) -> None:
+    def _poll_reply(self, comm: Comm, kind: tuple, fut: Future,
+                    timeout: float | None) -> None:
         """Before ``fut.wait`` blocks: read the reply's connection in this thread for up
         to ``busy_poll_us``, so a reply that comes soon wakes no thread. Only for a lone
         request (with several in flight the I/O thread is busy anyway, and reads in
-        parallel with this thread) and while no other RPC function runs here."""
-        if len(self._pending) > 1 or others_running():
+        parallel with this thread), while no other RPC function runs here, and while
+        this function's replies from this peer have come soon enough
+        (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival is timed either
+        way)."""
+        fut._arrival = functools.partial(self._reply_arrived, kind, time.perf_counter())
+        if len(self._pending) > 1 or others_running() or not self.poll_gate.should(kind):
             return
         limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
         comm.poll_until(lambda: fut._done or others_running(), limit)
+
+    def _reply_arrived(self, kind: tuple, since: float, now: float) -> None:
+        self.poll_gate.record(kind, now - since)
 
     def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
                       desc: str) -> Future:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any, Generic, TypeVar
@@ -51,6 +52,8 @@ class Future(Generic[T]):
         self._desc = _desc
         #: set by the agent: ``_poll(self, timeout)`` may read the reply in this thread
         self._poll: Callable[[Future, float | None], None] | None = None
+        #: set by the agent's ``_poll``: told the time (``perf_counter``) of completion
+        self._arrival: Callable[[float], None] | None = None
 
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("failed" if self._exc else "done")
@@ -110,6 +113,9 @@ class Future(Generic[T]):
             self._value, self._exc, self._done = value, exc, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
+        arrival, self._arrival = self._arrival, None
+        if arrival is not None:
+            arrival(time.perf_counter())
         for cb in callbacks:
             self._run(cb)
 

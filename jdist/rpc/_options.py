@@ -50,6 +50,8 @@ class RpcBackendOptions:
         of microseconds). It holds the GIL between reads, so it is skipped while other
         threads of the process run RPC functions and for peers in this process; other
         Python threads of the process can be delayed by up to this much per wait.
+        Waits of a kind whose messages have taken longer than three windows on average
+        (a reply from a function that computes for a millisecond) skip the poll.
         0 turns polling off.
     """
 

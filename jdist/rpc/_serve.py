@@ -5,13 +5,15 @@ and hooks). A remote function's exception is sent back with its traceback; a fun
 marked ``@async_execution`` frees its thread and the reply goes out when its future
 completes. A pool thread that has replied reads the caller's connection for up to
 ``busy_poll_us`` and runs the next call arriving there itself (still a pool thread: user
-code never runs on the I/O loop, and a nested call it makes waits on another connection).
+code never runs on the I/O loop, and a nested call it makes waits on another connection),
+as long as such polls are answered in time (``_pollgate``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from jdist.errors import RpcError
@@ -31,6 +33,9 @@ class CallServer:
     """Callee half of :class:`RpcAgent` (see there for the attributes it uses)."""
 
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
+        waited = self._next_call_waits.pop(peer, None)
+        if waited is not None:  # a pool thread began waiting for this call (see below)
+            self.poll_gate.record(waited[0], time.perf_counter() - waited[1])
         entry = None
         if isinstance(msg, P.Remote):
             entry = self.rrefs.create_owned(msg.rref, msg.fork, peer)
@@ -108,7 +113,7 @@ class CallServer:
                 add_busy(-1)
             if not replied:
                 return
-            nxt = self._poll_next_call(comm, peer)
+            nxt = self._poll_next_call(comm, peer, msg.fn)
             if nxt is None:
                 return
             comm, peer, msg, func, args, kwargs = nxt
@@ -127,11 +132,18 @@ class CallServer:
         self._reply(comm, msg.rid, out, peer, msg.fn)
         return True
 
-    def _poll_next_call(self, comm: Comm, peer: int) -> tuple | None:
+    def _poll_next_call(self, comm: Comm, peer: int, after: str) -> tuple | None:
         """Read ``comm`` in this thread for up to ``busy_poll_us``; the first call read
         (as ``_run_call``'s arguments) is kept for this thread, others go to the pool.
-        Not while other threads of this process run RPC functions (they need the GIL)."""
-        if not self.polls(peer) or others_running():
+        Not while other threads of this process run RPC functions (they need the GIL),
+        nor while the next call from ``peer`` after one of ``after`` has come late
+        (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
+        way)."""
+        if not self.polls(peer):
+            return None
+        kind = ("next", peer, after)
+        self._next_call_waits[peer] = (kind, time.perf_counter())
+        if others_running() or not self.poll_gate.should(kind):
             return None
         slot: list = []
         _INLINE.slot = slot

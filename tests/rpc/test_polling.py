@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jdist.errors import RpcTimeoutError, WorkerUnavailableError
-from jdist.rpc import _client, _serve
+from jdist.rpc import _client, _pollgate, _serve
+from jdist.rpc._serialize import describe_callable
 from tests.rpc.conftest import make_agents, stop_all
 
 _AGENTS: dict = {}
@@ -62,8 +63,8 @@ def test_back_to_back_calls_run_on_pool_threads_with_results_in_order(tcp3, monk
     polled = []  # calls a pool thread picked up itself while polling
     real = _serve.CallServer._poll_next_call
 
-    def spy(self, comm, peer):
-        nxt = real(self, comm, peer)
+    def spy(self, comm, peer, after):
+        nxt = real(self, comm, peer, after)
         polled.append(nxt is not None)
         return nxt
 
@@ -154,3 +155,36 @@ def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
         assert not agents[0].polls(1)
     finally:
         stop_all(agents, graceful=False)
+
+
+def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
+    """A reply that takes longer than a few poll windows (a 20 ms function), or a next
+    call that comes late (the caller pauses between calls), stops those polls: the
+    waiting thread blocks at once. Arrivals are timed without polling too, so a kind
+    that becomes fast polls again."""
+    a0, a1 = tcp3[0], tcp3[1]
+    slow, fast = describe_callable(sleep_then), describe_callable(echo)
+    reply_kind = ("reply", a1.info.id, slow)
+    polls = []
+
+    class Spy(_pollgate.PollGate):
+        def should(self, kind):
+            out = super().should(kind)
+            if kind == reply_kind:
+                polls.append(out)
+            return out
+
+    a0.poll_gate = Spy(a0._poll_s)
+    for i in range(10):
+        assert a0.rpc_async("w1", sleep_then, (0.02, i)).wait() == i
+    assert a0.poll_gate.average(reply_kind) > a0.poll_gate.limit
+    assert polls and not any(polls[1:])  # only the first wait, of an unknown kind, polled
+    for i in range(60):  # the same function, now quick: measured, then polled again
+        assert a0.rpc_async("w1", sleep_then, (0, i)).wait() == i
+    assert a0.poll_gate.average(reply_kind) < 0.02
+    for i in range(20):  # w1's pool thread waits for the next call after each echo
+        assert a0.rpc_async("w1", echo, (i,)).wait() == i
+        time.sleep(0.01)
+    assert a1.poll_gate.average(("next", a0.info.id, fast)) > a1.poll_gate.limit
+    assert not a1.poll_gate.should(("next", a0.info.id, fast))
+    assert a0.rpc_async("w1", echo, ("still answers",)).wait() == "still answers"

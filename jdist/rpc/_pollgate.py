@@ -1,0 +1,66 @@
+"""Whether a thread about to wait for a message should busy-poll for it first.
+
+Busy polling (see docs/design-rpc.md) pays when the message comes within the poll
+window: a steady stream of calls then wakes no thread. When it comes much later, the
+poll only burns ``busy_poll_us`` of a core, holding the GIL between reads, while the peer
+is still working; on a machine with few cores that core is what the peer's computation
+(or this process's other threads) needed. A parameter server's forward pass, for
+example, takes a millisecond or more, and its trainer's poll for the reply missed every
+time.
+
+:class:`PollGate` keeps, per kind of wait (a caller waiting for the reply of one
+function from one peer; a pool thread waiting for the next call from a peer after
+replying to one function), an exponentially weighted average of how long such waits
+lasted: from the start of the wait to the message's arrival, measured whether the wait
+polled or not (so a pattern that speeds up is seen again). A wait polls while that
+average is at most ``limit`` (a few poll windows: a wait that does not poll also pays
+a thread's wake-up, which the next measurement includes). Pure bookkeeping: no clock,
+no I/O, no locks (updates race benignly under the GIL: a lost update only delays
+learning by one wait).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+__all__ = ["PollGate", "WINDOWS", "WEIGHT", "MAX_KINDS"]
+
+WINDOWS = 3.0
+"""A wait polls while its kind's average wait is at most this many poll windows."""
+
+WEIGHT = 0.125
+"""Weight of the newest wait in the average (about the last eight count)."""
+
+MAX_KINDS = 4096
+"""Kinds remembered; past that the table starts over (every kind polls again)."""
+
+
+class PollGate:
+    """Per kind of wait: whether to poll (:meth:`should`) and how long one lasted
+    (:meth:`record`). ``window`` is the poll window in seconds."""
+
+    __slots__ = ("limit", "_cap", "_waits")
+
+    def __init__(self, window: float) -> None:
+        self.limit = WINDOWS * float(window)
+        self._cap = 4 * self.limit  # one stall must not silence a kind for long
+        self._waits: dict[Hashable, float] = {}  # kind -> average wait (seconds)
+
+    def should(self, kind: Hashable) -> bool:
+        """Whether the next wait of ``kind`` polls (a kind never seen does)."""
+        return self._waits.get(kind, 0.0) <= self.limit
+
+    def record(self, kind: Hashable, waited: float) -> None:
+        """A wait of ``kind`` saw its message ``waited`` seconds after it began."""
+        sample = min(max(float(waited), 0.0), self._cap)
+        avg = self._waits.get(kind)
+        if avg is None:
+            if len(self._waits) >= MAX_KINDS:
+                self._waits.clear()
+            self._waits[kind] = sample
+        else:
+            self._waits[kind] = avg + WEIGHT * (sample - avg)
+
+    def average(self, kind: Hashable) -> float | None:
+        """The average wait of ``kind`` in seconds (None: never measured)."""
+        return self._waits.get(kind)
