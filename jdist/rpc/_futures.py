@@ -114,8 +114,11 @@ class Future(Generic[T]):
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
         arrival, self._arrival = self._arrival, None
-        if arrival is not None:
-            arrival(time.perf_counter())
+        if arrival is not None:  # the agent's bookkeeping: never fails the completion
+            try:
+                arrival(time.perf_counter())
+            except Exception:
+                log.exception("jdist.rpc: timing a reply's arrival failed")
         for cb in callbacks:
             self._run(cb)
 

@@ -6,7 +6,7 @@ marked ``@async_execution`` frees its thread and the reply goes out when its fut
 completes. A pool thread that has replied reads the caller's connection for up to
 ``busy_poll_us`` and runs the next call arriving there itself (still a pool thread: user
 code never runs on the I/O loop, and a nested call it makes waits on another connection),
-as long as such polls are answered in time (``_pollgate``).
+as long as calls from that peer have come soon after such replies (``_pollgate``).
 """
 
 from __future__ import annotations
