@@ -97,7 +97,7 @@ def checksum_ok(a: np.ndarray, rec: dict) -> bool:
     """Whether ``a`` matches its record's checksum: XXH3-64, or the CRC-32 of parts
     written by an earlier jdist (``{"crc": <int>}``)."""
     if rec.get("xxh3") is not None:
-        return xxhash.xxh3_64_intdigest(_bytes(a)) == rec["xxh3"]
+        return buffer_checksum(a)["xxh3"] == rec["xxh3"]
     if rec.get("crc") is not None:
         return zlib.crc32(_bytes(a)) == rec["crc"]
     return False
