@@ -18,7 +18,9 @@ RRefs come from ``nnx.variables`` (an NNX module has no ``parameters()``);
 ``ParameterServer`` is an ``nnx.Module`` as torch's is an ``nn.Module`` (a plain class
 holding the model would work too: distributed autograd finds the modules inside it);
 ``call_method`` is marked ``@dist_autograd.pure``, so the server records the forward
-pass as one compiled forward+VJP program instead of tracing it eagerly every step.
+pass as one compiled forward+VJP program instead of tracing it eagerly every step, and
+so is ``nll_loss``, so the trainer runs the loss, its backward pass and the RPCs (as
+host callbacks) as one compiled program from the second step on.
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def nll(model_output, target):
     return -jnp.mean(jnp.take_along_axis(model_output, target[:, None], 1))
 
 
+@dist_autograd.pure  # dist_autograd.backward runs it as one compiled program
 def nll_loss(net, data, target):
     """The forward pass and ``F.nll_loss`` (dist_autograd.backward runs it)."""
     model_output = net(data)

@@ -33,7 +33,7 @@ from jdist.errors import DistAutogradError, RRefError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._params import param_variables
+from jdist.rpc.autograd._params import param_variables, read_variable, write_variable
 
 __all__ = ["DistributedOptimizer", "LocalOptimizer"]
 
@@ -85,7 +85,7 @@ class LocalOptimizer:
         self._update = jax.jit(self._pure_update)
 
     def _values(self) -> list:
-        return [v.get_value() for v in self.variables]
+        return [read_variable(v) for v in self.variables]
 
     def _pure_update(self, grads, opt_state, params):
         # a parameter without a gradient in the context (None: a static leaf of the
@@ -107,7 +107,7 @@ class LocalOptimizer:
             grads = [None if g is None else g[1] for g in found]
             new, self.opt_state = self._update(grads, self.opt_state, params)
             for var, value in zip(self.variables, new, strict=True):
-                var.set_value(value)
+                write_variable(var, value)
         return sum(g is not None for g in found)
 
 

@@ -181,6 +181,12 @@ def backward(context_id: int, loss_fn: Any, *args: Any, has_aux: bool = False,
     prev = C.current()
     C._set_current(ctx)
     try:
+        if getattr(loss_fn, "_jdist_pure", False):  # one compiled program per signature
+            from jdist.rpc.autograd import _compiled_root
+
+            return _compiled_root.backward(
+                ctx, loss_fn, args, kwargs, has_aux,
+                lambda: _engine.backward(ctx, loss_fn, args, kwargs, has_aux))
         return _engine.backward(ctx, loss_fn, args, kwargs, has_aux)
     finally:
         C._set_current(prev)
@@ -215,6 +221,22 @@ def pure(func: Any) -> Any:
         @dist_autograd.pure
         def call_method(method, rref, *args):
             return method(rref.local_value(), *args)
+
+    On the loss function given to :func:`backward` the mark compiles the caller's side:
+    the first pass of a signature runs eagerly and records its differentiable calls;
+    from the next one on, the loss, its backward pass and the calls (as host
+    callbacks) are one jitted program. Arrays among the arguments are its inputs;
+    other leaves are static (numbers and strings by value, other objects by identity,
+    as ``static_argnums``); arrays the function reaches otherwise are constants of the
+    program. It applies where the calls run one after another (each waited on before
+    the next), with no ``remote()`` / ``to_here()`` of differentiable RRefs, no plain
+    RPC, no DDP stage, replies of floating arrays only and no parameters of this worker
+    among the arguments; otherwise the loss function keeps running eagerly. A reply
+    of other shapes than the recorded pass's raises :class:`DistAutogradError`::
+
+        @dist_autograd.pure
+        def nll_loss(net, data, target):     # net(data) makes the forward RPC
+            return nll(net(data), target)
     """
     if not callable(func):
         raise TypeError(f"dist_autograd.pure marks a function, got {func!r}")

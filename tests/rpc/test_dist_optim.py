@@ -139,3 +139,30 @@ def test_bad_inputs(agents):
     opt = DistributedOptimizer(optax.sgd(0.1), [RRef.owned_by(a0, make_param(1.0))])
     with dist_autograd.context(a0) as cid:
         opt.step(cid)  # no gradients in this context: nothing changes
+
+
+class Clipped(nnx.Param):
+    """A Variable type with its own set_value: the optimizer must write through it."""
+
+    def set_value(self, value, **kw):
+        super().set_value(jnp.clip(value, -0.25, 10.0), **kw)
+
+
+def test_variables_with_their_own_setter_are_written_through_it(agents):
+    """The optimizer writes plain Variables' raw values directly (fast path) and goes
+    through set_value for a type that overrides it: both end where optax says, the
+    overriding one clipped by its own setter."""
+    a0 = agents[0]
+    plain, clipped = make_param(1.0), Clipped(jnp.asarray(1.0, jnp.float32))
+    opt = DistributedOptimizer(optax.sgd, [RRef.owned_by(a0, plain),
+                                           RRef.owned_by(a0, clipped)], learning_rate=0.5)
+
+    def loss_fn(p, c):
+        return 3.0 * p[...] + 3.0 * c[...]
+
+    with dist_autograd.context(a0) as cid:
+        dist_autograd.backward(cid, loss_fn, plain, clipped, agent=a0)
+        opt.step(cid)
+    np.testing.assert_allclose(plain[...], 1.0 - 0.5 * 3.0)  # -0.5
+    np.testing.assert_allclose(clipped[...], -0.25)  # -0.5 through Clipped.set_value
+    assert isinstance(plain.get_raw_value(), jax.Array)

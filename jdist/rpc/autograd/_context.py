@@ -36,6 +36,8 @@ __all__ = [
     "no_context",
     "not_found",
     "call_traced",
+    "capture",
+    "set_capture",
 ]
 
 NO_CONTEXT = -1  # the same value as jdist.rpc._protocol.NO_CONTEXT
@@ -259,6 +261,20 @@ def set_tracing(trace: Any) -> Any:
     """Set this thread's trace; returns the previous one (restore it afterwards)."""
     prev = getattr(_tls, "trace", None)
     _tls.trace = trace
+    return prev
+
+
+def capture() -> Any:
+    """What watches this thread's differentiable calls for a compiled loss function (see
+    ``_compiled_root``): a recorder of an eager pass, the tracer of a compiled one, or
+    ``None``."""
+    return getattr(_tls, "capture", None)
+
+
+def set_capture(obj: Any) -> Any:
+    """Set this thread's :func:`capture`; returns the previous one (restore it)."""
+    prev = getattr(_tls, "capture", None)
+    _tls.capture = obj
     return prev
 
 

@@ -70,7 +70,11 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     agent = ctx.agent
     worker = agent.worker_info(to)
     token = C.tracing()
+    cap = C.capture()  # a loss function marked pure (_compiled_root)
+    if cap is not None and cap.compiling:
+        return cap.call(agent, worker, func, args, kwargs, timeout, token)
     xs, _, skeleton, links = _prepare(args, kwargs, token)
+    noted = None if cap is None else cap.note_call(worker.id, func, skeleton, xs, links)
     msg = ctx.new_message_id()
     fn_name = getattr(func, "__qualname__", repr(func))
     rref_pos = [pos for pos, _, _ in links]
@@ -118,6 +122,8 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
         def value():
             skel_out, diff_out = state["reply"].wait()
             box["skeleton"] = skel_out
+            if noted is not None:
+                cap.note_reply(noted, skel_out, diff_out)
             return tuple(to_array(d) for d in diff_out)
 
         diff = from_token(sent, value, sink)
@@ -154,6 +160,7 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         raise DistAutogradError(
             f"remote({worker}, {fn_name}) to this worker inside a dist_autograd loss "
             "function: its value would not be differentiable; call the function directly")
+    _not_captured("remote() inside the loss function")
     token = C.tracing()
     xs, _, skeleton, links = _prepare(args, kwargs, token)
     msg = ctx.new_message_id()
@@ -200,6 +207,7 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
             return agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout)
         finally:
             C.set_tracing(prev)
+    _not_captured("to_here() of a differentiable remote()")
     box: dict = {}
 
     def forward():
@@ -220,6 +228,14 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
     fut: Future = Future(_desc=f"differentiable to_here of {rref!r}")
     fut.set_result(_fill(box["skeleton"], list(diff)))
     return fut
+
+
+def _not_captured(what: str) -> None:
+    """Tell a loss function's capture (``_compiled_root``) that it met ``what``, which
+    only the eager path runs."""
+    cap = C.capture()
+    if cap is not None:
+        cap.spoil(what)
 
 
 # ---------------------------------------------------------------- callee side

@@ -13,6 +13,7 @@ from typing import Any
 
 from jdist.rpc.autograd._context import (
     DistAutogradContext,
+    capture,
     current,
     current_context_id,
     enter_context,
@@ -34,6 +35,15 @@ def _differentiable_context(agent: Any, func: Any) -> DistAutogradContext | None
     return ctx
 
 
+def _plain_call_seen(func: Any) -> None:
+    """A plain (not differentiable) RPC of ``func``: a loss function being captured for
+    compiling (``_compiled_root``) stays eager, where such a call runs on every pass
+    (dist_autograd's own messages excepted)."""
+    cap = capture()
+    if cap is not None and not getattr(func, "_jdist_autograd_internal", False):
+        cap.spoil(f"a plain RPC of {getattr(func, '__qualname__', func)!r}")
+
+
 def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
     """``agent.rpc_async`` asks this first: a Future when the call is differentiable.
 
@@ -43,12 +53,14 @@ def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: A
     """
     ctx = _differentiable_context(agent, func)
     if ctx is None:
+        _plain_call_seen(func)
         return None
     from jdist.rpc._rref import rref_fetch
 
     if func is rref_fetch:  # to_here(): differentiable only for a remote() made in a trace
         link = getattr(args[0], "_ad_link", None) if args else None
         if link is None:
+            _plain_call_seen(func)
             return None
         from jdist.rpc.autograd._engine import differentiable_fetch
 
@@ -62,6 +74,7 @@ def remote_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout:
     """``agent.remote`` asks this first: an RRef when the call is differentiable."""
     ctx = _differentiable_context(agent, func)
     if ctx is None:
+        _plain_call_seen(func)
         return None
     from jdist.rpc.autograd._engine import differentiable_remote
 

@@ -34,7 +34,7 @@ from jdist.errors import DistAutogradError
 from jdist.rpc._rref import RRef
 
 __all__ = ["Tracked", "is_holder_leaf", "flatten_args", "find_params", "param_variables",
-           "rebuild_args", "track"]
+           "read_variable", "rebuild_args", "track", "write_variable"]
 
 
 def is_holder_leaf(x: Any) -> bool:
@@ -61,6 +61,34 @@ def param_variables(value: Any) -> list:
     raise TypeError(f"a distributed-autograd parameter must be an flax.nnx.Module or "
                     f"nnx.Variable (e.g. nnx.Param), got {type(value).__name__}; wrap arrays "
                     "in nnx.Param(array)")
+
+
+def _plain(var: Any) -> bool:
+    """Whether ``var`` holds a jax array as it is (no get/set hooks, no Variable type
+    with its own ``get_value`` / ``set_value``): then its raw value is what those read
+    and write, without their per-call cost (about 10 and 20 microseconds: a tenth of
+    an optimizer step on a small model)."""
+    if type(var).get_value is not _GET or type(var).set_value is not _SET:
+        return False
+    meta = var.get_metadata()
+    return ("on_get_value" not in meta and "on_set_value" not in meta
+            and isinstance(var.get_raw_value(), jax.Array))
+
+
+_GET, _SET = nnx.Variable.get_value, nnx.Variable.set_value
+
+
+def read_variable(var: Any) -> Any:
+    """``var.get_value()``, read directly where that is the same."""
+    return var.get_raw_value() if _plain(var) else var.get_value()
+
+
+def write_variable(var: Any, value: Any) -> None:
+    """``var.set_value(value)``, written directly where that is the same."""
+    if _plain(var) and isinstance(value, jax.Array):
+        var.set_raw_value(value)
+    else:
+        var.set_value(value)
 
 
 class _TrackedRRef(RRef):
@@ -270,7 +298,7 @@ class Tracked:
             return
         if isinstance(state, list):
             for var, value in zip(self._rest_vars, state, strict=True):
-                var.set_value(value)
+                write_variable(var, value)
         else:  # pragma: no cover - other flax versions
             nnx.update(self.holder, state)
 
