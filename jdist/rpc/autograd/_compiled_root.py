@@ -25,7 +25,8 @@ or a trace that fails.
 
 At run time the callbacks run on XLA's threads: they carry the pass's context
 explicitly (the program's :class:`_Run`; passes of one program are serialized by its
-lock), an integer order token chains them so the calls go out in the recorded order,
+lock), each call takes the previous call's first output as an operand so the calls go
+out in the recorded order,
 and an exception in one is raised as itself once the program stops. Backward messages
 that need no answer (no cotangent to come back) stay in flight and are waited for
 before ``backward`` returns, as on the eager path.
@@ -221,7 +222,7 @@ class _Tracer:
     def __init__(self, record: _Recorder, run: _Run, loss_name: str):
         self.record, self.run, self.loss_name = record, run, loss_name
         self.next = 0
-        self.order: Any = None  # the int32 token chaining the calls
+        self.last: Any = None  # the last call's first output: the next call takes it
 
     def spoil(self, what: str) -> None:
         raise _NotCompilable(what)
@@ -265,14 +266,19 @@ class _Tracer:
               hole_pos: list) -> tuple:
         run, nx = self.run, len(xs)
         out_specs = tuple(jax.ShapeDtypeStruct(s, d) for s, d in rec.out_avals)
-        order_spec = jax.ShapeDtypeStruct((), np.int32)
+        if not out_specs:  # nothing to chain the next call to, nor to keep this one
+            raise _NotCompilable(f"call {i} returns no floating array")
+        deps = () if self.last is None else (self.last,)
+        nd = len(deps)
         x_specs = tuple(jax.ShapeDtypeStruct(*_aval(x)) for x in xs)
         x_diff = [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]
         needs_cts = any(x_diff)
         name = getattr(func, "__qualname__", repr(func))
         loss_name = self.loss_name
 
-        def host_forward(order, *vals):
+        def host_forward(*operands):
+            vals = operands[nd:]  # before them the previous call's output (an order only)
+
             def body():
                 ctx = run.ctx
                 sent = list(skel)
@@ -296,12 +302,13 @@ class _Tracer:
                         f"from had {rec.out_avals} in {rec.out_tdef}. A loss function "
                         "marked dist_autograd.pure must get replies of the same shapes "
                         "for arguments of the same shapes; remove the mark")
-                return (np.int32(order + 1),
-                        *[np.asarray(d, s.dtype) for d, s in zip(diff_out, out_specs,
-                                                                  strict=True)])
+                return tuple(np.asarray(d, s.dtype) for d, s in zip(diff_out, out_specs,
+                                                                    strict=True))
             return run.guard(body)
 
-        def host_backward(*cts):
+        def host_backward(first, *cts):
+            del first
+
             def body():
                 reply = agent.rpc_async(worker, _callee_backward,
                                         (run.msgs[i], [np.asarray(c) for c in cts]), None,
@@ -316,32 +323,31 @@ class _Tracer:
                                                                   strict=True)])
             return run.guard(body)
 
-        def call(tok, order, xs_, holes_):
+        def call(tok, deps_, xs_, holes_):
             del tok
-            out = jax.pure_callback(host_forward, (order_spec, *out_specs), order, *xs_,
-                                    *holes_)
+            out = jax.pure_callback(host_forward, out_specs, *deps_, *xs_, *holes_)
             return tuple(out)
 
-        def fwd(tok, order, xs_, holes_):
-            return call(tok, order, xs_, holes_), None
+        def fwd(tok, deps_, xs_, holes_):
+            out = call(tok, deps_, xs_, holes_)
+            return out, out[0]  # the residual orders the backward callback after this one
 
-        def bwd(_, cts):
+        def bwd(first, cts):
             back = jax.pure_callback(host_backward,
                                      (jax.ShapeDtypeStruct((), np.float32), *x_specs),
-                                     *cts[1:])
+                                     first, *cts)
             ct_xs = tuple(c if d else np.zeros(np.shape(c), jax.dtypes.float0)
                           for c, d in zip(back[1:], x_diff, strict=True))
             ct_holes = tuple(jnp.zeros_like(h) if jnp.issubdtype(h.dtype, jnp.inexact)
                              else np.zeros(np.shape(h), jax.dtypes.float0) for h in holes)
-            return (back[0].astype(token.dtype), np.zeros((), jax.dtypes.float0), ct_xs,
-                    ct_holes)
+            return (back[0].astype(token.dtype), tuple(jnp.zeros_like(d) for d in deps),
+                    ct_xs, ct_holes)
 
         op = jax.custom_vjp(call)
         op.defvjp(fwd, bwd)
-        order = self.order if self.order is not None else jnp.int32(0)
-        out = op(token, order, tuple(xs), tuple(holes))
-        self.order = out[0]
-        return out[1:]
+        out = op(token, deps, tuple(xs), tuple(holes))
+        self.last = out[0]
+        return out
 
 
 class _Program:
@@ -368,11 +374,11 @@ class _Program:
                 if tracer.next != len(record.calls):
                     raise _NotCompilable("fewer calls than the recorded pass made")
                 loss, aux = _check_loss(out, has_aux)
-                return loss, (aux, tracer.order)
+                return loss, (aux, tracer.last)
 
-            loss, vjp_fn, (aux, order) = jax.vjp(g, tok, has_aux=True)
+            loss, vjp_fn, (aux, last) = jax.vjp(g, tok, has_aux=True)
             (ct_tok,) = vjp_fn(jnp.ones(loss.shape, loss.dtype))
-            return loss, aux, order, ct_tok
+            return loss, aux, last, ct_tok  # last: the last call's callback is never cut
 
         self.fn = jax.jit(program)
 
