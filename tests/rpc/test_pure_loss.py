@@ -218,3 +218,23 @@ def test_a_reply_of_another_shape_raises_naming_the_function(agents):
         with pytest.raises(DistAutogradError,
                            match=r"call_method .*call 0 of .*loss_fn.*same shapes.*the mark"):
             dist_autograd.backward(cid, loss_fn, net, x, y, agent=a0)
+
+
+def test_signatures_are_bounded_and_release_what_they_held(agents, monkeypatch):
+    """A new RRef on every pass is a new signature (static by identity): the table keeps
+    the newest MAX_SIGNATURES, so the RRefs of older ones are dropped, not kept alive."""
+    import gc
+    import weakref
+
+    a0 = agents[0]
+    monkeypatch.setattr(_compiled_root, "MAX_SIGNATURES", 3)
+    x, y = _batches(1, seed=6)[0]
+    refs = []
+    for k in range(6):
+        net = _fresh(a0, 20 + k)
+        refs.append(weakref.ref(net))
+        _train(a0, net, pure_two_stage_loss, [(x, y)])
+        del net
+    gc.collect()
+    assert len(_compiled_root._table(a0)) == 3
+    assert [r() is None for r in refs] == [True, True, True, False, False, False]

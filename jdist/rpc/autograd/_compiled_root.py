@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -53,15 +53,20 @@ from jdist.rpc.autograd._engine import _callee_backward, _callee_forward, _check
 from jdist.rpc.autograd._params import find_params, flatten_args
 from jdist.rpc.autograd._slots import _is_slot, _Slot
 
-__all__ = ["TRACES", "backward"]
+__all__ = ["MAX_SIGNATURES", "TRACES", "backward"]
 
 TRACES: Counter = Counter()
 """Programs traced (``"root"``) and passes run compiled (``"root runs"``): tests count
 them."""
 
 _EAGER = object()  # a signature that stays on the eager path
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # agent -> {key: entry}
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # agent -> _Table
 _tables_lock = threading.Lock()
+
+MAX_SIGNATURES = 64
+"""Signatures remembered per agent (the least recently used go first): a signature
+holds its static leaves (an RRef among them keeps the owner's value alive), so a loss
+function given a new RRef on every pass must not grow the table for ever."""
 
 
 _RAISED: set[int] = set()  # ids of callback exceptions kept (alive) by a _Run
@@ -433,11 +438,38 @@ def _signature(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict,
     return key, leaves, tdef, dyn_pos
 
 
-def _table(agent: Any) -> dict:
+class _Table:
+    """One agent's signatures: key -> a :class:`_Recorder` (recorded, not compiled yet),
+    a :class:`_Program` or ``_EAGER``; at most :data:`MAX_SIGNATURES`, least recently
+    used dropped first."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def __setitem__(self, key: Any, entry: Any) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > MAX_SIGNATURES:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _table(agent: Any) -> _Table:
     with _tables_lock:
         table = _tables.get(agent)
         if table is None:
-            table = _tables[agent] = {}
+            table = _tables[agent] = _Table()
         return table
 
 
