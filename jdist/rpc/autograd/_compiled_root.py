@@ -252,6 +252,7 @@ class _Tracer:
                 xs.append(leaf)
             elif isinstance(leaf, jax.core.Tracer):  # a value of the pass, not differentiated
                 ok = sig[0] == "array" and sig[1] == _aval(leaf)
+                skel[p] = None  # filled in by the callback with the value
                 hole_pos.append(p)
                 holes.append(leaf)
             elif _is_array(leaf):  # a constant of the program
