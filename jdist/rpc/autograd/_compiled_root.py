@@ -26,8 +26,8 @@ or a trace that fails.
 At run time the callbacks run on XLA's threads: they carry the pass's context
 explicitly (the program's :class:`_Run`; passes of one program are serialized by its
 lock), each call takes the previous call's first output as an operand so the calls go
-out in the recorded order,
-and an exception in one is raised as itself once the program stops. Backward messages
+out in the recorded order, and an exception in one is raised as itself once the
+program stops. Backward messages
 that need no answer (no cotangent to come back) stay in flight and are waited for
 before ``backward`` returns, as on the eager path.
 """
@@ -47,8 +47,10 @@ import numpy as np
 from flax import nnx
 
 from jdist.errors import DistAutogradError
+from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._compiled import _STATIC
 from jdist.rpc.autograd._engine import _callee_backward, _callee_forward, _check_loss
 from jdist.rpc.autograd._params import find_params, flatten_args
 from jdist.rpc.autograd._slots import _is_slot, _Slot
@@ -113,17 +115,14 @@ def _is_array(x: Any) -> bool:
 
 def _static(x: Any) -> Any:
     """A static leaf's stand-in in a key: by value for plain values, else by identity."""
-    if isinstance(x, (bool, int, float, complex, str, bytes, type(None))):
+    if isinstance(x, _STATIC):
         return (type(x), x)
     return _Ident(x)
 
 
 def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, (bool, int, float, complex, str, bytes)) and type(a) is type(b):
-        return a == b
-    return False
+    """Whether a leaf is the recorded one: the same object, or an equal plain value."""
+    return a is b or (isinstance(a, _STATIC) and type(a) is type(b) and a == b)
 
 
 # ---------------------------------------------------------------- recording (eager)
@@ -187,8 +186,7 @@ class _Recorder:
 class _Run:
     """The state of one pass of a program, read by its callbacks."""
 
-    def __init__(self, agent: Any):
-        self.agent = agent
+    def __init__(self) -> None:
         self.lock = threading.Lock()  # one pass of the program at a time
         self.reset(None)
 
@@ -234,8 +232,6 @@ class _Tracer:
 
     def call(self, agent: Any, worker: Any, func: Any, args: Any, kwargs: Any,
              timeout: Any, token: Any) -> Any:
-        from jdist.rpc._futures import Future
-
         i, self.next = self.next, self.next + 1
         if i >= len(self.record.calls):
             raise _NotCompilable("more calls than the recorded pass made")
@@ -359,9 +355,9 @@ class _Tracer:
 class _Program:
     """A signature's compiled pass."""
 
-    def __init__(self, agent: Any, record: _Recorder, loss_fn: Any, leaves: list,
+    def __init__(self, record: _Recorder, loss_fn: Any, leaves: list,
                  tdef: Any, dyn_pos: list, has_aux: bool):
-        self.run = _Run(agent)
+        self.run = _Run()
 
         def program(dyn, tok):
             TRACES["root"] += 1
@@ -497,8 +493,7 @@ def backward(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
         return out
     if isinstance(entry, _Recorder):
         template = [None if p in dyn_pos else leaf for p, leaf in enumerate(leaves)]
-        entry = table[key] = _Program(ctx.agent, entry, loss_fn, template, tdef,
-                                      dyn_pos, has_aux)
+        entry = table[key] = _Program(entry, loss_fn, template, tdef, dyn_pos, has_aux)
     try:
         return entry(ctx, [leaves[p] for p in dyn_pos], has_aux)
     except _NotCompilable:

@@ -38,6 +38,7 @@ __all__ = [
     "call_traced",
     "capture",
     "set_capture",
+    "spoil_capture",
 ]
 
 NO_CONTEXT = -1  # the same value as jdist.rpc._protocol.NO_CONTEXT
@@ -276,6 +277,14 @@ def set_capture(obj: Any) -> Any:
     prev = getattr(_tls, "capture", None)
     _tls.capture = obj
     return prev
+
+
+def spoil_capture(what: str) -> None:
+    """Tell this thread's :func:`capture`, if any, that the loss function met ``what``,
+    which only the eager path runs."""
+    cap = capture()
+    if cap is not None:
+        cap.spoil(what)
 
 
 def call_traced(token: Any, func: Any, args: tuple, kwargs: dict) -> Any:

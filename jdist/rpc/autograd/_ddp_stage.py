@@ -101,9 +101,7 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
         if ctx is None or token is None:
             raise DistAutogradError("a ddp_stage is differentiable only inside a "
                                     "dist_autograd.backward loss function")
-        cap = C.capture()  # a compiled loss function (_compiled_root) runs no DDP stage
-        if cap is not None:
-            cap.spoil("a ddp_stage")
+        C.spoil_capture("a ddp_stage")  # a compiled loss function runs no DDP stage
         rest_c = tuple(jax.lax.stop_gradient(r) for r in rest)
         box: dict = {}
 

@@ -160,7 +160,7 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         raise DistAutogradError(
             f"remote({worker}, {fn_name}) to this worker inside a dist_autograd loss "
             "function: its value would not be differentiable; call the function directly")
-    _not_captured("remote() inside the loss function")
+    C.spoil_capture("remote() inside the loss function")
     token = C.tracing()
     xs, _, skeleton, links = _prepare(args, kwargs, token)
     msg = ctx.new_message_id()
@@ -207,7 +207,7 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
             return agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout)
         finally:
             C.set_tracing(prev)
-    _not_captured("to_here() of a differentiable remote()")
+    C.spoil_capture("to_here() of a differentiable remote()")
     box: dict = {}
 
     def forward():
@@ -228,14 +228,6 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
     fut: Future = Future(_desc=f"differentiable to_here of {rref!r}")
     fut.set_result(_fill(box["skeleton"], list(diff)))
     return fut
-
-
-def _not_captured(what: str) -> None:
-    """Tell a loss function's capture (``_compiled_root``) that it met ``what``, which
-    only the eager path runs."""
-    cap = C.capture()
-    if cap is not None:
-        cap.spoil(what)
 
 
 # ---------------------------------------------------------------- callee side

@@ -13,10 +13,10 @@ from typing import Any
 
 from jdist.rpc.autograd._context import (
     DistAutogradContext,
-    capture,
     current,
     current_context_id,
     enter_context,
+    spoil_capture,
     tracing,
 )
 
@@ -39,9 +39,8 @@ def _plain_call_seen(func: Any) -> None:
     """A plain (not differentiable) RPC of ``func``: a loss function being captured for
     compiling (``_compiled_root``) stays eager, where such a call runs on every pass
     (dist_autograd's own messages excepted)."""
-    cap = capture()
-    if cap is not None and not getattr(func, "_jdist_autograd_internal", False):
-        cap.spoil(f"a plain RPC of {getattr(func, '__qualname__', func)!r}")
+    if not getattr(func, "_jdist_autograd_internal", False):
+        spoil_capture(f"a plain RPC of {getattr(func, '__qualname__', func)!r}")
 
 
 def call_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> Any:
