@@ -32,8 +32,11 @@ def test_param_key_identity_and_read_through():
     assert len({ka, kb, ParamKey(a)}) == 2
     assert ka.shape == (3,) and np.asarray(ka).tolist() == [1, 1, 1] and ka[...].sum() == 3
     assert ka.variable is a and ParamKey(ka).variable is a
-    back = pickle.loads(pickle.dumps(ka))
-    assert isinstance(back, ParamKey) and back.shape == (3,)
+    back = pickle.loads(pickle.dumps(ka))  # a host copy of the parameter, as torch's
+    assert isinstance(back, ParamKey) and back.shape == (3,) and back != ka  # CPU keys
+    assert type(back.variable) is nnx.Param and type(back.variable.get_value()) is np.ndarray
+    assert np.asarray(back).tolist() == [1, 1, 1] and back.variable.get_metadata() == (
+        a.get_metadata())
     with pytest.raises(TypeError, match="takes an nnx.Variable"):
         ParamKey(np.ones(3))
 

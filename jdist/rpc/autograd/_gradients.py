@@ -65,12 +65,31 @@ class ParamKey:
         return np.asarray(self.variable.get_value(), dtype)
 
     def __reduce__(self):
-        return ParamKey, (self.variable,)
+        # flax's own pickle state of the Variable, its value as a host (numpy) copy: the
+        # receiver holds a copy of the parameter as torch's keys arrive as CPU tensors,
+        # without a device put per key (get_gradients' replies carry one key a gradient)
+        state = dict(self.variable.__getstate__())
+        if "_raw_value" not in state:  # another flax layout: the Variable as it pickles
+            return ParamKey, (self.variable,)
+        state["_raw_value"] = _host_copy(state["_raw_value"])
+        return _received_key, (type(self.variable), state)
 
     def __repr__(self) -> str:
         value = self.variable.get_value()
         return (f"ParamKey({type(self.variable).__name__} {getattr(value, 'dtype', '')}"
                 f"{list(getattr(value, 'shape', ()))})")
+
+
+def _host_copy(value: Any) -> Any:
+    return np.asarray(value) if isinstance(value, jax.Array) else value
+
+
+def _received_key(variable_type: type, state: dict) -> ParamKey:
+    """Receiver side of a pickled :class:`ParamKey`: a new Variable of the same type and
+    metadata, holding the sent value as a numpy array."""
+    variable = object.__new__(variable_type)
+    variable.__setstate__(state)
+    return ParamKey(variable)
 
 
 def _variable_of(key: Any) -> Any:
