@@ -25,7 +25,7 @@ One server per interpreter, preload list and the variables read at import (JAX r
 its ``JAX_*`` variables at import time, so a server is only reused for ranks whose
 values are the ones it imported under; for scripts ``PYTHONPATH`` too). Servers end
 when the caller exits, and die with it if it is killed (their children die with them:
-``PR_SET_PDEATHSIG`` and :func:`_spawn_child.die_with_parent`).
+``PR_SET_PDEATHSIG`` and :func:`_lifeline.die_with_parent`).
 
 Protocol, on a private ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair (no network, no
 pickle): the caller sends ``{"argv", "env", "cwd", "path"}`` as JSON with the two pipe
@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jdist.launch._spawn_child import arm_parent_death_signal
+from jdist.launch._lifeline import arm_parent_death_signal
 from jdist.launch._stop import signal_group
 
 __all__ = ["set_forkserver_preload", "forkserver_process", "forkserver_script",

@@ -17,7 +17,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from jdist.launch._spawn_child import die_with_parent
+from jdist.launch._lifeline import die_with_parent
 
 __all__ = ["main"]
 

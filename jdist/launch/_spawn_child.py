@@ -14,42 +14,10 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import sys
-import threading
-import time
 import types
 
-_POLL_S = 0.5
-
-
-def arm_parent_death_signal() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux's
-    ``PR_SET_PDEATHSIG``; elsewhere nothing happens)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except Exception:
-        pass
-
-
-def die_with_parent(parent: int) -> None:
-    """Kill this process (group) when process ``parent`` is gone."""
-    arm_parent_death_signal()
-    if os.getppid() != parent:
-        os._exit(137)  # the parent died before the signal was armed
-
-    def watch() -> None:
-        while True:
-            time.sleep(_POLL_S)
-            if os.getppid() != parent:
-                try:
-                    os.killpg(os.getpgid(0), signal.SIGKILL)
-                finally:
-                    os._exit(137)
-
-    threading.Thread(target=watch, daemon=True, name="jdist-parent-watch").start()
+from jdist.launch._lifeline import die_with_parent
 
 
 def _load_main(kind: str, target: str) -> None:
