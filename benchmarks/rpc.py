@@ -8,6 +8,9 @@ Two processes on loopback for each system (``jdist.launch.spawn``); rank 0 measu
   bytes moved (2 x 64 MiB) / median round-trip time; goal: jdist >= torch and
   >= 50% of a raw Python socket doing the same echo (``sendall`` + ``recv_into``).
 
+The raw socket is of the kind jdist's two local workers talk over: an abstract Unix
+socket on Linux (``jdist.rpc.transport._tcp.LOCAL_SOCKETS``), TCP on loopback elsewhere.
+
 Each system runs in its own pair of processes, one after the other, in rounds
 (jdist, torch, raw, jdist, ...); each number is the best round's. CPU time of both
 processes per operation is printed too: on a busy machine it is the steadier measure.
@@ -102,16 +105,32 @@ def _recv_exact(sock: socket.socket, buf) -> None:
         got += n
 
 
+def _tune_raw(sock: socket.socket) -> None:
+    """What jdist's transport sets on the same kind of socket."""
+    if sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    else:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def bench_raw(n_lat: int, n_tp: int, size: int):
     """Rank 1 echoes length-prefixed messages; rank 0 measures like the RPC runs."""
     import numpy as np
 
+    from jdist.rpc.transport._tcp import LOCAL_SOCKETS
+
     rank = int(os.environ["RANK"])
     port = int(os.environ["MASTER_PORT"])
+    unix_name = f"\0jdist-bench-raw-{port}"
     if rank == 1:
-        srv = socket.create_server(("127.0.0.1", port))
+        if LOCAL_SOCKETS:
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(unix_name)
+            srv.listen(1)
+        else:
+            srv = socket.create_server(("127.0.0.1", port))
         conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune_raw(conn)
         head = bytearray(8)
         while True:
             try:
@@ -131,13 +150,17 @@ def bench_raw(n_lat: int, n_tp: int, size: int):
     deadline = time.monotonic() + 30
     while True:
         try:
-            sock = socket.create_connection(("127.0.0.1", port))
+            if LOCAL_SOCKETS:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(unix_name)
+            else:
+                sock = socket.create_connection(("127.0.0.1", port))
             break
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _tune_raw(sock)
 
     def call(arr):
         data = memoryview(arr).cast("B")
@@ -195,6 +218,10 @@ def main(argv=None) -> None:
           f"CPU per call jdist/torch = {j[2] / t[2]:.2f}")
     print(f"throughput jdist/torch = {j[1] / t[1]:.2f}  (goal >= 1); "
           f"CPU per echo jdist/torch = {j[3] / t[3]:.2f}")
+    from jdist.rpc.transport._tcp import LOCAL_SOCKETS
+
+    kind = "abstract Unix socket" if LOCAL_SOCKETS else "TCP on loopback"
+    print(f"raw: a plain Python {kind}, as jdist's local peers use")
     print(f"throughput jdist/raw socket = {j[1] / r[1]:.2f}  (goal >= 0.5); "
           f"CPU per echo jdist/raw = {j[3] / r[3]:.2f}")
     from benchmarks._parse import bench_json, row, table
@@ -209,7 +236,7 @@ def main(argv=None) -> None:
                   row(big, "GB/s", j[1] / 1e9, t[1] / 1e9, j[1] / t[1], "goal >= 1"),
                   row("CPU per echo (both processes)", "ms", j[3] * 1e3, t[3] * 1e3,
                       j[3] / t[3])]),
-        table("rpc_sync vs a raw Python socket", "raw socket", "jdist / raw socket", [
+        table(f"rpc_sync vs a raw Python socket ({kind})", "raw socket", "jdist / raw socket", [
             row(small, "us", j[0] * 1e6, r[0] * 1e6),
             row(big, "GB/s", j[1] / 1e9, r[1] / 1e9, j[1] / r[1], "goal >= 0.5"),
             row("CPU per echo (both processes)", "ms", j[3] * 1e3, r[3] * 1e3, j[3] / r[3])])],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import socket
@@ -17,6 +18,7 @@ from jdist.errors import RpcAuthError
 from jdist.rpc import _protocol as P
 from jdist.rpc._auth import client_handshake, mac
 from jdist.rpc.transport import CommClosedError, encode_prefix, get_transport
+from jdist.rpc.transport._tcp import LOCAL_SOCKETS, split_host_port, split_local
 from tests.rpc.conftest import SECRET, make_agents, stop_all
 
 
@@ -114,11 +116,29 @@ def test_wrong_secret_refused_before_unpickling(tcp_agents, tmp_path):
     assert still_serving(tcp_agents)
 
 
+def _raw_connections(address: str) -> list:
+    """Plain sockets to an agent: its TCP port and, where it has one, its local socket."""
+    loc, local = split_local(address[len("tcp://"):])
+    host, port = split_host_port(loc)
+    out = [lambda: socket.create_connection((host, port), timeout=5)]
+    if local is not None:
+        def unix():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect("\0" + local)
+            return s
+        out.append(unix)
+    return out
+
+
 def test_random_bytes_and_truncated_frames_do_not_hurt(tcp_agents):
-    host, port = tcp_agents[1].address[len("tcp://"):].rsplit(":", 1)
-    for blob in [os.urandom(5000), b"JR\x01\x00\x00\x00\x00\x02" + b"\x00" * 7,
-                 encode_prefix([b"x" * 100]) + b"x" * 10, b"GET / HTTP/1.1\r\n\r\n"]:
-        with socket.create_connection((host, int(port)), timeout=5) as s:
+    connections = _raw_connections(tcp_agents[1].address)
+    assert len(connections) == (2 if LOCAL_SOCKETS else 1)
+    for blob, connect in itertools.product(
+            [os.urandom(5000), b"JR\x01\x00\x00\x00\x00\x02" + b"\x00" * 7,
+             encode_prefix([b"x" * 100]) + b"x" * 10, b"GET / HTTP/1.1\r\n\r\n"],
+            connections):
+        with connect() as s:
             s.sendall(blob)
             s.shutdown(socket.SHUT_WR)
             s.settimeout(5)

@@ -1,17 +1,19 @@
-"""One transport test suite, run against every registered scheme (tcp and inproc)."""
+"""One transport test suite, run against every registered scheme (tcp and inproc), and
+tcp with its Unix socket for local peers turned off (plain TCP, as between machines)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from jdist.rpc.transport import CommClosedError, get_transport, parse_address
+from jdist.rpc.transport import CommClosedError, _tcp, get_transport, parse_address
 
-ADDRS = {"tcp": "tcp://127.0.0.1:0", "inproc": "inproc://"}
+ADDRS = {"tcp": "tcp://127.0.0.1:0", "tcp-only": "tcp://127.0.0.1:0", "inproc": "inproc://"}
 
 
 class LoopThread:
@@ -32,9 +34,11 @@ class LoopThread:
 
 
 @pytest.fixture(params=sorted(ADDRS))
-def pair(request):
+def pair(request, monkeypatch):
     """(transport, server loop, client loop, listener, queue of server comms)."""
-    transport = get_transport(request.param)
+    if request.param == "tcp-only":
+        monkeypatch.setattr(_tcp, "LOCAL_SOCKETS", False)
+    transport = get_transport(parse_address(ADDRS[request.param])[0])
     server, client = LoopThread(), LoopThread()
     accepted: list = []
     got = threading.Event()
@@ -67,7 +71,54 @@ def test_listener_address_is_concrete(pair):
     scheme, loc = parse_address(listener.address)
     assert scheme in ADDRS
     if scheme == "tcp":
-        assert loc.startswith("127.0.0.1:") and not loc.endswith(":0")
+        hostport, local = _tcp.split_local(loc)
+        assert hostport.startswith("127.0.0.1:") and not hostport.endswith(":0")
+        assert (local is not None) == _tcp.LOCAL_SOCKETS
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-sockets", "tcp-only"])
+def test_which_socket_local_peers_and_other_machines_use(local, monkeypatch):
+    """With local sockets, a peer on this machine connects to the listener's Unix socket,
+    and an address whose local socket does not exist here (a peer on another machine)
+    is reached by TCP; without them, every connection is TCP."""
+    local = local and _tcp.LOCAL_SOCKETS  # (abstract Unix sockets are Linux's)
+    monkeypatch.setattr(_tcp, "LOCAL_SOCKETS", local)
+    transport = get_transport("tcp")
+    server, client = LoopThread(), LoopThread()
+    accepted, got = [], threading.Event()
+
+    async def handler(comm):
+        accepted.append(comm)
+        got.set()
+
+    listener = server.run(transport.listen("tcp://127.0.0.1:0", handler,
+                                           max_message_bytes=1 << 20))
+    try:
+        assert ("#local=jdist-rpc-" in listener.address) == local
+        elsewhere = listener.address.split("#local=")[0] + "#local=jdist-rpc-" + "0" * 32
+        expect = [(listener.address, socket.AF_UNIX if local else socket.AF_INET),
+                  (elsewhere, socket.AF_INET)]
+        for address, family in expect:
+            got.clear()
+            comm_c = client.run(transport.connect(address, timeout=5.0,
+                                                  max_message_bytes=1 << 20))
+            assert got.wait(5)
+            comm_s = accepted[-1]
+            assert comm_c.sock.family == comm_s.sock.family == family
+            assert comm_c.peer.startswith(
+                "local socket jdist-rpc-" if family == socket.AF_UNIX else "127.0.0.1:")
+            comm_c.send([b"ping", b"x" * 300_000])
+            assert [len(f) for f in server.run(comm_s.recv())] == [4, 300_000]
+            comm_s.send([b"pong"])
+            assert [bytes(f) for f in client.run(comm_c.recv())] == [b"pong"]
+            comm_c.close()
+    finally:
+        server.run(listener.stop())
+        for comm in accepted:
+            comm.close()
+        server.run(asyncio.sleep(0.01))
+        server.stop()
+        client.stop()
 
 
 def test_roundtrip_frames_both_directions(pair):

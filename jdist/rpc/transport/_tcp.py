@@ -11,14 +11,25 @@ delivery of their messages in order, whichever thread reads.
 Sending is done by the calling thread with ``socket.sendmsg`` over the frames'
 memoryviews (one system call for header and buffers, no join, no copy), waiting with
 ``poll`` when the kernel buffer is full; a lock keeps messages whole.
+
+Peers on the same machine: on Linux a listener also listens on a Unix socket with a
+random name in the abstract namespace, and its address says so
+(``tcp://127.0.0.1:40123#local=NAME``). A peer connects there first and falls back to
+TCP when that fails (another machine or network namespace: the name does not exist
+there). Same frames, same authentication; a Unix socket skips the TCP/IP stack, which
+on loopback costs each small message about 20 us of ``sendmsg`` and each round trip
+about 60 us (torch's TensorPipe uses shared memory between local peers for the same
+reason). ``LOCAL_SOCKETS = False`` turns this off in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import secrets
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,10 +45,22 @@ from jdist.rpc.transport._base import (
 from jdist.rpc.transport._framing import FrameDecoder, FrameError, encode_prefix
 from jdist.rpc.transport._registry import register_transport
 
-__all__ = ["TCPTransport", "TCPComm", "split_host_port"]
+__all__ = ["TCPTransport", "TCPComm", "LOCAL_SOCKETS", "split_host_port", "split_local"]
 
 _IOV_MAX = 512
 _EOF = -1  # _read_once: the stream ended or failed
+_LOCAL_TAG = "#local="
+_UNIX_BUFFER = 4 << 20  # a Unix socket's queue is its sender's buffer: room for arrays
+_LOCAL_CONNECT_S = 2.0
+
+LOCAL_SOCKETS = sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+"""Whether listeners also listen on an abstract Unix socket that local peers use."""
+
+
+def split_local(loc: str) -> tuple[str, str | None]:
+    """``"host:port#local=NAME"`` -> ``("host:port", "NAME")`` (None: no local socket)."""
+    loc, sep, name = loc.partition(_LOCAL_TAG)
+    return loc, (name or None) if sep else None
 
 
 def split_host_port(loc: str) -> tuple[str, int]:
@@ -60,8 +83,22 @@ def split_host_port(loc: str) -> tuple[str, int]:
 
 def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
+    if sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_BUFFER)
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # buffer sizes are left to the kernel: setting SO_RCVBUF turns off its autotuning
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        if sock.family == socket.AF_UNIX:
+            name = sock.getpeername()
+            name = name.decode(errors="replace") if isinstance(name, bytes) else name
+            return f"local socket {name.lstrip(chr(0))}" if name else "local peer"
+        return "{}:{}".format(*sock.getpeername()[:2])
+    except OSError:
+        return "?"
 
 
 class TCPComm(Comm):
@@ -87,10 +124,7 @@ class TCPComm(Comm):
         self._epoll = epoll if isinstance(epoll, select.epoll) else None
         self._on_message: Callable[[list], None] | None = None
         self._on_close: Callable[[str], None] | None = None
-        try:
-            self.peer = "{}:{}".format(*sock.getpeername()[:2])
-        except OSError:
-            self.peer = "?"
+        self.peer = _peer_name(sock)
 
     async def _attach(self) -> TCPComm:
         self.loop.add_reader(self.sock.fileno(), self._on_readable)
@@ -300,28 +334,48 @@ class TCPComm(Comm):
 
 
 class TCPListener(Listener):
-    def __init__(self, sock: socket.socket, address: str, task: asyncio.Task):
-        self.sock = sock
+    def __init__(self, socks: list[socket.socket], address: str, tasks: list[asyncio.Task]):
+        self.socks = socks
         self.address = address
-        self._task = task
+        self._tasks = tasks
 
     async def stop(self) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
-        self.sock.close()
+        for task in self._tasks:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for sock in self.socks:
+            sock.close()
+
+
+def _local_listener() -> tuple[socket.socket, str] | None:
+    """A listening abstract Unix socket with a fresh random name, or None (not Linux,
+    turned off, or refused)."""
+    if not LOCAL_SOCKETS:
+        return None
+    name = f"jdist-rpc-{secrets.token_hex(16)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        return None
+    return sock, name
 
 
 class TCPTransport(Transport):
-    """``tcp://host:port``; port 0 picks a free one."""
+    """``tcp://host:port``; port 0 picks a free one. Local peers use a Unix socket (see
+    the module docstring)."""
 
     scheme = "tcp"
 
     async def listen(self, address: str, handler: Handler, *,
                      max_message_bytes: int) -> Listener:
-        loc = self.location(address, "listen on")
+        loc, _ = split_local(self.location(address, "listen on"))
         host, port = split_host_port(loc)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -333,10 +387,10 @@ class TCPTransport(Transport):
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
 
-        async def accept_loop() -> None:
+        async def accept_loop(lsock: socket.socket) -> None:
             while True:
                 try:
-                    conn, _ = await loop.sock_accept(sock)
+                    conn, _ = await loop.sock_accept(lsock)
                 except OSError:
                     await asyncio.sleep(0.05)
                     continue
@@ -348,14 +402,22 @@ class TCPTransport(Transport):
                     continue
                 loop.create_task(handler(comm))
 
-        task = loop.create_task(accept_loop())
-        return TCPListener(sock, f"tcp://{shown}:{bound}", task)
+        socks, public = [sock], f"tcp://{shown}:{bound}"
+        local = _local_listener()
+        if local is not None:
+            socks.append(local[0])
+            public += _LOCAL_TAG + local[1]
+        return TCPListener(socks, public, [loop.create_task(accept_loop(s)) for s in socks])
 
     async def connect(self, address: str, *, timeout: float,
                       max_message_bytes: int) -> Comm:
-        loc = self.location(address, "connect to")
+        loc, local = split_local(self.location(address, "connect to"))
         host, port = split_host_port(loc)
         loop = asyncio.get_running_loop()
+        if local is not None and LOCAL_SOCKETS:
+            comm = await self._connect_local(loop, local, timeout, max_message_bytes)
+            if comm is not None:
+                return comm
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         _tune(sock)
@@ -365,6 +427,23 @@ class TCPTransport(Transport):
             sock.close()
             raise CommClosedError(f"cannot connect to {address}: {e!r}") from e
         return await TCPComm(sock, loop, max_message_bytes)._attach()
+
+    @staticmethod
+    async def _connect_local(loop: asyncio.AbstractEventLoop, name: str, timeout: float,
+                             max_message_bytes: int) -> Comm | None:
+        """The peer's Unix socket, or None: no such name here (another machine or
+        network namespace: the caller uses TCP), or it does not accept in time."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _tune(sock)
+            # a listening Unix socket accepts at once or refuses: a short cap keeps a
+            # full backlog from spending the caller's whole timeout before TCP is tried
+            await asyncio.wait_for(loop.sock_connect(sock, "\0" + name),
+                                   min(timeout, _LOCAL_CONNECT_S))
+            return await TCPComm(sock, loop, max_message_bytes)._attach()
+        except (OSError, asyncio.TimeoutError):
+            sock.close()
+            return None
 
 
 register_transport("tcp", TCPTransport)
