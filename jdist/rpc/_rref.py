@@ -327,6 +327,7 @@ class RRef:
         self._fork = fork
         self._confirmed = confirmed
         self._created: Future | None = None  # set by remote(): the owner's answer
+        self._prefetched: Future | None = None  # prefetch(): the next fetch's answer
         self._entry = None
         self._live = False
         if owner.id == agent.info.id:
@@ -418,7 +419,22 @@ class RRef:
                 f"RRef creation via rpc.remote() timed out, and it is possible that the RRef "
                 f"on the owner node does not exist: {created.exception()}") from None
         # (an owner's RRef to a differentiable value goes through the agent's call hook)
-        return self._agent.rpc_async(self._owner, rref_fetch, (self,), None, timeout).wait()
+        return self._fetch(timeout).wait()
+
+    def _fetch(self, timeout: float = -1) -> Future:
+        """A fetch of the value from the owner: the one :meth:`_prefetch` started, if
+        any (used once), else a new one."""
+        fut, self._prefetched = self._prefetched, None
+        if fut is None:
+            fut = self._agent.rpc_async(self._owner, rref_fetch, (self,), None, timeout)
+        return fut
+
+    def _prefetch(self) -> None:
+        """Start fetching the value now for the next :meth:`to_here` of this (user) RRef:
+        a call that arrived with it and must wait its turn before running fetches while
+        it waits. The value is the same either way: an RRef's value is never replaced."""
+        if not self.is_owner() and self._prefetched is None:
+            self._prefetched = self._agent.rpc_async(self._owner, rref_fetch, (self,))
 
     def rpc_sync(self, timeout: float = -1) -> _Proxy:
         """``rref.rpc_sync().m(*a)`` runs ``local_value().m(*a)`` on the owner."""

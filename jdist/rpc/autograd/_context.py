@@ -243,6 +243,18 @@ def enter_context(agent: Any, cid: int) -> Iterator[DistAutogradContext]:
 
 
 @contextmanager
+def as_current(ctx: DistAutogradContext) -> Iterator[None]:
+    """Make ``ctx`` current in this thread for the body (a callback on a pool thread that
+    sends a message of the pass)."""
+    prev = current()
+    _set_current(ctx)
+    try:
+        yield
+    finally:
+        _set_current(prev)
+
+
+@contextmanager
 def no_context() -> Iterator[None]:
     """Run the body outside any context (calls made in it carry no context id)."""
     prev = current()

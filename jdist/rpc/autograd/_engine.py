@@ -181,12 +181,17 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
         C.add_pending(box["rref"]._get_future())
         return np.zeros((), np.float32)
 
-    def backward(ct):
-        del ct  # the to_here() calls' cotangents, summed in link, are what flows back
-        cts = link.collect()
+    def send_back(cts):  # on this thread, or on the pool thread of a later answer
         if cts is None:  # the value never reached the loss
             return no_answer(xs, links)
-        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
+        with C.as_current(ctx):
+            return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
+
+    def backward(ct):
+        del ct  # the to_here() calls' cotangents, summed in link, are what flows back
+        # those that come back from a worker the RRef was handed to are sent on when they
+        # arrive: the pass does not wait for them here (the pipeline's micro-batches)
+        return link.collect_then(send_back)
 
     tracer = bind(token, xs, forward, backward, links)
     rref = box["rref"]
@@ -197,14 +202,12 @@ def differentiable_remote(ctx: C.DistAutogradContext, to: Any, func: Any, args: 
 def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
                          timeout: Any) -> Future:
     """``to_here()`` of an RRef made by a differentiable ``remote()``."""
-    from jdist.rpc._rref import rref_fetch
-
-    agent = ctx.agent
+    del ctx
     tracer, link, token = ad_link
     if token is not C.tracing():  # made in another (finished) trace: a plain fetch
         prev = C.set_tracing(None)
         try:
-            return agent.rpc_async(rref.owner(), rref_fetch, (rref,), None, timeout)
+            return rref._fetch(timeout)
         finally:
             C.set_tracing(prev)
     C.spoil_capture("to_here() of a differentiable remote()")
@@ -216,8 +219,7 @@ def differentiable_fetch(ctx: C.DistAutogradContext, rref: Any, ad_link: tuple,
             if rref.is_owner():
                 value = rref.local_value(timeout)
             else:
-                value = agent.rpc_async(rref.owner(), rref_fetch, (rref,), None,
-                                        timeout).wait()
+                value = rref._fetch(timeout).wait()
         finally:
             C.set_tracing(prev)
         skel, diff = _split_outputs(value)
@@ -325,10 +327,25 @@ def _record_in_order(msg: tuple, func: Any, skeleton: Any, xs: list, rref_pos: l
     recorded."""
     ctx = _require_context("a differentiable call")
     try:
+        if after is not None:
+            _prefetch_rrefs(func, skeleton)
         ctx.wait_recorded(after, ctx.agent.options.rpc_timeout or None)
         return _record(msg, func, skeleton, xs, rref_pos)
     finally:
         ctx.mark_recorded(msg)
+
+
+def _prefetch_rrefs(func: Any, skeleton: Any) -> None:
+    """Start fetching the values of the other workers' RRefs among the arguments of a
+    ``pure`` function, which fetches them all before it runs (``_compiled``): a call
+    waiting for the caller's previous one (the pipeline's micro-batches) then gets them
+    while it waits, not after."""
+    leaves, _ = flatten_args(skeleton)
+    if not _is_pure(func, leaves) or getattr(func, "_jdist_async_execution", False):
+        return
+    for leaf in leaves:
+        if isinstance(leaf, RRef):
+            leaf._prefetch()
 
 
 @C._internal

@@ -7,6 +7,8 @@ and on :class:`_Link`, where the cotangents of a differentiable RRef's value gat
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -104,8 +106,52 @@ class _Link:
         """All the cotangents (waiting for those in flight); None if none came."""
         pending, self._pending = self._pending, []
         for fut, k in pending:
-            c = fut.wait()[1][k]
-            if c is not None:
-                self.add(c)
+            self._add_from(fut.wait(), k)
         cts, self.cts = self.cts, None
         return cts
+
+    def _add_from(self, answer: tuple, k: int) -> None:
+        c = answer[1][k]
+        if c is not None:
+            self.add(c)
+
+    def collect_then(self, send: Callable[[list | None], Future]) -> Future:
+        """``send(all the cotangents)`` (None if none came) once those in flight are in,
+        without waiting for them here: a future of the value of the future ``send``
+        returns. The backward pass goes on meanwhile, so the backward message of one
+        micro-batch's RRef to its owner does not hold up the next micro-batch's."""
+        from jdist.rpc._futures import Future
+
+        pending, self._pending = self._pending, []
+        if not pending:
+            cts, self.cts = self.cts, None
+            return send(cts)
+        out: Future = Future(_desc="the backward message of a differentiable remote()")
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def relay(inner: Future) -> None:
+            exc = inner.exception()
+            if exc is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(inner.value())
+
+        def one_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            try:
+                for fut, k in pending:
+                    self._add_from(fut.value(), k)
+                cts, self.cts = self.cts, None
+                inner = send(cts)
+            except BaseException as e:  # noqa: BLE001 - the backward pass's error
+                out.set_exception(e)
+                return
+            inner.add_done_callback(relay)
+
+        for fut, _ in pending:
+            fut.add_done_callback(one_done)
+        return out
