@@ -8,6 +8,13 @@ added to every step); while it waits it asks the process-group watchdog (present
 raises :class:`~jdist.errors.PeerFailedError` naming it. Past the group's ``timeout`` it
 raises :class:`~jdist.errors.CollectiveTimeoutError` naming the step (the thread stuck on
 that step is abandoned; the next wait starts a fresh one).
+
+Short steps (a small model: well under a millisecond of compute and one all-reduce) are
+first polled for a little while (``SPIN_S``), yielding the core between polls: handing
+the wait to the thread and being woken by it costs two thread hand-offs a step, a large
+part of such a step on a busy CPU. A kind of step (its description without the step
+number, and its group) is polled while the average time its steps took to be ready is
+within the poll's budget, so long steps never burn a core polling.
 """
 
 from __future__ import annotations
@@ -25,8 +32,44 @@ from jdist.errors import CollectiveTimeoutError, PeerFailedError
 __all__ = ["wait_ready"]
 
 
+SPIN_S = 0.002
+"""How long a wait polls the step's outputs before handing the wait to the thread."""
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_WEIGHT = 0.125  # weight of the newest wait in a kind's average (about the last eight)
+_waits: dict[tuple[str, str], float] = {}  # kind -> average seconds until ready
+
+
 def _ready(leaves) -> bool:
     return all(x.is_ready() for x in leaves)
+
+
+def _kind(group: Any, what: str) -> tuple[str, str]:
+    return str(getattr(group, "name", "")), what.split(" #")[0]
+
+
+def _record(kind: tuple[str, str], waited: float) -> None:
+    """A wait of ``kind`` saw its outputs ready ``waited`` seconds after it began
+    (capped: one stall must not stop a kind's polling for long)."""
+    sample = min(waited, 4 * SPIN_S)
+    avg = _waits.get(kind)
+    if avg is None and len(_waits) >= 256:
+        _waits.clear()
+    _waits[kind] = sample if avg is None else avg + _WEIGHT * (sample - avg)
+
+
+def _spin(leaves, kind: tuple[str, str]) -> bool:
+    """Poll ``leaves`` for up to SPIN_S while ``kind``'s steps are that short; whether
+    they became ready."""
+    if _waits.get(kind, 0.0) > SPIN_S:
+        return False
+    end = time.perf_counter() + SPIN_S
+    while True:
+        _yield()  # the step's own threads (XLA, gloo) may need this core
+        if _ready(leaves):
+            return True
+        if time.perf_counter() >= end:
+            return False
 
 
 class _Waiter:
@@ -96,8 +139,10 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
       CollectiveTimeoutError: not done after ``timeout`` seconds.
     """
     leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "is_ready")]
+    kind, began = _kind(group, what), time.perf_counter()
     try:
-        if _ready(leaves):
+        if _ready(leaves) or _spin(leaves, kind):
+            _record(kind, time.perf_counter() - began)
             jax.block_until_ready(leaves)  # raises the runtime error of a failed step
             return
     except Exception as exc:
@@ -128,6 +173,7 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
                 f"{list(group.ranks)}); some process is not running the same step. Give "
                 "every process the same number of steps (or use ddp.join() for uneven "
                 "inputs), or raise init_process_group(timeout=...)")
+    _record(kind, time.perf_counter() - began)
     if done.error is not None:
         err = runtime_failure(group, what, done.error)
         if err is done.error:

@@ -1,13 +1,15 @@
-"""wait_ready names dead peers and times out instead of hanging."""
+"""wait_ready names dead peers and times out instead of hanging; short steps are polled."""
 
 from __future__ import annotations
 
 import re
+import threading
 
 import jax.numpy as jnp
 import pytest
 
 from jdist.collectives._group import local_group
+from jdist.ddp import _wait as W
 from jdist.ddp._wait import wait_ready
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
 
@@ -46,3 +48,53 @@ def test_timeout_names_the_step_and_group():
     with pytest.raises(CollectiveTimeoutError, match=r"DDP step #7 did not finish within 0.3 s"):
         wait_ready([_Never()], _Group(), "DDP step #7", watchdog=_Watchdog({}),
                    check_every=0.05)
+
+
+class _ReadyAfter:
+    """Ready from the ``n``-th time it is asked on."""
+
+    def __init__(self, n):
+        self.n, self.asked = n, 0
+
+    def is_ready(self):
+        self.asked += 1
+        return self.asked >= self.n
+
+
+class _Group2:
+    ranks, timeout, name = (0, 1), 5.0, "polled"
+
+
+@pytest.fixture
+def fresh_gate(monkeypatch):
+    monkeypatch.setattr(W, "_waits", {})
+    started = []
+    real = W._start_wait
+    monkeypatch.setattr(W, "_start_wait", lambda leaves: started.append(1) or real(leaves))
+    return started
+
+
+def test_a_short_step_is_polled_without_the_waiter_thread(fresh_gate):
+    leaf = _ReadyAfter(50)
+    wait_ready([leaf], _Group2(), "DDP step #1")
+    assert leaf.asked == 50 and fresh_gate == []  # no hand-off to the thread
+    kind = ("polled", "DDP step")
+    assert 0.0 <= W._waits[kind] <= W.SPIN_S
+
+
+def test_a_long_kind_of_step_goes_to_the_thread_at_once_and_is_learnt(fresh_gate):
+    kind = ("polled", "DDP step")
+    W._waits[kind] = 3 * W.SPIN_S  # its steps took longer than a poll lasts
+    leaf = _ReadyAfter(3)  # the first look, then the waiter thread's polls
+    wait_ready([leaf], _Group2(), "DDP step #9")
+    assert fresh_gate == [1]
+    # a step that polls in vain for its whole budget also ends on the thread, and the
+    # average learns from every wait (capped, so one stall is soon forgotten)
+    W._waits[kind] = 0.0
+    slow = _ReadyAfter(10**9)
+    t = threading.Timer(0.05, lambda: setattr(slow, "n", 0))
+    t.start()
+    wait_ready([slow], _Group2(), "DDP step #10")
+    t.join()
+    assert fresh_gate == [1, 1]
+    assert W._waits[kind] == pytest.approx(W._WEIGHT * 4 * W.SPIN_S)
