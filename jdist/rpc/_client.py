@@ -31,6 +31,8 @@ __all__ = ["CallClient", "Pending", "same_process", "LOCAL_ADDRESSES"]
 
 log = logging.getLogger("jdist.rpc")
 
+_WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
+
 LOCAL_ADDRESSES: set[str] = set()  # listening addresses of the agents in this process
 
 
@@ -159,18 +161,28 @@ class CallClient:
 
     def _poll_reply(self, comm: Comm, kind: tuple, fut: Future,
                     timeout: float | None) -> None:
-        """Before ``fut.wait`` blocks: read the reply's connection in this thread for up
-        to ``busy_poll_us``, so a reply that comes soon wakes no thread. Only for a lone
+        """Before ``fut.wait`` blocks: read the reply's connection in this thread, so
+        that no other thread has to be woken to hand the reply over. Only for a lone
         request (with several in flight the I/O thread is busy anyway, and reads in
-        parallel with this thread), while no other RPC function runs here, and while
-        this function's replies from this peer have come soon enough
+        parallel with this thread). First, while no other RPC function runs here and
+        while this function's replies from this peer have come soon enough
         (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival is timed either
-        way)."""
-        fut._arrival = functools.partial(self._reply_arrived, kind, time.perf_counter())
-        if len(self._pending) > 1 or others_running() or not self.poll_gate.should(kind):
+        way), by polling for up to ``busy_poll_us``, so a reply that comes soon wakes
+        no thread at all; then by sleeping on the connection (``Comm.wait_until``), so
+        the kernel wakes this thread alone when the reply comes."""
+        began = time.perf_counter()
+        fut._arrival = functools.partial(self._reply_arrived, kind, began)
+        if len(self._pending) > 1:
             return
-        limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
-        comm.poll_until(lambda: fut._done or others_running(), limit)
+        if not others_running() and self.poll_gate.should(kind):
+            limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
+            comm.poll_until(lambda: fut._done or others_running(), limit)
+            if fut._done:
+                return
+        # a later reply: sleep on the connection and read it in this thread (one thread
+        # woken, not the I/O thread and then this one)
+        left = _WAIT_MAX if timeout is None else timeout - (time.perf_counter() - began)
+        comm.wait_until(lambda: fut._done, min(left, _WAIT_MAX))
 
     def _reply_arrived(self, kind: tuple, since: float, now: float) -> None:
         self.poll_gate.record(kind, now - since)

@@ -160,7 +160,7 @@ def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
 def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
     """A reply that takes longer than a few poll windows (a 20 ms function), or a next
     call that comes late (the caller pauses between calls), stops those polls: the
-    waiting thread blocks at once. Arrivals are timed without polling too, so a kind
+    waiting thread sleeps at once (on the reply's connection). Arrivals are timed without polling too, so a kind
     that becomes fast polls again."""
     a0, a1 = tcp3[0], tcp3[1]
     slow, fast = describe_callable(sleep_then), describe_callable(echo)
@@ -175,10 +175,18 @@ def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
             return out
 
     a0.poll_gate = Spy(a0._poll_s)
+    readers = []  # the threads that read the replies
+    on_reply = a0._on_reply
+    a0._on_reply = lambda msg, frames: (readers.append(threading.get_ident()),
+                                        on_reply(msg, frames))
     for i in range(10):
         assert a0.rpc_async("w1", sleep_then, (0.02, i)).wait() == i
     assert a0.poll_gate.average(reply_kind) > a0.poll_gate.limit
     assert polls and not any(polls[1:])  # only the first wait, of an unknown kind, polled
+    # not polled, but the waiting thread still reads its late reply itself: it sleeps
+    # on the connection (Comm.wait_until) instead of being woken by the I/O thread
+    assert readers == [threading.get_ident()] * 10
+    del a0._on_reply
     for i in range(60):  # the same function, now quick: measured, then polled again
         assert a0.rpc_async("w1", sleep_then, (0, i)).wait() == i
     assert a0.poll_gate.average(reply_kind) < 0.02

@@ -259,6 +259,45 @@ def _wait_for(cond, timeout=10.0):
     return cond()
 
 
+def test_wait_until_sleeps_on_the_socket_and_reads_in_the_waiting_thread(pair):
+    """A thread waiting for a message that comes later sleeps in poll(2) and reads it
+    itself (tcp; inproc returns at once); it wakes for a message, notices ``done()`` set
+    elsewhere within a slice, returns after its bound when nothing comes, and a closed
+    peer still closes the comm."""
+    scheme = parse_address(pair[3].address)[0]
+    comm_c, comm_s = _connect(pair)
+    got, closed, me = [], threading.Event(), threading.get_ident()
+
+    async def start():
+        comm_s.start_receiving(lambda m: got.append((threading.get_ident(), bytes(m[0]))),
+                               lambda why: closed.set())
+
+    pair[1].run(start())
+    late = threading.Timer(0.1, lambda: comm_c.send([b"late"]))
+    late.start()
+    t0 = time.monotonic()
+    comm_s.wait_until(lambda: len(got) >= 1, 10.0)
+    late.join()
+    assert _wait_for(lambda: len(got) == 1)
+    assert (got[0][0] == me) == (scheme == "tcp")
+    if scheme != "tcp":
+        return
+    assert 0.09 <= time.monotonic() - t0 < 5.0  # woken by the message, not the bound
+    t0 = time.monotonic()
+    comm_s.wait_until(lambda: False, 0.05)  # nothing comes: returns after its bound
+    assert 0.04 <= time.monotonic() - t0 < 2.0
+    flag = []
+    threading.Timer(0.05, lambda: flag.append(1)).start()
+    t0 = time.monotonic()
+    comm_s.wait_until(lambda: bool(flag), 10.0)  # done() set by another thread
+    assert time.monotonic() - t0 < 0.05 + 10 * _tcp._WAIT_SLICE
+    comm_c.send([b"after"])
+    assert _wait_for(lambda: len(got) == 2) and got[1][0] != me  # the loop reads again
+    comm_c.close()
+    comm_s.wait_until(closed.is_set, 10.0)
+    assert closed.wait(10)
+
+
 def test_poll_until_reads_in_the_polling_thread_then_hands_back_to_the_loop(pair):
     """A thread polling a comm gets the messages that arrive meanwhile (tcp; inproc cannot
     be polled and returns at once); afterwards, and for anything left unread, the loop

@@ -99,6 +99,13 @@ class Comm(abc.ABC):
         """
         del done, seconds
 
+    def wait_until(self, done: Callable[[], bool], seconds: float) -> None:
+        """Like :meth:`poll_until`, but sleeping between reads until something arrives:
+        a thread that waits for a message reads it itself, woken once by the kernel,
+        instead of being woken by the thread that read it. This default returns at once
+        (the caller then waits as usual)."""
+        del done, seconds
+
     def start_receiving(self, on_message: Callable[[list], None],
                         on_close: Callable[[str], None]) -> None:
         """From now on call ``on_message(frames)`` for each message, then ``on_close(reason)``.

@@ -52,6 +52,7 @@ _EOF = -1  # _read_once: the stream ended or failed
 _LOCAL_TAG = "#local="
 _UNIX_BUFFER = 4 << 20  # a Unix socket's queue is its sender's buffer: room for arrays
 _LOCAL_CONNECT_S = 2.0
+_WAIT_SLICE = 0.02  # wait_until: longest sleep in poll(2) between looks at done()
 
 LOCAL_SOCKETS = sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
 """Whether listeners also listen on an abstract Unix socket that local peers use."""
@@ -204,6 +205,34 @@ class TCPComm(Comm):
                     except RuntimeError:  # the loop is gone already
                         pass
                     return
+        finally:
+            self._mute(False)
+
+    def wait_until(self, done: Callable[[], bool], seconds: float) -> None:
+        """Read and deliver in this thread until ``done()``, for at most ``seconds``,
+        sleeping in ``poll(2)`` while nothing is there (see :meth:`Comm.wait_until`); the
+        loop is not woken for this socket meanwhile. ``done()`` is checked at least every
+        ``_WAIT_SLICE`` seconds (a future failed by a timer or a closed connection)."""
+        if self._on_message is None or self._closed:
+            return
+        deadline = time.perf_counter() + seconds
+        poller = select.poll()
+        self._mute(True)
+        try:
+            poller.register(self.sock.fileno(), select.POLLIN)
+            while not done():
+                if self._read_once() == _EOF:
+                    try:
+                        self.loop.call_soon_threadsafe(self._close_on_loop)
+                    except RuntimeError:
+                        pass
+                    return
+                left = deadline - time.perf_counter()
+                if done() or left <= 0:
+                    return
+                poller.poll(1e3 * min(left, _WAIT_SLICE))
+        except (OSError, ValueError):  # the socket closed under us: the loop reports it
+            return
         finally:
             self._mute(False)
 
