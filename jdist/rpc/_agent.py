@@ -112,6 +112,7 @@ class RpcAgent(CallClient, CallServer):
         self.poll_gate = PollGate(self._poll_s)
         #: peer -> (kind, start) of a pool thread's wait for that peer's next call
         self._next_call_waits: dict[int, tuple] = {}
+        self._next_call_avg: dict[tuple, float] = {}  # kind -> average wait (s), capped
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)

@@ -27,6 +27,7 @@ __all__ = ["CallServer", "quiet"]
 
 log = logging.getLogger("jdist.rpc")
 _INLINE = threading.local()  # .slot: [] while a pool thread polls for its next call
+_NEXT_SLEEP_S = 0.005  # how long a pool thread that replied sleeps for the next call
 
 
 class CallServer:
@@ -35,7 +36,11 @@ class CallServer:
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
         waited = self._next_call_waits.pop(peer, None)
         if waited is not None:  # a pool thread began waiting for this call (see below)
-            self.poll_gate.record(waited[0], time.perf_counter() - waited[1])
+            took = time.perf_counter() - waited[1]
+            self.poll_gate.record(waited[0], took)
+            avg = self._next_call_avg.get(waited[0])
+            took = min(took, 4 * _NEXT_SLEEP_S)
+            self._next_call_avg[waited[0]] = took if avg is None else avg + 0.125 * (took - avg)
         entry = None
         if isinstance(msg, P.Remote):
             entry = self.rrefs.create_owned(msg.rref, msg.fork, peer)
@@ -133,23 +138,35 @@ class CallServer:
         return True
 
     def _poll_next_call(self, comm: Comm, peer: int, after: str) -> tuple | None:
-        """Read ``comm`` in this thread for up to ``busy_poll_us``; the first call read
-        (as ``_run_call``'s arguments) is kept for this thread, others go to the pool.
-        Not while other threads of this process run RPC functions (they need the GIL),
-        nor while the next call from ``peer`` after one of ``after`` has come late
+        """Read ``comm`` in this thread for the next call from ``peer``; the first call
+        read (as ``_run_call``'s arguments) is kept for this thread, others go to the pool.
+
+        First by polling for up to ``busy_poll_us``: not while other threads of this
+        process run RPC functions (they need the GIL), nor while the next call from
+        ``peer`` after one of ``after`` has come late
         (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
-        way)."""
+        way). Then, while such calls have come within ``_NEXT_SLEEP_S`` on average and
+        this process has nothing else going on (no other call running, no request of
+        its own in flight: a server with one busy client), by sleeping on the
+        connection (``Comm.wait_until``) until a call from ``peer`` arrives, another
+        call starts here, or that time is up: the call then runs in this thread, with
+        no hand-off from the I/O thread to the pool."""
         if not self.polls(peer):
             return None
         kind = ("next", peer, after)
         self._next_call_waits[peer] = (kind, time.perf_counter())
-        if others_running() or not self.poll_gate.should(kind):
-            return None
         slot: list = []
         _INLINE.slot = slot
         try:
-            comm.poll_until(lambda: bool(slot) or self.state != "running" or others_running(),
-                            self._poll_s)
+            if not others_running() and self.poll_gate.should(kind):
+                comm.poll_until(
+                    lambda: bool(slot) or self.state != "running" or others_running(),
+                    self._poll_s)
+            if not slot and not others_running() and not self._pending \
+                    and self._next_call_avg.get(kind, 0.0) <= _NEXT_SLEEP_S:
+                comm.wait_until(lambda: bool(slot) or peer not in self._next_call_waits
+                                or self.state != "running" or others_running(),
+                                _NEXT_SLEEP_S)
         finally:
             _INLINE.slot = None
         return slot[0] if slot else None

@@ -160,8 +160,8 @@ def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
 def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
     """A reply that takes longer than a few poll windows (a 20 ms function), or a next
     call that comes late (the caller pauses between calls), stops those polls: the
-    waiting thread sleeps at once (on the reply's connection). Arrivals are timed without polling too, so a kind
-    that becomes fast polls again."""
+    waiting thread sleeps at once (on the reply's connection). Arrivals are timed
+    without polling too, so a kind that becomes fast polls again."""
     a0, a1 = tcp3[0], tcp3[1]
     slow, fast = describe_callable(sleep_then), describe_callable(echo)
     reply_kind = ("reply", a1.info.id, slow)
@@ -196,3 +196,35 @@ def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
     assert a1.poll_gate.average(("next", a0.info.id, fast)) > a1.poll_gate.limit
     assert not a1.poll_gate.should(("next", a0.info.id, fast))
     assert a0.rpc_async("w1", echo, ("still answers",)).wait() == "still answers"
+
+
+def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeypatch):
+    """After replying, a pool thread of an otherwise idle process sleeps on the caller's
+    connection for the next call (longer than a poll, shorter than _NEXT_SLEEP_S) and runs
+    it itself; a kind whose next calls come later than that stops sleeping."""
+    a0, a1 = tcp3[0], tcp3[1]
+    monkeypatch.setattr(_serve, "_NEXT_SLEEP_S", 0.05)
+    kept = []  # per call after the first: did the thread that replied run it?
+    real = _serve.CallServer._poll_next_call
+
+    def spy(self, comm, peer, after):
+        nxt = real(self, comm, peer, after)
+        if self is a1:
+            kept.append(nxt is not None)
+        return nxt
+
+    monkeypatch.setattr(_serve.CallServer, "_poll_next_call", spy)
+    names = []
+    for _ in range(10):
+        names.append(a0.rpc_async("w1", thread_name).wait())
+        time.sleep(0.01)  # far longer than a poll (busy_poll_us=200), within the sleep
+    assert all(n.startswith("jdist-rpc-w1_") for n in names)  # pool threads only
+    assert sum(kept[:9]) >= 6, kept  # read and run by the thread that slept for them
+    kind = ("next", a0.info.id, describe_callable(thread_name))
+    assert 0.005 < a1._next_call_avg[kind] <= 0.05
+    kept.clear()
+    for _ in range(12):  # now the next call comes after 0.1 s: longer than the sleep
+        assert a0.rpc_async("w1", thread_name).wait().startswith("jdist-rpc-w1_")
+        time.sleep(0.1)
+    assert a1._next_call_avg[kind] > 0.05
+    assert not any(kept[-3:])  # gave up sleeping for that kind
