@@ -162,19 +162,19 @@ class CallClient:
     def _poll_reply(self, comm: Comm, kind: tuple, fut: Future,
                     timeout: float | None) -> None:
         """Before ``fut.wait`` blocks: read the reply's connection in this thread, so
-        that no other thread has to be woken to hand the reply over. Only for a lone
-        request (with several in flight the I/O thread is busy anyway, and reads in
-        parallel with this thread). First, while no other RPC function runs here and
-        while this function's replies from this peer have come soon enough
-        (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival is timed either
-        way), by polling for up to ``busy_poll_us``, so a reply that comes soon wakes
-        no thread at all; then by sleeping on the connection (``Comm.wait_until``), so
-        the kernel wakes this thread alone when the reply comes."""
+        that no other thread has to be woken to hand the reply over. First, for a lone
+        request (with several in flight the I/O thread is busy anyway), while no other
+        RPC function runs here and while this function's replies from this peer have
+        come soon enough (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival
+        is timed either way), by polling for up to ``busy_poll_us``, so a reply that
+        comes soon wakes no thread at all; then by sleeping on the connection
+        (``Comm.wait_until``, which costs no CPU: other requests in flight are no
+        reason not to), so the kernel wakes this thread alone when the reply comes.
+        Whatever else arrives on that connection meanwhile is delivered from here."""
         began = time.perf_counter()
         fut._arrival = functools.partial(self._reply_arrived, kind, began)
-        if len(self._pending) > 1:
-            return
-        if not others_running() and self.poll_gate.should(kind):
+        lone = len(self._pending) <= 1
+        if lone and not others_running() and self.poll_gate.should(kind):
             limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
             comm.poll_until(lambda: fut._done or others_running(), limit)
             if fut._done:

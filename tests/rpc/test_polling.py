@@ -228,3 +228,18 @@ def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeyp
         time.sleep(0.1)
     assert a1._next_call_avg[kind] > 0.05
     assert not any(kept[-3:])  # gave up sleeping for that kind
+
+
+def test_a_caller_reads_its_late_reply_itself_with_other_requests_in_flight(tcp3):
+    a0 = tcp3[0]
+    readers = []
+    on_reply = a0._on_reply
+    a0._on_reply = lambda msg, frames: (readers.append(threading.get_ident()),
+                                        on_reply(msg, frames))
+    try:
+        other = a0.rpc_async("w1", sleep_then, (0.4, "other"))  # in flight meanwhile
+        assert a0.rpc_async("w1", sleep_then, (0.05, "mine")).wait() == "mine"
+        assert readers == [threading.get_ident()]  # the waiting thread read it
+        assert other.wait() == "other"
+    finally:
+        del a0._on_reply
