@@ -197,12 +197,20 @@ class DistributedOptimizer:
                             f"{context_id!r}")
         futs: dict[int, Future] = {}
         errors = []
+        me = self._agent.info.id
         for w, opt in self._optimizers.items():
+            if w == me:
+                continue
             try:
                 futs[w] = self._agent.rpc_async(w, _local_step, (opt, context_id), None,
                                                 timeout)
             except Exception as e:  # noqa: BLE001
                 errors.append((w, e))
+        if me in self._optimizers:  # this worker's own step: here, while the others run
+            try:  # (an RPC to itself would cross a socket and two thread hand-offs)
+                _local_step(self._optimizers[me], context_id)
+            except Exception as e:  # noqa: BLE001
+                errors.append((me, e))
         for w, f in futs.items():
             try:
                 f.wait()

@@ -54,11 +54,23 @@ def test_sgd_matches_torch_reference(agents):
         r = a0.rpc_async("w1", times, (remote_p, 2.0)).wait()
         return jnp.sum(r) + 3.0 * local_ref.local_value()[...]
 
+    sent = []  # where step sends its calls: the remote owner only
+    real_rpc = a0.rpc_async
+
+    def spy(to, func, *rest, **kw):
+        sent.append((a0.worker_info(to).name, getattr(func, "__name__", func)))
+        return real_rpc(to, func, *rest, **kw)
+
     with dist_autograd.context(a0) as cid:
         dist_autograd.backward(cid, loss_fn, local_p)
         np.testing.assert_allclose(dist_autograd.get_gradients(cid)[local_p], 3.0)
         np.testing.assert_allclose(remote_p.to_here()[...], 1.0)  # grads never touch params
-        opt.step(cid)
+        a0.rpc_async = spy
+        try:
+            opt.step(cid)
+        finally:
+            del a0.rpc_async
+    assert sent == [("w1", "_local_step")]  # this worker's own step ran here, no RPC
     np.testing.assert_allclose(remote_p.to_here()[...], 0.0)
     np.testing.assert_allclose(local_p.local_value()[...], -1.5)
     # the context is gone afterwards: the step fails on every owner, naming them
