@@ -290,7 +290,7 @@ def test_wait_until_sleeps_on_the_socket_and_reads_in_the_waiting_thread(pair):
     threading.Timer(0.05, lambda: flag.append(1)).start()
     t0 = time.monotonic()
     comm_s.wait_until(lambda: bool(flag), 10.0)  # done() set by another thread
-    assert time.monotonic() - t0 < 0.05 + 10 * _tcp._WAIT_SLICE
+    assert time.monotonic() - t0 < 2.0  # noticed within slices, not after the bound
     comm_c.send([b"after"])
     assert _wait_for(lambda: len(got) == 2) and got[1][0] != me  # the loop reads again
     comm_c.close()
