@@ -259,6 +259,22 @@ def _wait_for(cond, timeout=10.0):
     return cond()
 
 
+def test_a_failed_send_still_delivers_what_the_peer_sent_before_it_closed(pair):
+    """The peer answers (say, a refusal) and closes while this side still sends: the
+    send fails (at once on a Unix socket, after the reset on TCP), and the answer is not
+    lost with it."""
+    comm_c, comm_s = _connect(pair)
+    comm_s.send([b"DENIED"])
+    comm_s.close()
+    with pytest.raises(CommClosedError):  # sent before this side's loop read the answer
+        for _ in range(100):
+            comm_c.send([b"x" * 65536])
+            time.sleep(0.01)
+    assert [bytes(f) for f in pair[2].run(comm_c.recv())] == [b"DENIED"]
+    with pytest.raises(CommClosedError):
+        pair[2].run(comm_c.recv())
+
+
 def test_wait_until_sleeps_on_the_socket_and_reads_in_the_waiting_thread(pair):
     """A thread waiting for a message that comes later sleeps in poll(2) and reads it
     itself (tcp; inproc returns at once); it wakes for a message, notices ``done()`` set

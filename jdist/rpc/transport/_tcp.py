@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import secrets
 import select
 import socket
@@ -46,6 +47,8 @@ from jdist.rpc.transport._framing import FrameDecoder, FrameError, encode_prefix
 from jdist.rpc.transport._registry import register_transport
 
 __all__ = ["TCPTransport", "TCPComm", "LOCAL_SOCKETS", "split_host_port", "split_local"]
+
+log = logging.getLogger("jdist.rpc")
 
 _IOV_MAX = 512
 _EOF = -1  # _read_once: the stream ended or failed
@@ -296,9 +299,23 @@ class TCPComm(Comm):
                 raise CommClosedError(f"connection to {self.peer} is closed")
             try:
                 self._sendmsg_all(views, deadline)
+                return
             except (OSError, TimeoutError) as e:
-                self.close()
-                raise CommClosedError(f"send to {self.peer} failed: {e}") from e
+                failed = e
+        # the peer went away (a Unix socket refuses at once what TCP would still take):
+        # what it sent before is in our buffer, deliver it before closing (its last
+        # answer, e.g. a refusal, says why). Not under the write lock: delivering may send
+        self._drain()
+        self.close()
+        raise CommClosedError(f"send to {self.peer} failed: {failed}") from failed
+
+    def _drain(self) -> None:
+        """Deliver the complete messages already readable, without waiting."""
+        try:
+            while self._read_once() > 0:
+                pass
+        except Exception:  # noqa: BLE001 - best effort before the close
+            log.debug("jdist.rpc: draining %s failed", self.peer, exc_info=True)
 
     def _sendmsg_all(self, views: list[memoryview], deadline: float | None) -> None:
         i = 0
