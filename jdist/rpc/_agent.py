@@ -122,7 +122,7 @@ class RpcAgent(CallClient, CallServer):
                                                 name=f"jdist-rpc-release-{name}")
         #: dist-autograd hooks (issue 9): context id to send, and a context manager
         #: factory entered around incoming calls with their context id.
-        self.context_id_hook: Callable[[], int] | None = None
+        self.context_id_hook: Callable[[int], int] | None = None
         self.enter_context_hook: Callable[[int], Any] | None = None
         #: asked first by rpc_async: a Future for a differentiable call, or None
         self.call_hook: Callable[..., Future | None] | None = None

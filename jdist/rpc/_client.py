@@ -130,8 +130,10 @@ class CallClient:
         """Bound on handing one message to a peer that does not read (then it's cut off)."""
         return self.options.rpc_timeout or None
 
-    def _context_id(self) -> int:
-        return self.context_id_hook() if self.context_id_hook is not None else P.NO_CONTEXT
+    def _context_id(self, to: int) -> int:
+        """The distributed autograd context id a message to worker ``to`` carries (the
+        hook notes ``to`` as a worker that context has reached)."""
+        return self.context_id_hook(to) if self.context_id_hook is not None else P.NO_CONTEXT
 
     def rpc_async(self, to: Any, func: Any, args: Any = None, kwargs: Any = None,
                   timeout: float | None = -1) -> Future:
@@ -144,7 +146,7 @@ class CallClient:
         t = resolve_timeout(timeout, self.options.rpc_timeout)
         fn = S.describe_callable(func)
         rid = next(self._ids)
-        frames, held = self._encode_call(worker, P.Call(rid, fn, self._context_id()), func,
+        frames, held = self._encode_call(worker, P.Call(rid, fn, self._context_id(worker.id)), func,
                                          args, kwargs)
         fut = self._register_rid(rid, worker, fn, t, f"rpc_async({worker}, {fn})")
         self._hold_until_reply(rid, held)
@@ -216,7 +218,8 @@ class CallClient:
         fork = self.rrefs.new_id()
         rid = next(self._ids)
         frames, held = self._encode_call(
-            worker, P.Remote(rid, fn, rref_id, fork, self._context_id()), func, args, kwargs)
+            worker, P.Remote(rid, fn, rref_id, fork, self._context_id(worker.id)), func,
+            args, kwargs)
         rref = RRef._make(self, worker, rref_id, fork, False)
         fut = self._register_rid(rid, worker, fn, t, f"remote({worker}, {fn})")
         self._hold_until_reply(rid, held)

@@ -80,9 +80,27 @@ def _agent(agent: Any) -> Any:
 
 @C._internal
 def _release_here() -> bool:
-    """Callee side of a context release (the call carries the context id)."""
+    """Callee side of a context release (the call carries the context id): passed on to
+    the workers this one sent messages of the context to, then released here."""
     ctx = C.current()
-    return ctx is not None and C.registry(ctx.agent).release(ctx.context_id)
+    if ctx is None:
+        return False
+    _release_on(ctx, ctx.agent)
+    return C.registry(ctx.agent).release(ctx.context_id)
+
+
+def _release_on(ctx: Any, agent: Any) -> None:
+    """Ask the live workers ``ctx`` has reached to release it (asynchronously, as torch;
+    ``ctx`` must be this thread's current context, not released yet)."""
+    dead = agent.dead_workers()
+    for w in sorted(ctx.reached):
+        if w == agent.info.id or w in dead:
+            continue
+        try:
+            fut = agent.rpc_async(w, _release_here, (), None, -1)
+            fut.add_done_callback(_log_release_failure)
+        except Exception as e:  # noqa: BLE001 - best effort, like torch
+            log.debug("jdist.rpc: releasing context on %s failed: %s", w, e)
 
 
 @contextmanager
@@ -91,8 +109,9 @@ def context(agent: Any = None) -> Iterator[int]:
 
     The id is globally unique (this worker's id in the high bits) and travels with every
     RPC made in this thread inside the block. On exit the context is released on every
-    worker (asynchronously on the others, as torch); using the id afterwards raises
-    ``Could not find autograd context with id: N``.
+    worker it reached (asynchronously on the others, as torch: each worker passes the
+    release on to the workers it sent messages of the context to); using the id
+    afterwards raises ``Could not find autograd context with id: N``.
 
     Args:
       agent: the RPC agent (default: this process's, from ``init_rpc``; tests running
@@ -112,13 +131,7 @@ def context(agent: Any = None) -> Iterator[int]:
         yield ctx.context_id
     finally:
         try:
-            for w in agent.all_workers():
-                if w.id != agent.info.id and w.id not in agent.dead_workers():
-                    try:
-                        fut = agent.rpc_async(w, _release_here, (), None, -1)
-                        fut.add_done_callback(_log_release_failure)
-                    except Exception as e:  # noqa: BLE001 - best effort, like torch
-                        log.debug("jdist.rpc: releasing context on %s failed: %s", w, e)
+            _release_on(ctx, agent)
         finally:
             C._set_current(None)
             reg.release(ctx.context_id)

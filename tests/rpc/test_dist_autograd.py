@@ -255,3 +255,47 @@ def test_remote_and_to_here_are_differentiable(agents):
             dist_autograd.backward(cid, lambda r: jnp.sum(
                 a0.remote("w0", add_scaled, (r.local_value()[...], w1, 1.0)).to_here()["y"]),
                 w0)
+
+
+def reached_here():
+    return sorted(C.current().reached)
+
+
+def relay(to):
+    """On one worker: call ``to`` in the caller's context; what this worker reached."""
+    me().rpc_async(to, n_contexts).wait()
+    return reached_here()
+
+
+def test_release_reaches_the_workers_a_context_reached_and_only_those():
+    """torch releases a context on the workers it knows (those it sent messages of the
+    context to), and each of those passes it on: w0 calls w1, w1 calls w2; w3 hears
+    nothing of it."""
+    agents = make_agents(4)
+    try:
+        a0, a3 = agents[0], agents[3]
+        released_on = []
+        real = C._Registry.release
+
+        def spy(self, cid):
+            out = real(self, cid)
+            if out:
+                released_on.append(self.agent.info.name)
+            return out
+
+        C._Registry.release = spy
+        try:
+            with dist_autograd.context(a0) as cid:
+                assert a0.rpc_async("w1", relay, ("w2",)).wait() == [2]
+                assert sorted(C.current().reached) == [1]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(released_on) < 3:
+                time.sleep(0.01)
+            time.sleep(0.1)  # a stray release to w3 would have come by now
+        finally:
+            C._Registry.release = real
+        assert sorted(released_on) == ["w0", "w1", "w2"]
+        assert not any(C.registry(a).contexts.get(cid) for a in agents)
+        assert C.registry(a3).contexts == {}
+    finally:
+        stop_all(agents, graceful=False)

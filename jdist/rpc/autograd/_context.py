@@ -69,6 +69,9 @@ class DistAutogradContext:
         self.released = False
         self._last_sent: dict[int, tuple[int, int]] = {}  # worker id -> last message id
         self._recorded: dict[tuple, threading.Event] = {}  # (caller, message) -> recorded
+        #: workers this worker sent a message of this context to (each made the context
+        #: there): where its release goes, torch's known worker ids
+        self.reached: set[int] = set()
 
     def __repr__(self) -> str:
         return (f"DistAutogradContext(id={self.context_id}, worker={self.agent.info}, "
@@ -218,11 +221,14 @@ def _set_current(ctx: DistAutogradContext | None) -> None:
     _tls.ctx = ctx
 
 
-def current_context_id(agent: Any) -> int:
-    """The id an outgoing call of ``agent`` carries (``NO_CONTEXT`` outside a context)."""
+def current_context_id(agent: Any, to: int | None = None) -> int:
+    """The id an outgoing call of ``agent`` to worker ``to`` carries (``NO_CONTEXT``
+    outside a context); ``to`` is noted as a worker the context has reached."""
     ctx = current()
     if ctx is None or ctx.agent is not agent or ctx.released:
         return NO_CONTEXT
+    if to is not None and to != agent.info.id:
+        ctx.reached.add(to)
     return ctx.context_id
 
 

@@ -82,7 +82,7 @@ def remote_hook(agent: Any, to: Any, func: Any, args: Any, kwargs: Any, timeout:
 
 def install(agent: Any) -> None:
     """Point ``agent``'s hooks at this module (``start_agent`` calls it)."""
-    agent.context_id_hook = lambda: current_context_id(agent)
+    agent.context_id_hook = lambda to: current_context_id(agent, to)
     agent.enter_context_hook = lambda cid: enter_context(agent, cid)
     agent.call_hook = lambda to, func, args, kwargs, timeout: call_hook(
         agent, to, func, args, kwargs, timeout)
