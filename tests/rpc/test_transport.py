@@ -4,6 +4,7 @@ tcp with its Unix socket for local peers turned off (plain TCP, as between machi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -33,12 +34,11 @@ class LoopThread:
         self.loop.close()
 
 
-@pytest.fixture(params=sorted(ADDRS))
-def pair(request, monkeypatch):
-    """(transport, server loop, client loop, listener, queue of server comms)."""
-    if request.param == "tcp-only":
-        monkeypatch.setattr(_tcp, "LOCAL_SOCKETS", False)
-    transport = get_transport(parse_address(ADDRS[request.param])[0])
+@contextlib.contextmanager
+def _listening(address):
+    """(transport, server loop, client loop, listener, server comms, accepted event) for
+    a listener on ``address``; all stopped and closed afterwards."""
+    transport = get_transport(parse_address(address)[0])
     server, client = LoopThread(), LoopThread()
     accepted: list = []
     got = threading.Event()
@@ -47,15 +47,25 @@ def pair(request, monkeypatch):
         accepted.append(comm)
         got.set()
 
-    listener = server.run(transport.listen(ADDRS[request.param], handler,
-                                           max_message_bytes=1 << 20))
-    yield transport, server, client, listener, accepted, got
-    server.run(listener.stop())
-    for comm in accepted:
-        comm.close()
-    server.run(asyncio.sleep(0.01))
-    server.stop()
-    client.stop()
+    listener = server.run(transport.listen(address, handler, max_message_bytes=1 << 20))
+    try:
+        yield transport, server, client, listener, accepted, got
+    finally:
+        server.run(listener.stop())
+        for comm in accepted:
+            comm.close()
+        server.run(asyncio.sleep(0.01))
+        server.stop()
+        client.stop()
+
+
+@pytest.fixture(params=sorted(ADDRS))
+def pair(request, monkeypatch):
+    """(transport, server loop, client loop, listener, queue of server comms)."""
+    if request.param == "tcp-only":
+        monkeypatch.setattr(_tcp, "LOCAL_SOCKETS", False)
+    with _listening(ADDRS[request.param]) as p:
+        yield p
 
 
 def _connect(pair_):
@@ -83,17 +93,8 @@ def test_which_socket_local_peers_and_other_machines_use(local, monkeypatch):
     is reached by TCP; without them, every connection is TCP."""
     local = local and _tcp.LOCAL_SOCKETS  # (abstract Unix sockets are Linux's)
     monkeypatch.setattr(_tcp, "LOCAL_SOCKETS", local)
-    transport = get_transport("tcp")
-    server, client = LoopThread(), LoopThread()
-    accepted, got = [], threading.Event()
-
-    async def handler(comm):
-        accepted.append(comm)
-        got.set()
-
-    listener = server.run(transport.listen("tcp://127.0.0.1:0", handler,
-                                           max_message_bytes=1 << 20))
-    try:
+    with _listening("tcp://127.0.0.1:0") as (transport, server, client, listener, accepted,
+                                            got):
         assert ("#local=jdist-rpc-" in listener.address) == local
         elsewhere = listener.address.split("#local=")[0] + "#local=jdist-rpc-" + "0" * 32
         expect = [(listener.address, socket.AF_UNIX if local else socket.AF_INET),
@@ -112,13 +113,6 @@ def test_which_socket_local_peers_and_other_machines_use(local, monkeypatch):
             comm_s.send([b"pong"])
             assert [bytes(f) for f in client.run(comm_c.recv())] == [b"pong"]
             comm_c.close()
-    finally:
-        server.run(listener.stop())
-        for comm in accepted:
-            comm.close()
-        server.run(asyncio.sleep(0.01))
-        server.stop()
-        client.stop()
 
 
 def test_roundtrip_frames_both_directions(pair):
@@ -259,6 +253,21 @@ def _wait_for(cond, timeout=10.0):
     return cond()
 
 
+def _receiving(pair_):
+    """A connected pair whose server side delivers to ``got`` as ``(reading thread id,
+    first frame)`` and sets ``closed`` when the peer goes."""
+    scheme = parse_address(pair_[3].address)[0]
+    comm_c, comm_s = _connect(pair_)
+    got, closed = [], threading.Event()
+
+    async def start():
+        comm_s.start_receiving(lambda m: got.append((threading.get_ident(), bytes(m[0]))),
+                               lambda why: closed.set())
+
+    pair_[1].run(start())
+    return scheme, comm_c, comm_s, got, closed
+
+
 def test_a_failed_send_still_delivers_what_the_peer_sent_before_it_closed(pair):
     """The peer answers (say, a refusal) and closes while this side still sends: the
     send fails (at once on a Unix socket, after the reset on TCP), and the answer is not
@@ -280,15 +289,8 @@ def test_wait_until_sleeps_on_the_socket_and_reads_in_the_waiting_thread(pair):
     itself (tcp; inproc returns at once); it wakes for a message, notices ``done()`` set
     elsewhere within a slice, returns after its bound when nothing comes, and a closed
     peer still closes the comm."""
-    scheme = parse_address(pair[3].address)[0]
-    comm_c, comm_s = _connect(pair)
-    got, closed, me = [], threading.Event(), threading.get_ident()
-
-    async def start():
-        comm_s.start_receiving(lambda m: got.append((threading.get_ident(), bytes(m[0]))),
-                               lambda why: closed.set())
-
-    pair[1].run(start())
+    scheme, comm_c, comm_s, got, closed = _receiving(pair)
+    me = threading.get_ident()
     late = threading.Timer(0.1, lambda: comm_c.send([b"late"]))
     late.start()
     t0 = time.monotonic()
@@ -318,15 +320,8 @@ def test_poll_until_reads_in_the_polling_thread_then_hands_back_to_the_loop(pair
     """A thread polling a comm gets the messages that arrive meanwhile (tcp; inproc cannot
     be polled and returns at once); afterwards, and for anything left unread, the loop
     delivers again; a peer closing while polled still closes the comm."""
-    scheme = parse_address(pair[3].address)[0]
-    comm_c, comm_s = _connect(pair)
-    got, closed, me = [], threading.Event(), threading.get_ident()
-
-    async def start():
-        comm_s.start_receiving(lambda m: got.append((threading.get_ident(), bytes(m[0]))),
-                               lambda why: closed.set())
-
-    pair[1].run(start())
+    scheme, comm_c, comm_s, got, closed = _receiving(pair)
+    me = threading.get_ident()
     polling = threading.Event()
     if scheme != "tcp":
         polling.set()  # poll_until returns at once, without asking done()
