@@ -43,11 +43,11 @@ from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handsh
 from jdist.rpc._client import LOCAL_ADDRESSES, CallClient, Pending
 from jdist.rpc._futures import Future
 from jdist.rpc._options import RpcBackendOptions
-from jdist.rpc._pollgate import PollGate
+from jdist.rpc._pollgate import WINDOWS, PollGate
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import failure_payload
 from jdist.rpc._rref import RRef, RRefContext
-from jdist.rpc._serve import CallServer, quiet
+from jdist.rpc._serve import NEXT_SLEEP_S, CallServer, quiet
 from jdist.rpc.transport import Comm, get_transport, parse_address
 
 __all__ = ["RpcAgent"]
@@ -112,7 +112,9 @@ class RpcAgent(CallClient, CallServer):
         self.poll_gate = PollGate(self._poll_s)
         #: peer -> (kind, start) of a pool thread's wait for that peer's next call
         self._next_call_waits: dict[int, tuple] = {}
-        self._next_call_avg: dict[tuple, float] = {}  # kind -> average wait (s), capped
+        #: the same waits, for sleeping on the connection: allowed while their kind's
+        #: average is at most NEXT_SLEEP_S
+        self.sleep_gate = PollGate(NEXT_SLEEP_S / WINDOWS)
         self.quiet_leaves = False  # set by graceful shutdown once every worker is done
         self.rrefs = RRefContext(self)
         #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)

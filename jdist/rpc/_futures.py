@@ -221,6 +221,15 @@ def wait_all(futures: Iterable[Future], timeout: float | None = None) -> list:
     return out
 
 
+def copy_into(src: Future, dst: Future) -> None:
+    """Complete ``dst`` as the completed ``src`` is (its value or its error)."""
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.value())
+
+
 def collect_all(futures: Iterable[Future]) -> Future[list[Future]]:
     """A future completed with the list of ``futures`` once all of them are done."""
     futures = list(futures)

@@ -434,7 +434,7 @@ class RRef:
         a call that arrived with it and must wait its turn before running fetches while
         it waits. The value is the same either way: an RRef's value is never replaced."""
         if not self.is_owner() and self._prefetched is None:
-            self._prefetched = self._agent.rpc_async(self._owner, rref_fetch, (self,))
+            self._prefetched = self._fetch()
 
     def rpc_sync(self, timeout: float = -1) -> _Proxy:
         """``rref.rpc_sync().m(*a)`` runs ``local_value().m(*a)`` on the owner."""

@@ -19,7 +19,14 @@ from typing import Any
 from jdist.errors import RpcError
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
-from jdist.rpc._futures import Future, _in_call, add_busy, collect_all, others_running
+from jdist.rpc._futures import (
+    Future,
+    _in_call,
+    add_busy,
+    collect_all,
+    copy_into,
+    others_running,
+)
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc.transport import Comm, CommClosedError
 
@@ -27,7 +34,7 @@ __all__ = ["CallServer", "quiet"]
 
 log = logging.getLogger("jdist.rpc")
 _INLINE = threading.local()  # .slot: [] while a pool thread polls for its next call
-_NEXT_SLEEP_S = 0.005  # how long a pool thread that replied sleeps for the next call
+NEXT_SLEEP_S = 0.005  # how long a pool thread that replied sleeps for the next call
 
 
 class CallServer:
@@ -38,9 +45,7 @@ class CallServer:
         if waited is not None:  # a pool thread began waiting for this call (see below)
             took = time.perf_counter() - waited[1]
             self.poll_gate.record(waited[0], took)
-            avg = self._next_call_avg.get(waited[0])
-            took = min(took, 4 * _NEXT_SLEEP_S)
-            self._next_call_avg[waited[0]] = took if avg is None else avg + 0.125 * (took - avg)
+            self.sleep_gate.record(waited[0], took)
         entry = None
         if isinstance(msg, P.Remote):
             entry = self.rrefs.create_owned(msg.rref, msg.fork, peer)
@@ -99,7 +104,7 @@ class CallServer:
         try:
             out = self._invoke(func, args, kwargs, ctx)
             if getattr(func, "_jdist_async_execution", False):
-                _check_async_result(out, fn).add_done_callback(lambda f: _copy_into(f, fut))
+                _check_async_result(out, fn).add_done_callback(lambda f: copy_into(f, fut))
                 return
         except BaseException as e:  # noqa: BLE001 - sent to the caller
             payload = failure_payload(e, self.info)
@@ -145,12 +150,12 @@ class CallServer:
         process run RPC functions (they need the GIL), nor while the next call from
         ``peer`` after one of ``after`` has come late
         (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
-        way). Then, while such calls have come within ``_NEXT_SLEEP_S`` on average and
-        this process has nothing else going on (no other call running, no request of
-        its own in flight: a server with one busy client), by sleeping on the
-        connection (``Comm.wait_until``) until a call from ``peer`` arrives, another
-        call starts here, or that time is up: the call then runs in this thread, with
-        no hand-off from the I/O thread to the pool."""
+        way). Then, while such calls have come within ``NEXT_SLEEP_S`` on average
+        (``sleep_gate``) and this process has nothing else going on (no other call
+        running, no request of its own in flight: a server with one busy client), by
+        sleeping on the connection (``Comm.wait_until``) until a call from ``peer``
+        arrives, another call starts here, or that time is up: the call then runs in
+        this thread, with no hand-off from the I/O thread to the pool."""
         if not self.polls(peer):
             return None
         kind = ("next", peer, after)
@@ -163,10 +168,10 @@ class CallServer:
                     lambda: bool(slot) or self.state != "running" or others_running(),
                     self._poll_s)
             if not slot and not others_running() and not self._pending \
-                    and self._next_call_avg.get(kind, 0.0) <= _NEXT_SLEEP_S:
+                    and self.sleep_gate.should(kind):
                 comm.wait_until(lambda: bool(slot) or peer not in self._next_call_waits
                                 or self.state != "running" or others_running(),
-                                _NEXT_SLEEP_S)
+                                NEXT_SLEEP_S)
         finally:
             _INLINE.slot = None
         return slot[0] if slot else None
@@ -228,11 +233,3 @@ def _check_async_result(out: Any, fn: str) -> Future:
                        f"torch.futures.Future object, but got {type(out).__name__}: {fn} is "
                        "decorated with @async_execution and must return a jdist.rpc.Future")
     return out
-
-
-def _copy_into(src: Future, dst: Future) -> None:
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-    else:
-        dst.set_result(src.value())

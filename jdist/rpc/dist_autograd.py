@@ -85,13 +85,14 @@ def _release_here() -> bool:
     ctx = C.current()
     if ctx is None:
         return False
-    _release_on(ctx, ctx.agent)
+    _release_on(ctx)
     return C.registry(ctx.agent).release(ctx.context_id)
 
 
-def _release_on(ctx: Any, agent: Any) -> None:
+def _release_on(ctx: Any) -> None:
     """Ask the live workers ``ctx`` has reached to release it (asynchronously, as torch;
     ``ctx`` must be this thread's current context, not released yet)."""
+    agent = ctx.agent
     dead = agent.dead_workers()
     for w in sorted(ctx.reached):
         if w == agent.info.id or w in dead:
@@ -131,7 +132,7 @@ def context(agent: Any = None) -> Iterator[int]:
         yield ctx.context_id
     finally:
         try:
-            _release_on(ctx, agent)
+            _release_on(ctx)
         finally:
             C._set_current(None)
             reg.release(ctx.context_id)

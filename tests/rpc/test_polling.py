@@ -202,10 +202,11 @@ def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
 
 def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeypatch):
     """After replying, a pool thread of an otherwise idle process sleeps on the caller's
-    connection for the next call (longer than a poll, shorter than _NEXT_SLEEP_S) and runs
+    connection for the next call (longer than a poll, shorter than NEXT_SLEEP_S) and runs
     it itself; a kind whose next calls come later than that stops sleeping."""
     a0, a1 = tcp3[0], tcp3[1]
-    monkeypatch.setattr(_serve, "_NEXT_SLEEP_S", 0.05)
+    monkeypatch.setattr(_serve, "NEXT_SLEEP_S", 0.05)
+    a1.sleep_gate = _pollgate.PollGate(0.05 / _pollgate.WINDOWS)
     kept = []  # per call after the first: did the thread that replied run it?
     real = _serve.CallServer._poll_next_call
 
@@ -223,12 +224,12 @@ def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeyp
     assert all(n.startswith("jdist-rpc-w1_") for n in names)  # pool threads only
     assert sum(kept[:9]) >= 6, kept  # read and run by the thread that slept for them
     kind = ("next", a0.info.id, describe_callable(thread_name))
-    assert a1._next_call_avg[kind] > 0.005
+    assert a1.sleep_gate.average(kind) > 0.005
     kept.clear()
     for _ in range(12):  # now the next call comes after 0.1 s: longer than the sleep
         assert a0.rpc_async("w1", thread_name).wait().startswith("jdist-rpc-w1_")
         time.sleep(0.1)
-    assert a1._next_call_avg[kind] > 0.05
+    assert a1.sleep_gate.average(kind) > 0.05
     assert not any(kept[-3:])  # gave up sleeping for that kind
 
 

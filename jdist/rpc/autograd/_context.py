@@ -221,13 +221,13 @@ def _set_current(ctx: DistAutogradContext | None) -> None:
     _tls.ctx = ctx
 
 
-def current_context_id(agent: Any, to: int | None = None) -> int:
+def current_context_id(agent: Any, to: int) -> int:
     """The id an outgoing call of ``agent`` to worker ``to`` carries (``NO_CONTEXT``
     outside a context); ``to`` is noted as a worker the context has reached."""
     ctx = current()
     if ctx is None or ctx.agent is not agent or ctx.released:
         return NO_CONTEXT
-    if to is not None and to != agent.info.id:
+    if to != agent.info.id:
         ctx.reached.add(to)
     return ctx.context_id
 

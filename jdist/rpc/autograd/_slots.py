@@ -7,7 +7,6 @@ and on :class:`_Link`, where the cotangents of a differentiable RRef's value gat
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -120,28 +119,15 @@ class _Link:
         without waiting for them here: a future of the value of the future ``send``
         returns. The backward pass goes on meanwhile, so the backward message of one
         micro-batch's RRef to its owner does not hold up the next micro-batch's."""
-        from jdist.rpc._futures import Future
+        from jdist.rpc._futures import Future, collect_all, copy_into
 
         pending, self._pending = self._pending, []
         if not pending:
             cts, self.cts = self.cts, None
             return send(cts)
         out: Future = Future(_desc="the backward message of a differentiable remote()")
-        left = [len(pending)]
-        lock = threading.Lock()
 
-        def relay(inner: Future) -> None:
-            exc = inner.exception()
-            if exc is not None:
-                out.set_exception(exc)
-            else:
-                out.set_result(inner.value())
-
-        def one_done(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
+        def all_in(_: Future) -> None:
             try:
                 for fut, k in pending:
                     self._add_from(fut.value(), k)
@@ -150,8 +136,7 @@ class _Link:
             except BaseException as e:  # noqa: BLE001 - the backward pass's error
                 out.set_exception(e)
                 return
-            inner.add_done_callback(relay)
+            inner.add_done_callback(lambda f: copy_into(f, out))
 
-        for fut, _ in pending:
-            fut.add_done_callback(one_done)
+        collect_all(fut for fut, _ in pending).add_done_callback(all_in)
         return out

@@ -202,11 +202,7 @@ class TCPComm(Comm):
         self._mute(True)
         try:
             while not done() and time.perf_counter() < deadline:
-                if self._read_once() == _EOF:  # the loop closes the comm (it may never
-                    try:  # see the socket readable again)
-                        self.loop.call_soon_threadsafe(self._close_on_loop)
-                    except RuntimeError:  # the loop is gone already
-                        pass
+                if not self._read_here():
                     return
         finally:
             self._mute(False)
@@ -224,11 +220,7 @@ class TCPComm(Comm):
         try:
             poller.register(self.sock.fileno(), select.POLLIN)
             while not done():
-                if self._read_once() == _EOF:
-                    try:
-                        self.loop.call_soon_threadsafe(self._close_on_loop)
-                    except RuntimeError:
-                        pass
+                if not self._read_here():
                     return
                 left = deadline - time.perf_counter()
                 if done() or left <= 0:
@@ -238,6 +230,18 @@ class TCPComm(Comm):
             return
         finally:
             self._mute(False)
+
+    def _read_here(self) -> bool:
+        """One read in a thread other than the loop's (:meth:`poll_until`,
+        :meth:`wait_until`); False at the end of the stream, whose close is left to the
+        loop (it may never see the socket readable again)."""
+        if self._read_once() != _EOF:
+            return True
+        try:
+            self.loop.call_soon_threadsafe(self._close_on_loop)
+        except RuntimeError:  # the loop is gone already
+            pass
+        return False
 
     def _mute(self, on: bool) -> None:
         """Take this socket out of the loop's epoll interest set while threads poll it
