@@ -20,6 +20,9 @@ from a plan cached per sharding and shape; the public entry points' own checks c
 several times the transfer for a small batch, on every step. Where that internal
 function is missing or refuses the call (another JAX version), the public
 ``jax.make_array_from_process_local_data`` / ``jax.device_put`` are used instead.
+Replicated values that are not placed yet (a parameter server's trainers place theirs
+at every step) take the same transfer, with a copy of their own per device; a JAX array
+that already lives on a process's one device is wrapped as it is.
 """
 
 from __future__ import annotations
@@ -80,12 +83,39 @@ def replicated(tree: Any, group: ProcessGroup) -> Any:
     def one(x):
         if is_placed(x, sharding):
             return x
+        if isinstance(x, jax.Array):
+            if len(devs) == 1 and x.is_fully_addressable and x.sharding.device_set == {
+                    devs[0]}:  # already on the one local device: wrap its buffer
+                return jax.make_array_from_single_device_arrays(x.shape, sharding, [x])
+        elif isinstance(x, (np.ndarray, np.generic)) and x.dtype != object:
+            fast = _put_copies(np.asarray(x), sharding, devs)
+            if fast is not None:
+                return fast
         x = jnp.asarray(x)
         return jax.make_array_from_single_device_arrays(
             x.shape, sharding, [jax.device_put(x, d) for d in devs]
         )
 
     return jax.tree.map(one, tree)
+
+
+def _put_copies(x: np.ndarray, sharding: NamedSharding, devs: list) -> jax.Array | None:
+    """A numpy value as the replicated global array, one batched transfer of a copy per
+    local device, or ``None`` where the fast path does not apply (see ``_put_rows``).
+
+    The copies are this function's own: on CPU the transfer may keep the numpy buffer
+    itself, and the caller may write into its array after the step was dispatched."""
+    global _batched_put
+    if _batched_put is None:
+        return None
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    try:
+        aval = _jcore.update_aval_with_sharding(_jcore.ShapedArray(x.shape, dtype), sharding)
+        copies = [np.array(x, dtype=dtype, copy=True) for _ in devs]
+        return _batched_put(aval, sharding, copies, devs)
+    except (TypeError, AttributeError):  # the internal signature changed: stop using it
+        _batched_put = None
+        return None
 
 
 def with_specs(tree: Any, specs: Any, group: ProcessGroup) -> Any:
@@ -239,6 +269,8 @@ def local_rows(tree: Any) -> Any:
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return x
         shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        if len(shards) == 1:
+            return shards[0].data  # one local device: its rows are this process's rows
         return jnp.concatenate([jax.device_put(s.data, shards[0].device) for s in shards])
 
     return jax.tree.map(one, tree)
