@@ -129,6 +129,10 @@ class RpcAgent(CallClient, CallServer):
         #: asked first by rpc_async: a Future for a differentiable call, or None
         self.call_hook: Callable[..., Future | None] | None = None
         self.remote_hook: Callable[..., RRef | None] | None = None  # the same for remote()
+        #: called with the context ids a peer's call says it released
+        self.release_contexts_hook: Callable[[tuple], None] | None = None
+        #: worker -> contexts released here, not yet told to it (release_context_on)
+        self._released_to: dict[int, list[int]] = {}
 
     def __repr__(self) -> str:
         return f"RpcAgent({self.info}, {self.state}, address={self.address})"

@@ -33,6 +33,17 @@ log = logging.getLogger("jdist.rpc")
 
 _WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
 
+RELEASE_FLUSH_S = 0.02
+"""How long a released distributed autograd context waits for the next call to a worker
+it reached before a call of its own tells that worker (:meth:`CallClient.release_context_on`)."""
+
+
+def _contexts_released() -> None:
+    """The call that carries released contexts when no other call went to that worker."""
+
+
+_contexts_released._jdist_autograd_internal = True  # never differentiable, never captured
+
 LOCAL_ADDRESSES: set[str] = set()  # listening addresses of the agents in this process
 
 
@@ -111,7 +122,44 @@ class CallClient:
                             "pytrees of them, plain Python objects).") from e
         finally:
             collect_reply_holds(prev)
+        if self._released_to:  # the contexts released since the last call to this worker
+            msg = msg._replace(released=self._take_released(worker.id))
         return P.encode(msg, payload, bufs), held
+
+    # ------------------------------------------------------------------ released contexts
+    def release_context_on(self, to: int, cid: int) -> None:
+        """Tell worker ``to`` that distributed autograd context ``cid`` is released: in
+        the header of this worker's next call to it, or by a call of its own
+        (``_contexts_released``) if none goes there within ``RELEASE_FLUSH_S``. A
+        training loop's next step calls the same workers at once, so its releases cost
+        no message (torch sends one per context and worker)."""
+        with self._lock:
+            queued = self._released_to.setdefault(to, [])
+            queued.append(cid)
+            first = len(queued) == 1
+        if first:
+            try:
+                self._loop.call_soon_threadsafe(self._loop.call_later, RELEASE_FLUSH_S,
+                                                self._flush_released, to)
+            except RuntimeError:  # the loop is closed: the agent is shut down
+                pass
+
+    def _take_released(self, to: int) -> tuple:
+        with self._lock:
+            return tuple(self._released_to.pop(to, ()))
+
+    def _flush_released(self, to: int) -> None:  # on the I/O loop
+        if self._released_to.get(to):
+            self._ctl_submit(self._send_released, to)
+
+    def _send_released(self, to: int) -> None:
+        if self.state != "running" or not self._released_to.get(to) or to in self._dead:
+            self._take_released(to)
+            return
+        try:
+            self.rpc_async(to, _contexts_released).add_done_callback(_log_release_failure)
+        except Exception as e:  # noqa: BLE001 - best effort, like torch's release
+            log.debug("jdist.rpc: telling worker %s of released contexts failed: %s", to, e)
 
     def _hold_until_reply(self, rid: int, held: list) -> None:
         """Keep the RRefs sent to their owner as ``held`` until request ``rid``'s reply
@@ -311,3 +359,9 @@ class CallClient:
                     f"RPC to {p.worker} running {p.fn} timed out after {p.timeout:g} s; "
                     "pass a larger timeout= (0 = none) or check that the function is not "
                     "stuck"))
+
+
+def _log_release_failure(fut: Future) -> None:
+    if fut.exception() is not None:
+        log.debug("jdist.rpc: telling a worker of released contexts failed: %s",
+                  fut.exception())

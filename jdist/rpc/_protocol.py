@@ -105,11 +105,16 @@ class ControlOp(enum.IntEnum):
 
 
 class Call(NamedTuple):
-    """Run ``fn(*args, **kwargs)`` (payload) and answer with Result/Failure ``rid``."""
+    """Run ``fn(*args, **kwargs)`` (payload) and answer with Result/Failure ``rid``.
+
+    ``released``: distributed autograd contexts the caller has released since its last
+    call to this worker (they travel with the next call instead of a call of their own).
+    """
 
     rid: int
     fn: str  # name, for messages only
     ctx: int = NO_CONTEXT
+    released: tuple = ()
 
 
 class Remote(NamedTuple):
@@ -120,6 +125,7 @@ class Remote(NamedTuple):
     rref: tuple[int, int]
     fork: tuple[int, int]
     ctx: int = NO_CONTEXT
+    released: tuple = ()  # as Call's
 
 
 class Result(NamedTuple):
@@ -204,9 +210,12 @@ def decode_header(frames: Sequence[Any]) -> NamedTuple:
             msg = msg._replace(rref=_as_pair(msg.rref, "rref"), fork=_as_pair(msg.fork, "fork"))
             if not isinstance(msg.op, int) or not isinstance(msg.parent, int):
                 raise ProtocolError(f"bad control message {fields!r:.200}", rid)
-        if isinstance(msg, (Call, Remote)) and not (
-                isinstance(msg.fn, str) and isinstance(msg.ctx, int)):
-            raise ProtocolError(f"bad call header {fields!r:.200}", rid)
+        if isinstance(msg, (Call, Remote)):
+            if not (isinstance(msg.fn, str) and isinstance(msg.ctx, int)
+                    and isinstance(msg.released, (list, tuple))
+                    and all(isinstance(c, int) for c in msg.released)):
+                raise ProtocolError(f"bad call header {fields!r:.200}", rid)
+            msg = msg._replace(released=tuple(msg.released))
     except ProtocolError:
         raise
     except Exception as e:

@@ -41,6 +41,12 @@ class CallServer:
     """Callee half of :class:`RpcAgent` (see there for the attributes it uses)."""
 
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
+        if msg.released and self.release_contexts_hook is not None:
+            try:  # contexts the caller released before this call (see release_context_on)
+                self.release_contexts_hook(msg.released)
+            except Exception:  # noqa: BLE001 - the call itself still runs
+                log.exception("jdist.rpc: releasing contexts %s from rank %s failed",
+                              msg.released, peer)
         waited = self._next_call_waits.pop(peer, None)
         if waited is not None:  # a pool thread began waiting for this call (see below)
             took = time.perf_counter() - waited[1]

@@ -78,32 +78,6 @@ def _agent(agent: Any) -> Any:
     return current_agent()
 
 
-@C._internal
-def _release_here() -> bool:
-    """Callee side of a context release (the call carries the context id): passed on to
-    the workers this one sent messages of the context to, then released here."""
-    ctx = C.current()
-    if ctx is None:
-        return False
-    _release_on(ctx)
-    return C.registry(ctx.agent).release(ctx.context_id)
-
-
-def _release_on(ctx: Any) -> None:
-    """Ask the live workers ``ctx`` has reached to release it (asynchronously, as torch;
-    ``ctx`` must be this thread's current context, not released yet)."""
-    agent = ctx.agent
-    dead = agent.dead_workers()
-    for w in sorted(ctx.reached):
-        if w == agent.info.id or w in dead:
-            continue
-        try:
-            fut = agent.rpc_async(w, _release_here, (), None, -1)
-            fut.add_done_callback(_log_release_failure)
-        except Exception as e:  # noqa: BLE001 - best effort, like torch
-            log.debug("jdist.rpc: releasing context on %s failed: %s", w, e)
-
-
 @contextmanager
 def context(agent: Any = None) -> Iterator[int]:
     """``with context() as context_id:`` a distributed autograd pass.
@@ -111,8 +85,9 @@ def context(agent: Any = None) -> Iterator[int]:
     The id is globally unique (this worker's id in the high bits) and travels with every
     RPC made in this thread inside the block. On exit the context is released on every
     worker it reached (asynchronously on the others, as torch: each worker passes the
-    release on to the workers it sent messages of the context to); using the id
-    afterwards raises ``Could not find autograd context with id: N``.
+    release on to the workers it sent messages of the context to; they hear of it with
+    this worker's next call to them, or from a call of its own soon after); using the
+    id afterwards raises ``Could not find autograd context with id: N``.
 
     Args:
       agent: the RPC agent (default: this process's, from ``init_rpc``; tests running
@@ -132,15 +107,10 @@ def context(agent: Any = None) -> Iterator[int]:
         yield ctx.context_id
     finally:
         try:
-            _release_on(ctx)
+            C.release_on_reached(ctx)
         finally:
             C._set_current(None)
             reg.release(ctx.context_id)
-
-
-def _log_release_failure(fut: Any) -> None:
-    if fut.exception() is not None:
-        log.debug("jdist.rpc: releasing a context failed: %s", fut.exception())
 
 
 def _lookup(context_id: int, agent: Any) -> C.DistAutogradContext:

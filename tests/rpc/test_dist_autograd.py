@@ -279,8 +279,8 @@ def test_release_reaches_the_workers_a_context_reached_and_only_those():
 
         def spy(self, cid):
             out = real(self, cid)
-            if out:
-                released_on.append(self.agent.info.name)
+            if out and self.agent in agents:  # not another test's agents (their
+                released_on.append(self.agent.info.name)  # releases may come late)
             return out
 
         C._Registry.release = spy
@@ -299,3 +299,59 @@ def test_release_reaches_the_workers_a_context_reached_and_only_those():
         assert C.registry(a3).contexts == {}
     finally:
         stop_all(agents, graceful=False)
+
+
+_W1 = []  # the agent w1 of the test below (its functions run in this process)
+
+
+def has_context(cid):
+    return cid in C.registry(_W1[0]).contexts
+
+
+def test_release_travels_with_the_next_call_or_its_own_soon_after():
+    """A released context reaches each worker in the header of this worker's next call
+    there (a training loop's next step: no message of its own), checked by that call
+    itself; with no next call, a call of its own tells it within RELEASE_FLUSH_S (plus
+    a thread's wake-up)."""
+    from jdist.rpc import _client
+
+    agents = make_agents(2)
+    a0, a1 = agents
+    _W1[:] = [a1]
+    sent = []
+    real = _client.CallClient._send_released
+    _client.CallClient._send_released = lambda self, to: sent.append(to) or real(self, to)
+    try:
+        for _ in range(20):  # a loop of steps: each release rides on the next call
+            with dist_autograd.context(a0) as cid:
+                assert a0.rpc_async("w1", has_context, (cid,)).wait()
+            assert a0._released_to == {1: [cid]}  # told nobody yet
+            assert not a0.rpc_async("w1", has_context, (cid,)).wait()
+            assert a0._released_to == {}
+        assert C.registry(a1).contexts == {}
+        assert sent == []  # every release travelled in a call's header
+        with dist_autograd.context(a0) as cid:  # the last step: nothing follows
+            a0.rpc_async("w1", has_context, (cid,)).wait()
+        began = time.monotonic()
+        while C.registry(a1).contexts and time.monotonic() - began < 10:
+            time.sleep(0.002)
+        assert C.registry(a1).contexts == {}
+        assert sent == [1] and a0._released_to == {}
+        assert time.monotonic() - began < 2.0  # the flush, not the 10 s bound
+    finally:
+        _client.CallClient._send_released = real
+        stop_all(agents, graceful=False)
+
+
+def test_a_call_header_carries_released_contexts():
+    from jdist.rpc import _protocol as P
+
+    for msg in (P.Call(3, "f", 5, (7, 9)), P.Remote(4, "g", (1, 2), (1, 3), -1, (11,))):
+        frames = P.encode(msg, b"payload")
+        assert P.decode_header(frames) == msg
+    assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).released == ()
+    import msgpack
+
+    for bad in ([int(P.Kind.CALL), 1, "f", -1, "x"], [int(P.Kind.CALL), 1, "f", -1, [1, "a"]]):
+        with pytest.raises(P.ProtocolError, match="bad call header"):
+            P.decode_header([msgpack.packb(bad), b"p"])

@@ -341,3 +341,25 @@ def add_pending(fut: Any) -> None:
     pending = getattr(_tls, "pending", None)
     if pending is not None:
         pending.append(fut)
+
+
+def release_on_reached(ctx: DistAutogradContext) -> None:
+    """Tell the live workers ``ctx`` reached (sent messages of it to) that it is
+    released; each forgets it and passes it on the same way (asynchronously, as torch:
+    with this worker's next call to them, see ``RpcAgent.release_context_on``)."""
+    agent = ctx.agent
+    dead = agent.dead_workers()
+    for w in sorted(ctx.reached):
+        if w != agent.info.id and w not in dead:
+            agent.release_context_on(w, ctx.context_id)
+
+
+def release_from_peer(agent: Any, cids: tuple) -> None:
+    """A peer released contexts ``cids``: pass them on, then forget them here."""
+    reg = registry(agent)
+    for cid in cids:
+        with reg.lock:
+            ctx = reg.contexts.get(cid)
+        if ctx is not None:
+            release_on_reached(ctx)
+            reg.release(cid)

@@ -1,7 +1,7 @@
 """The distributed-autograd hooks of an RPC agent (installed where agents are built).
 
 The RPC core knows nothing of autograd: ``jdist.rpc._api.start_agent`` calls
-:func:`install`, which points the agent's four hooks here. Outgoing calls carry the
+:func:`install`, which points the agent's five hooks here. Outgoing calls carry the
 thread's context id; incoming ones run inside their context; a call made inside a
 differentiable trace goes to the engine (imported on first such call: the engine
 loads jax, and ``import jdist.rpc`` must not).
@@ -16,6 +16,7 @@ from jdist.rpc.autograd._context import (
     current,
     current_context_id,
     enter_context,
+    release_from_peer,
     spoil_capture,
     tracing,
 )
@@ -84,6 +85,7 @@ def install(agent: Any) -> None:
     """Point ``agent``'s hooks at this module (``start_agent`` calls it)."""
     agent.context_id_hook = lambda to: current_context_id(agent, to)
     agent.enter_context_hook = lambda cid: enter_context(agent, cid)
+    agent.release_contexts_hook = lambda cids: release_from_peer(agent, cids)
     agent.call_hook = lambda to, func, args, kwargs, timeout: call_hook(
         agent, to, func, args, kwargs, timeout)
     agent.remote_hook = lambda to, func, args, kwargs, timeout: remote_hook(
