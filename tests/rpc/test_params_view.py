@@ -107,3 +107,43 @@ def test_a_changed_structure_is_checked_again():
     m.lin.bias = m.bn.bias  # the structure verified, but one Variable at two places
     assert _pytree_view(m) is None
     assert _ids(Tracked(m).variables) == _ids(Tracked(m, graph=True).variables)
+
+
+def _same_as_fresh_split(t, m):
+    """``t`` (from ``Tracked.of_module``) is what a split of ``m`` now gives."""
+    fresh = Tracked(m, graph=True)
+    assert t.gdef == fresh.gdef and t._tdef == fresh._tdef
+    assert [id(v) for v in t.variables] == [id(v) for v in fresh.variables]
+    for a, b in zip(t.values(), fresh.values(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    def arrays(state):
+        return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+            x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree_util.tree_leaves(state)]
+
+    rest, want = arrays(t.rest), arrays(fresh.rest)
+    assert len(rest) == len(want)
+    for a, b in zip(rest, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_of_module_reuses_its_split_while_the_module_keeps_its_variables():
+    """The split made once per module reads the current values (an optimizer writes
+    into the Variables, a forward advances the RNG counters and batch statistics) and is
+    made again when the module holds other Variables or another structure."""
+    m = Block()
+    first = Tracked.of_module(m)
+    _same_as_fresh_split(first, m)
+    m.lin.kernel[...] = m.lin.kernel[...] + 1.0  # an optimizer step, in place
+    m(np.ones((2, 3), np.float32))  # batch statistics and the dropout RNG count move
+    again = Tracked.of_module(m)
+    assert again.gdef is first.gdef  # the same split, not a new one
+    _same_as_fresh_split(again, m)
+    m.lin.bias = nnx.Param(jnp.full((4,), 7.0))  # another Variable: split again
+    third = Tracked.of_module(m)
+    assert third.gdef is not first.gdef
+    assert any(a is not b for a, b in zip(third.variables, first.variables, strict=True))
+    _same_as_fresh_split(third, m)
+    m.extra = nnx.Param(jnp.zeros(2))  # another structure: split again
+    fourth = Tracked.of_module(m)
+    assert len(fourth.variables) == len(first.variables) + 1
+    _same_as_fresh_split(fourth, m)

@@ -200,7 +200,7 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
     dyn_pos = [i for i, v in enumerate(vals) if isinstance(v, np.ndarray)]
     diff = tuple(k for k, i in enumerate(dyn_pos)
                  if i in slot_of and np.issubdtype(dyn[k].dtype, np.inexact))
-    tracked = Tracked(module, rref=module_rref, graph=True)  # _build merges its gdef
+    tracked = Tracked.of_module(module, rref=module_rref)  # _build merges its gdef
     gdef, rest = tracked.gdef, tracked.rest
     rest_leaves, rest_tdef = jax.tree_util.tree_flatten(rest)
     try:

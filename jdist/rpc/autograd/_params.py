@@ -150,6 +150,8 @@ def _split_shares_variables() -> bool:
 
 
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # holder -> treedef
+#: module -> (treedef, Variable ids, its Tracked split) for Tracked.of_module
+_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PytreeView:
@@ -263,6 +265,29 @@ class Tracked:
                             f"{type(holder).__name__}")
         self._copy: Any = None  # the last rebuilt copy (its state after the call)
         self._copy_rest: list = []  # that copy's non-parameter Variables
+
+    @classmethod
+    def of_module(cls, module: nnx.Module, rref: RRef | None = None) -> Tracked:
+        """``Tracked(module, rref, graph=True)``, the split made once per module and
+        structure: where ``nnx.split`` shares the module's own Variables, the split's
+        states keep reading their current values, so later calls only check (by a
+        pytree flattening, about a tenth of a split) that the module still holds the
+        same Variables in the same structure, and read the parameter values."""
+        if not _split_shares_variables():  # pragma: no cover - other flax versions
+            return cls(module, rref, graph=True)
+        try:
+            variables, treedef = jax.tree_util.tree_flatten(module, is_leaf=_is_variable)
+            ids = tuple(map(id, variables))
+            known = _SPLITS.get(module)
+        except Exception:  # noqa: BLE001 - not flattenable or not weakly referenceable
+            return cls(module, rref, graph=True)
+        if known is None or known[0] != treedef or known[1] != ids:
+            known = (treedef, ids, cls(module, None, graph=True))
+            _SPLITS[module] = known
+        out = copy.copy(known[2])
+        out.rref = rref
+        out._leaves = [v.get_value() for v in out.variables]
+        return out
 
     def values(self) -> list:
         """The parameter arrays (the primal inputs of the differentiated function)."""
