@@ -34,15 +34,17 @@ log = logging.getLogger("jdist.rpc")
 _WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
 
 RELEASE_FLUSH_S = 0.02
-"""How long a released distributed autograd context waits for the next call to a worker
-it reached before a call of its own tells that worker (:meth:`CallClient.release_context_on`)."""
+"""How long a note for a worker (a released distributed autograd context, a deleted user
+RRef of a value it owns) waits for the next call to that worker before a call of its own
+carries it (:meth:`CallClient.release_context_on`, :meth:`CallClient.fork_deleted_on`)."""
 
 
-def _contexts_released() -> None:
-    """The call that carries released contexts when no other call went to that worker."""
+def _notes_delivered() -> None:
+    """The call that carries notes (released contexts, deleted forks) when no other call
+    went to that worker."""
 
 
-_contexts_released._jdist_autograd_internal = True  # never differentiable, never captured
+_notes_delivered._jdist_autograd_internal = True  # never differentiable, never captured
 
 LOCAL_ADDRESSES: set[str] = set()  # listening addresses of the agents in this process
 
@@ -122,44 +124,71 @@ class CallClient:
                             "pytrees of them, plain Python objects).") from e
         finally:
             collect_reply_holds(prev)
-        if self._released_to:  # the contexts released since the last call to this worker
-            msg = msg._replace(released=self._take_released(worker.id))
+        if self._released_to or self._deleted_to:  # notes since the last call there
+            released, deleted = self._take_notes(worker.id)
+            msg = msg._replace(released=released, deleted=deleted)
         return P.encode(msg, payload, bufs), held
 
-    # ------------------------------------------------------------------ released contexts
+    # ------------------------------------------------------------------ notes
     def release_context_on(self, to: int, cid: int) -> None:
         """Tell worker ``to`` that distributed autograd context ``cid`` is released: in
         the header of this worker's next call to it, or by a call of its own
-        (``_contexts_released``) if none goes there within ``RELEASE_FLUSH_S``. A
+        (``_notes_delivered``) if none goes there within ``RELEASE_FLUSH_S``. A
         training loop's next step calls the same workers at once, so its releases cost
         no message (torch sends one per context and worker)."""
+        self._note(self._released_to, to, cid)
+
+    def fork_deleted_on(self, owner: int, rref_id: tuple, fork: tuple) -> None:
+        """Tell ``owner`` that our user RRef ``fork`` of its value ``rref_id`` is gone,
+        the same way as :meth:`release_context_on` (torch sends a message and its
+        acknowledgement per deleted user RRef: a pipeline's micro-batch drops three)."""
+        self._note(self._deleted_to, owner, (*rref_id, *fork))
+
+    def _note(self, table: dict, to: int, item: Any) -> None:
         with self._lock:
-            queued = self._released_to.setdefault(to, [])
-            queued.append(cid)
-            first = len(queued) == 1
+            first = to not in self._notes_since
+            if first:
+                self._notes_since[to] = time.monotonic()
+            table.setdefault(to, []).append(item)
         if first:
             try:
                 self._loop.call_soon_threadsafe(self._loop.call_later, RELEASE_FLUSH_S,
-                                                self._flush_released, to)
+                                                self._flush_notes, to)
             except RuntimeError:  # the loop is closed: the agent is shut down
                 pass
 
-    def _take_released(self, to: int) -> tuple:
+    def _take_notes(self, to: int) -> tuple[tuple, tuple]:
         with self._lock:
-            return tuple(self._released_to.pop(to, ()))
+            self._notes_since.pop(to, None)
+            return (tuple(self._released_to.pop(to, ())),
+                    tuple(self._deleted_to.pop(to, ())))
 
-    def _flush_released(self, to: int) -> None:  # on the I/O loop
-        if self._released_to.get(to):
-            self._ctl_submit(self._send_released, to)
+    def _flush_notes(self, to: int) -> None:  # on the I/O loop
+        since = self._notes_since.get(to)
+        # a younger note than the one this timer was set for (a call took that one) has
+        # its own timer: a training loop's notes all travel with its calls
+        if since is not None and time.monotonic() - since >= RELEASE_FLUSH_S - 1e-3:
+            self._ctl_submit(self._send_notes, to)
 
-    def _send_released(self, to: int) -> None:
-        if self.state != "running" or not self._released_to.get(to) or to in self._dead:
-            self._take_released(to)
+    def send_all_notes(self) -> None:
+        """Send every queued note now, each worker's in a call of its own (graceful
+        shutdown drains them with the other requests)."""
+        with self._lock:
+            workers = set(self._released_to) | set(self._deleted_to)
+        for to in sorted(workers):
+            self._send_notes(to)
+
+    def _send_notes(self, to: int) -> None:
+        with self._lock:
+            queued = self._released_to.get(to) or self._deleted_to.get(to)
+        if self.state != "running" or not queued or to in self._dead:
+            self._take_notes(to)
             return
         try:
-            self.rpc_async(to, _contexts_released).add_done_callback(_log_release_failure)
+            self.rpc_async(to, _notes_delivered).add_done_callback(_log_note_failure)
         except Exception as e:  # noqa: BLE001 - best effort, like torch's release
-            log.debug("jdist.rpc: telling worker %s of released contexts failed: %s", to, e)
+            log.debug("jdist.rpc: telling worker %s of released contexts and deleted "
+                      "RRefs failed: %s", to, e)
 
     def _hold_until_reply(self, rid: int, held: list) -> None:
         """Keep the RRefs sent to their owner as ``held`` until request ``rid``'s reply
@@ -312,7 +341,7 @@ class CallClient:
                     self.rrefs.handle_released(item[1])
                 elif self.state == "running":
                     _, owner, rref_id, fork = item
-                    self.send_control(owner, P.ControlOp.USER_DELETE, rref_id, fork)
+                    self.fork_deleted_on(owner, rref_id, fork)
             except Exception:
                 log.debug("jdist.rpc: RRef release failed", exc_info=True)
             finally:
@@ -361,7 +390,7 @@ class CallClient:
                     "stuck"))
 
 
-def _log_release_failure(fut: Future) -> None:
+def _log_note_failure(fut: Future) -> None:
     if fut.exception() is not None:
-        log.debug("jdist.rpc: telling a worker of released contexts failed: %s",
-                  fut.exception())
+        log.debug("jdist.rpc: telling a worker of released contexts and deleted RRefs "
+                  "failed: %s", fut.exception())

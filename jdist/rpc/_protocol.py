@@ -108,13 +108,16 @@ class Call(NamedTuple):
     """Run ``fn(*args, **kwargs)`` (payload) and answer with Result/Failure ``rid``.
 
     ``released``: distributed autograd contexts the caller has released since its last
-    call to this worker (they travel with the next call instead of a call of their own).
+    call to this worker (they travel with the next call instead of a call of their own);
+    ``deleted``: the caller's user RRefs of this worker's values deleted since then, each
+    ``(*rref_id, *fork_id)`` (instead of a ``USER_DELETE`` each).
     """
 
     rid: int
     fn: str  # name, for messages only
     ctx: int = NO_CONTEXT
     released: tuple = ()
+    deleted: tuple = ()
 
 
 class Remote(NamedTuple):
@@ -126,6 +129,7 @@ class Remote(NamedTuple):
     fork: tuple[int, int]
     ctx: int = NO_CONTEXT
     released: tuple = ()  # as Call's
+    deleted: tuple = ()  # as Call's
 
 
 class Result(NamedTuple):
@@ -213,9 +217,13 @@ def decode_header(frames: Sequence[Any]) -> NamedTuple:
         if isinstance(msg, (Call, Remote)):
             if not (isinstance(msg.fn, str) and isinstance(msg.ctx, int)
                     and isinstance(msg.released, (list, tuple))
-                    and all(isinstance(c, int) for c in msg.released)):
+                    and all(isinstance(c, int) for c in msg.released)
+                    and isinstance(msg.deleted, (list, tuple))
+                    and all(isinstance(d, (list, tuple)) and len(d) == 4
+                            and all(isinstance(i, int) for i in d) for d in msg.deleted)):
                 raise ProtocolError(f"bad call header {fields!r:.200}", rid)
-            msg = msg._replace(released=tuple(msg.released))
+            msg = msg._replace(released=tuple(msg.released),
+                               deleted=tuple(tuple(d) for d in msg.deleted))
     except ProtocolError:
         raise
     except Exception as e:

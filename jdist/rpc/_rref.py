@@ -17,7 +17,9 @@ value is deleted when both are empty.
 - User X sends to user Y: X makes a child fork id and keeps its own RRef alive
   until the owner has registered the child; Y asks the owner (``FORK_REQUEST``), the
   owner registers it, confirms to Y and tells X (``CHILD_ACCEPT``), and X lets go.
-- A user RRef that is garbage-collected sends ``USER_DELETE`` to the owner.
+- A user RRef that is garbage-collected tells the owner (``USER_DELETE``): in the
+  header of the next call there, or a call of its own soon after
+  (``CallClient.fork_deleted_on``; the owner applies it with :meth:`handle_control`).
 
 Incoming messages are decoded in order on each agent's I/O thread, so a value carried
 in a message is always registered before a later deletion from the same sender is seen.

@@ -255,6 +255,51 @@ def test_forks_to_third_worker_are_counted_and_freed(agents):
     assert all(holds_empty(a) for a in agents)
 
 
+def test_deleted_user_rrefs_travel_with_the_next_call_or_their_own_soon_after(
+        agents, monkeypatch):
+    """A dropped user RRef reaches its owner in the header of this worker's next call
+    there (no USER_DELETE message and acknowledgement each), applied before that call
+    runs; with no next call, a call of its own carries it within RELEASE_FLUSH_S."""
+    from jdist.rpc import _client
+
+    a0, a1, _ = agents
+    sent = []
+    real = _client.CallClient._send_notes
+    monkeypatch.setattr(_client.CallClient, "_send_notes",
+                        lambda self, to: sent.append((self.info.id, to)) or real(self, to))
+
+    def made(n):
+        rrefs = [a0.remote("w1", np.full, ((2,), i)) for i in range(n)]
+        assert [float(r.to_here()[0]) for r in rrefs] == list(range(n))
+        return rrefs, [r._rref_id for r in rrefs]
+
+    def wait_for(cond, seconds):
+        deadline = time.monotonic() + seconds
+        while not cond() and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.002)
+        return cond()
+
+    monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)  # only the next call tells w1
+    rrefs, ids = made(10)
+    del rrefs
+    assert wait_for(lambda: len(a0._deleted_to.get(1, ())) >= 10, 10)
+    assert all(i in a1.rrefs.owned for i in ids)  # w1 has not been told yet
+    assert a0.rpc_async("w1", all_owned_gone, (ids,)).wait()  # applied before it ran
+    assert 1 not in a0._deleted_to and (0, 1) not in sent
+
+    monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 0.02)  # nothing follows: a flush
+    rrefs, ids = made(5)
+    del rrefs
+    began = time.monotonic()
+    assert wait_for(lambda: not any(i in a1.rrefs.owned for i in ids), 10)
+    assert time.monotonic() - began < 2.0 and (0, 1) in sent
+
+
+def all_owned_gone(ids):  # runs on w1
+    return not any(tuple(i) in _AGENTS["w1"].rrefs.owned for i in ids)
+
+
 def test_owner_forks_to_users(agents):
     a0, a1, _ = agents
     r = a1.remote("w1", Counter, (0,))

@@ -319,8 +319,8 @@ def test_release_travels_with_the_next_call_or_its_own_soon_after():
     a0, a1 = agents
     _W1[:] = [a1]
     sent = []
-    real = _client.CallClient._send_released
-    _client.CallClient._send_released = lambda self, to: sent.append(to) or real(self, to)
+    real = _client.CallClient._send_notes
+    _client.CallClient._send_notes = lambda self, to: sent.append(to) or real(self, to)
     try:
         for _ in range(20):  # a loop of steps: each release rides on the next call
             with dist_autograd.context(a0) as cid:
@@ -339,19 +339,23 @@ def test_release_travels_with_the_next_call_or_its_own_soon_after():
         assert sent == [1] and a0._released_to == {}
         assert time.monotonic() - began < 2.0  # the flush, not the 10 s bound
     finally:
-        _client.CallClient._send_released = real
+        _client.CallClient._send_notes = real
         stop_all(agents, graceful=False)
 
 
 def test_a_call_header_carries_released_contexts():
     from jdist.rpc import _protocol as P
 
-    for msg in (P.Call(3, "f", 5, (7, 9)), P.Remote(4, "g", (1, 2), (1, 3), -1, (11,))):
+    for msg in (P.Call(3, "f", 5, (7, 9)), P.Remote(4, "g", (1, 2), (1, 3), -1, (11,)),
+                P.Call(5, "h", -1, (), ((0, 4, 2, 6), (1, 1, 0, 9)))):
         frames = P.encode(msg, b"payload")
         assert P.decode_header(frames) == msg
     assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).released == ()
+    assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).deleted == ()
     import msgpack
 
-    for bad in ([int(P.Kind.CALL), 1, "f", -1, "x"], [int(P.Kind.CALL), 1, "f", -1, [1, "a"]]):
+    for bad in ([int(P.Kind.CALL), 1, "f", -1, "x"], [int(P.Kind.CALL), 1, "f", -1, [1, "a"]],
+                [int(P.Kind.CALL), 1, "f", -1, [], [[0, 1, 2]]],
+                [int(P.Kind.CALL), 1, "f", -1, [], [[0, 1, 2, "x"]]]):
         with pytest.raises(P.ProtocolError, match="bad call header"):
             P.decode_header([msgpack.packb(bad), b"p"])
