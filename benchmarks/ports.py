@@ -125,8 +125,11 @@ def main() -> None:
             continue
         tj, tt = counts["jdist"], counts["torch"]
         mj, mt = 1e3 * min(medians["jdist"]), 1e3 * min(medians["torch"])
+        each = "  ".join(f"{lib} " + "/".join(f"{1e3 * m:.2f}" for m in ms)
+                         for lib, ms in medians.items())
         print(f"  {name:22s} jdist {mj:9.2f} ms  torch {mt:9.2f} ms  ratio {mj / mt:6.2f}"
-              f"  ({tj} / {tt} steps timed, best of {len(medians['jdist'])})", flush=True)
+              f"  ({tj} / {tt} steps timed, best of {len(medians['jdist'])}; each run: "
+              f"{each})", flush=True)
         rows.append(row(f"{name}: {what}", "ms", mj, mt, mj / mt,
                         f"{tj} jdist / {tt} torch steps timed, best of "
                         f"{len(medians['jdist'])} runs"))
