@@ -133,9 +133,9 @@ class RpcAgent(CallClient, CallServer):
         self.release_contexts_hook: Callable[[tuple], None] | None = None
         #: worker -> contexts released here, not yet told to it (release_context_on)
         self._released_to: dict[int, list[int]] = {}
-        #: owner -> (rref id, fork id) of its values' user RRefs deleted here, not yet
-        #: told to it, each flattened to four ints (fork_deleted_on)
-        self._deleted_to: dict[int, list[tuple]] = {}
+        #: worker -> RRef control messages for it that need no answer, not yet sent,
+        #: each ``(op, *rref_id, *fork_id)`` (control_note)
+        self._controls_to: dict[int, list[tuple]] = {}
         #: worker -> when the oldest of its queued notes (either kind) was queued
         self._notes_since: dict[int, float] = {}
 
@@ -358,7 +358,7 @@ class RpcAgent(CallClient, CallServer):
             self.send_all_notes()
             with self._lock:
                 busy = (bool(self._pending) or self._releasing or not self.released.empty()
-                        or bool(self._released_to) or bool(self._deleted_to))
+                        or bool(self._released_to) or bool(self._controls_to))
                 waiting = sorted({p.worker.id for p in self._pending.values()})
             if not busy:
                 return True

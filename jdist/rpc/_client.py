@@ -34,14 +34,14 @@ log = logging.getLogger("jdist.rpc")
 _WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
 
 RELEASE_FLUSH_S = 0.02
-"""How long a note for a worker (a released distributed autograd context, a deleted user
-RRef of a value it owns) waits for the next call to that worker before a call of its own
-carries it (:meth:`CallClient.release_context_on`, :meth:`CallClient.fork_deleted_on`)."""
+"""How long a note for a worker (a released distributed autograd context, an RRef control
+message that needs no answer) waits for the next call to that worker before a call of its
+own carries it (:meth:`CallClient.release_context_on`, :meth:`CallClient.control_note`)."""
 
 
 def _notes_delivered() -> None:
-    """The call that carries notes (released contexts, deleted forks) when no other call
-    went to that worker."""
+    """The call that carries notes (released contexts, RRef control messages) when no
+    other call went to that worker."""
 
 
 _notes_delivered._jdist_autograd_internal = True  # never differentiable, never captured
@@ -124,9 +124,9 @@ class CallClient:
                             "pytrees of them, plain Python objects).") from e
         finally:
             collect_reply_holds(prev)
-        if self._released_to or self._deleted_to:  # notes since the last call there
-            released, deleted = self._take_notes(worker.id)
-            msg = msg._replace(released=released, deleted=deleted)
+        if self._released_to or self._controls_to:  # notes since the last call there
+            released, controls = self._take_notes(worker.id)
+            msg = msg._replace(released=released, controls=controls)
         return P.encode(msg, payload, bufs), held
 
     # ------------------------------------------------------------------ notes
@@ -138,11 +138,16 @@ class CallClient:
         no message (torch sends one per context and worker)."""
         self._note(self._released_to, to, cid)
 
-    def fork_deleted_on(self, owner: int, rref_id: tuple, fork: tuple) -> None:
-        """Tell ``owner`` that our user RRef ``fork`` of its value ``rref_id`` is gone,
-        the same way as :meth:`release_context_on` (torch sends a message and its
-        acknowledgement per deleted user RRef: a pipeline's micro-batch drops three)."""
-        self._note(self._deleted_to, owner, (*rref_id, *fork))
+    def control_note(self, to: int, op: int, rref_id: tuple, fork: tuple) -> None:
+        """Send worker ``to`` the RRef control message ``op`` (``USER_DELETE``: our user
+        RRef ``fork`` of its value ``rref_id`` is gone; ``CHILD_ACCEPT``: the owner
+        knows our child fork ``fork`` now) the same way as :meth:`release_context_on`.
+        torch sends a message and its acknowledgement for each: a pipeline's micro-batch
+        that hands an RRef from one worker to another sent four of them."""
+        if op not in P.NOTE_OPS:
+            raise ValueError(f"RRef control op {op!r} needs an answer of its own; "
+                             f"only {sorted(P.NOTE_OPS)} travel as notes")
+        self._note(self._controls_to, to, (int(op), *rref_id, *fork))
 
     def _note(self, table: dict, to: int, item: Any) -> None:
         with self._lock:
@@ -161,7 +166,7 @@ class CallClient:
         with self._lock:
             self._notes_since.pop(to, None)
             return (tuple(self._released_to.pop(to, ())),
-                    tuple(self._deleted_to.pop(to, ())))
+                    tuple(self._controls_to.pop(to, ())))
 
     def _flush_notes(self, to: int) -> None:  # on the I/O loop
         since = self._notes_since.get(to)
@@ -174,21 +179,21 @@ class CallClient:
         """Send every queued note now, each worker's in a call of its own (graceful
         shutdown drains them with the other requests)."""
         with self._lock:
-            workers = set(self._released_to) | set(self._deleted_to)
+            workers = set(self._released_to) | set(self._controls_to)
         for to in sorted(workers):
             self._send_notes(to)
 
     def _send_notes(self, to: int) -> None:
         with self._lock:
-            queued = self._released_to.get(to) or self._deleted_to.get(to)
+            queued = self._released_to.get(to) or self._controls_to.get(to)
         if self.state != "running" or not queued or to in self._dead:
             self._take_notes(to)
             return
         try:
             self.rpc_async(to, _notes_delivered).add_done_callback(_log_note_failure)
         except Exception as e:  # noqa: BLE001 - best effort, like torch's release
-            log.debug("jdist.rpc: telling worker %s of released contexts and deleted "
-                      "RRefs failed: %s", to, e)
+            log.debug("jdist.rpc: telling worker %s of released contexts and RRef "
+                      "changes failed: %s", to, e)
 
     def _hold_until_reply(self, rid: int, held: list) -> None:
         """Keep the RRefs sent to their owner as ``held`` until request ``rid``'s reply
@@ -341,7 +346,7 @@ class CallClient:
                     self.rrefs.handle_released(item[1])
                 elif self.state == "running":
                     _, owner, rref_id, fork = item
-                    self.fork_deleted_on(owner, rref_id, fork)
+                    self.control_note(owner, P.ControlOp.USER_DELETE, rref_id, fork)
             except Exception:
                 log.debug("jdist.rpc: RRef release failed", exc_info=True)
             finally:
@@ -392,5 +397,5 @@ class CallClient:
 
 def _log_note_failure(fut: Future) -> None:
     if fut.exception() is not None:
-        log.debug("jdist.rpc: telling a worker of released contexts and deleted RRefs "
+        log.debug("jdist.rpc: telling a worker of released contexts and RRef changes "
                   "failed: %s", fut.exception())

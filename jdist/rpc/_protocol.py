@@ -20,6 +20,7 @@ from jdist.errors import WorkerNameError
 __all__ = [
     "Kind",
     "ControlOp",
+    "NOTE_OPS",
     "WorkerInfo",
     "check_worker_name",
     "Call",
@@ -104,20 +105,25 @@ class ControlOp(enum.IntEnum):
     CHILD_ACCEPT = 3  # owner -> parent user: the owner knows your child fork now
 
 
+#: control ops that need no answer of their own: they travel in a later call's header
+#: (``Call.controls``) instead of a Control message
+NOTE_OPS = frozenset({ControlOp.USER_DELETE, ControlOp.CHILD_ACCEPT})
+
+
 class Call(NamedTuple):
     """Run ``fn(*args, **kwargs)`` (payload) and answer with Result/Failure ``rid``.
 
     ``released``: distributed autograd contexts the caller has released since its last
     call to this worker (they travel with the next call instead of a call of their own);
-    ``deleted``: the caller's user RRefs of this worker's values deleted since then, each
-    ``(*rref_id, *fork_id)`` (instead of a ``USER_DELETE`` each).
+    ``controls``: RRef control messages for this worker that need no answer of their
+    own (``NOTE_OPS``), queued since then, each ``(op, *rref_id, *fork_id)``.
     """
 
     rid: int
     fn: str  # name, for messages only
     ctx: int = NO_CONTEXT
     released: tuple = ()
-    deleted: tuple = ()
+    controls: tuple = ()
 
 
 class Remote(NamedTuple):
@@ -129,7 +135,7 @@ class Remote(NamedTuple):
     fork: tuple[int, int]
     ctx: int = NO_CONTEXT
     released: tuple = ()  # as Call's
-    deleted: tuple = ()  # as Call's
+    controls: tuple = ()  # as Call's
 
 
 class Result(NamedTuple):
@@ -218,12 +224,13 @@ def decode_header(frames: Sequence[Any]) -> NamedTuple:
             if not (isinstance(msg.fn, str) and isinstance(msg.ctx, int)
                     and isinstance(msg.released, (list, tuple))
                     and all(isinstance(c, int) for c in msg.released)
-                    and isinstance(msg.deleted, (list, tuple))
-                    and all(isinstance(d, (list, tuple)) and len(d) == 4
-                            and all(isinstance(i, int) for i in d) for d in msg.deleted)):
+                    and isinstance(msg.controls, (list, tuple))
+                    and all(isinstance(c, (list, tuple)) and len(c) == 5
+                            and all(isinstance(i, int) for i in c) and c[0] in NOTE_OPS
+                            for c in msg.controls)):
                 raise ProtocolError(f"bad call header {fields!r:.200}", rid)
             msg = msg._replace(released=tuple(msg.released),
-                               deleted=tuple(tuple(d) for d in msg.deleted))
+                               controls=tuple(tuple(c) for c in msg.controls))
     except ProtocolError:
         raise
     except Exception as e:

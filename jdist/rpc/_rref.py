@@ -17,9 +17,11 @@ value is deleted when both are empty.
 - User X sends to user Y: X makes a child fork id and keeps its own RRef alive
   until the owner has registered the child; Y asks the owner (``FORK_REQUEST``), the
   owner registers it, confirms to Y and tells X (``CHILD_ACCEPT``), and X lets go.
-- A user RRef that is garbage-collected tells the owner (``USER_DELETE``): in the
-  header of the next call there, or a call of its own soon after
-  (``CallClient.fork_deleted_on``; the owner applies it with :meth:`handle_control`).
+- A user RRef that is garbage-collected tells the owner (``USER_DELETE``).
+
+``USER_DELETE`` and ``CHILD_ACCEPT`` need no answer: they travel in the header of the
+next call to their worker, or in a call of their own soon after
+(``CallClient.control_note``; the receiver applies them with :meth:`handle_control`).
 
 Incoming messages are decoded in order on each agent's I/O thread, so a value carried
 in a message is always registered before a later deletion from the same sender is seen.
@@ -205,7 +207,7 @@ class RRefContext:
             else:
                 raise RRefError(f"unknown RRef control op {op}")
         if op == ControlOp.FORK_REQUEST and parent >= 0:
-            self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
+            self.agent.control_note(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
 
     # ---- pickling ----
     def persistent_id(self, obj: RRef, dest: int) -> RRefPid:
@@ -252,7 +254,7 @@ class RRefContext:
             if parent == _PINNED:
                 self.handle_released(rref_id)
             elif parent >= 0:
-                self.agent.send_control(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
+                self.agent.control_note(parent, ControlOp.CHILD_ACCEPT, rref_id, fork)
             return rref  # _BY_REPLY: our reply to the call tells the sender
         if parent == _BY_REPLY:
             raise RRefError(f"RRef {rref_id} was sent to {self.agent.info} as if it were "

@@ -41,12 +41,12 @@ class CallServer:
     """Callee half of :class:`RpcAgent` (see there for the attributes it uses)."""
 
     def _on_call(self, comm: Comm, peer: int, msg: Any, frames: list) -> None:
-        for d in msg.deleted:  # the caller's user RRefs of our values that it dropped
+        for op, *ids in msg.controls:  # RRef control messages that came as notes
             try:
-                self.rrefs.handle_control(P.ControlOp.USER_DELETE, d[:2], d[2:], -1, peer)
+                self.rrefs.handle_control(op, tuple(ids[:2]), tuple(ids[2:]), -1, peer)
             except Exception:  # noqa: BLE001 - the call itself still runs
-                log.exception("jdist.rpc: deleting fork %s of RRef %s from rank %s failed",
-                              d[2:], d[:2], peer)
+                log.exception("jdist.rpc: RRef control %s %s from rank %s failed",
+                              P.ControlOp(op).name, ids, peer)
         if msg.released and self.release_contexts_hook is not None:
             try:  # contexts the caller released before this call (see release_context_on)
                 self.release_contexts_hook(msg.released)

@@ -283,10 +283,10 @@ def test_deleted_user_rrefs_travel_with_the_next_call_or_their_own_soon_after(
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)  # only the next call tells w1
     rrefs, ids = made(10)
     del rrefs
-    assert wait_for(lambda: len(a0._deleted_to.get(1, ())) >= 10, 10)
+    assert wait_for(lambda: len(a0._controls_to.get(1, ())) >= 10, 10)
     assert all(i in a1.rrefs.owned for i in ids)  # w1 has not been told yet
     assert a0.rpc_async("w1", all_owned_gone, (ids,)).wait()  # applied before it ran
-    assert 1 not in a0._deleted_to and (0, 1) not in sent
+    assert 1 not in a0._controls_to and (0, 1) not in sent
 
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 0.02)  # nothing follows: a flush
     rrefs, ids = made(5)
@@ -294,6 +294,42 @@ def test_deleted_user_rrefs_travel_with_the_next_call_or_their_own_soon_after(
     began = time.monotonic()
     assert wait_for(lambda: not any(i in a1.rrefs.owned for i in ids), 10)
     assert time.monotonic() - began < 2.0 and (0, 1) in sent
+
+
+def test_child_accept_travels_with_the_next_call_to_the_parent_or_its_own(
+        agents, monkeypatch):
+    """User w0 hands w1's RRefs to user w2: w2 asks the owner (FORK_REQUEST, answered),
+    and the owner's CHILD_ACCEPT, which lets w0 drop its hold, rides on the owner's next
+    call to w0 (no message and acknowledgement of its own), or a call of its own soon
+    after."""
+    from jdist.rpc import _client
+
+    a0, a1, _ = agents
+    ops = []
+
+    def counted(send):
+        def send_control(to, op, *rest):
+            ops.append(op)
+            return send(to, op, *rest)
+        return send_control
+
+    for a in agents:
+        monkeypatch.setattr(a, "send_control", counted(a.send_control))
+    monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)
+    rrefs = [a0.remote("w1", np.full, ((2,), i)) for i in range(10)]
+    assert a0.rpc_async("w2", hold, (rrefs,)).wait() == 10  # ran once w1 confirmed
+    assert len(a0.rrefs.holds) == 10 and len(a1._controls_to[0]) == 10
+    assert a1.rpc_async("w0", operator.add, (1, 2)).wait() == 3
+    assert holds_empty(a0, timeout=0.0)  # applied before that call ran
+    for a in agents:  # the notes still waiting for their 30 s timers (w2's deletions)
+        a.send_all_notes()
+    monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 0.02)
+    assert a0.rpc_async("w2", hold, (rrefs,)).wait() == 10
+    began = time.monotonic()
+    assert holds_empty(a0) and time.monotonic() - began < 2.0
+    assert P.ControlOp.FORK_REQUEST in ops and P.ControlOp.CHILD_ACCEPT not in ops, ops
+    del rrefs
+    assert owned_empty(a1) and all(holds_empty(a) for a in agents)
 
 
 def all_owned_gone(ids):  # runs on w1

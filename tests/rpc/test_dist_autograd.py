@@ -347,15 +347,16 @@ def test_a_call_header_carries_released_contexts():
     from jdist.rpc import _protocol as P
 
     for msg in (P.Call(3, "f", 5, (7, 9)), P.Remote(4, "g", (1, 2), (1, 3), -1, (11,)),
-                P.Call(5, "h", -1, (), ((0, 4, 2, 6), (1, 1, 0, 9)))):
+                P.Call(5, "h", -1, (), ((2, 0, 4, 2, 6), (3, 1, 1, 0, 9)))):
         frames = P.encode(msg, b"payload")
         assert P.decode_header(frames) == msg
     assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).released == ()
-    assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).deleted == ()
+    assert P.decode_header(P.encode(P.Call(3, "f"), b"p")).controls == ()
     import msgpack
 
     for bad in ([int(P.Kind.CALL), 1, "f", -1, "x"], [int(P.Kind.CALL), 1, "f", -1, [1, "a"]],
-                [int(P.Kind.CALL), 1, "f", -1, [], [[0, 1, 2]]],
-                [int(P.Kind.CALL), 1, "f", -1, [], [[0, 1, 2, "x"]]]):
+                [int(P.Kind.CALL), 1, "f", -1, [], [[2, 0, 1, 2]]],
+                [int(P.Kind.CALL), 1, "f", -1, [], [[2, 0, 1, 2, "x"]]],
+                [int(P.Kind.CALL), 1, "f", -1, [], [[1, 0, 1, 2, 3]]]):  # FORK_REQUEST
         with pytest.raises(P.ProtocolError, match="bad call header"):
             P.decode_header([msgpack.packb(bad), b"p"])
