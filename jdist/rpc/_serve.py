@@ -142,8 +142,14 @@ class CallServer:
 
     def _run_one(self, comm: Comm, peer: int, msg: P.Call, func, args, kwargs) -> bool:
         """Run one call and reply; False if the reply waits for an async result."""
+        with self._lock:
+            self._running_from[peer] = self._running_from.get(peer, 0) + 1
         try:
-            out = self._invoke(func, args, kwargs, msg.ctx)
+            try:
+                out = self._invoke(func, args, kwargs, msg.ctx)
+            finally:
+                with self._lock:
+                    self._running_from[peer] -= 1
             if getattr(func, "_jdist_async_execution", False):
                 _check_async_result(out, msg.fn).add_done_callback(
                     lambda f: self._reply_future(comm, msg.rid, f, peer, msg.fn))
@@ -163,11 +169,12 @@ class CallServer:
         ``peer`` after one of ``after`` has come late
         (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
         way). Then, while such calls have come within ``NEXT_SLEEP_S`` on average
-        (``sleep_gate``) and this process has nothing else going on (no other call
-        running, no request of its own in flight: a server with one busy client), by
-        sleeping on the connection (``Comm.wait_until``) until a call from ``peer``
-        arrives, another call starts here, or that time is up: the call then runs in
-        this thread, with no hand-off from the I/O thread to the pool."""
+        (``sleep_gate``), no other call from ``peer`` runs here and this process has no
+        request of its own in flight (a server of busy clients: calls of other peers
+        may run, sleeping holds no GIL), by sleeping on the connection
+        (``Comm.wait_until``) until a call from ``peer`` arrives, another call of
+        ``peer`` starts here, or that time is up: the call then runs in this thread,
+        with no hand-off from the I/O thread to the pool."""
         if not self.polls(peer):
             return None
         kind = ("next", peer, after)
@@ -179,11 +186,11 @@ class CallServer:
                 comm.poll_until(
                     lambda: bool(slot) or self.state != "running" or others_running(),
                     self._poll_s)
-            if not slot and not others_running() and not self._pending \
+            if not slot and not self._running_from.get(peer) and not self._pending \
                     and self.sleep_gate.should(kind):
                 comm.wait_until(lambda: bool(slot) or peer not in self._next_call_waits
-                                or self.state != "running" or others_running(),
-                                NEXT_SLEEP_S)
+                                or self.state != "running"
+                                or bool(self._running_from.get(peer)), NEXT_SLEEP_S)
         finally:
             _INLINE.slot = None
         return slot[0] if slot else None

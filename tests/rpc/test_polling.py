@@ -233,6 +233,48 @@ def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeyp
     assert not any(kept[-3:])  # gave up sleeping for that kind
 
 
+def test_a_server_sleeps_for_a_callers_next_call_while_another_callers_call_runs(
+        tcp3, monkeypatch):
+    """The pool thread that replied to w0 sleeps on w0's connection for its next call
+    while a call of w2 runs in the process (sleeping holds no GIL; the HybridModel's
+    parameter server serves two trainers so), but not while another call of w0 itself
+    runs there."""
+    a0, a1, a2 = tcp3
+    monkeypatch.setattr(_serve, "NEXT_SLEEP_S", 0.05)
+    a1.sleep_gate = _pollgate.PollGate(0.05 / _pollgate.WINDOWS)
+    kept = []  # per call of w0 after the first: did the thread that replied run it?
+    real = _serve.CallServer._poll_next_call
+
+    def spy(self, comm, peer, after):
+        nxt = real(self, comm, peer, after)
+        if self is a1 and peer == a0.info.id and after.endswith("thread_name"):
+            kept.append(nxt is not None)
+        return nxt
+
+    monkeypatch.setattr(_serve.CallServer, "_poll_next_call", spy)
+
+    def calls_of_w0_while(holder):
+        _RELEASE.clear()
+        held = holder.rpc_async("w1", wait_release, (10.0,))
+        try:
+            kept.clear()
+            for _ in range(10):
+                assert a0.rpc_async("w1", thread_name).wait().startswith("jdist-rpc-w1_")
+                time.sleep(0.01)  # longer than a poll, within the sleep
+            assert not held.done()  # it ran all along
+        finally:
+            _RELEASE.set()
+        assert held.wait() is True
+        return list(kept)
+
+    other = calls_of_w0_while(a2)
+    assert sum(other[:9]) >= 6, other  # w2's call running: w0's calls still kept
+    own = calls_of_w0_while(a0)
+    # the first: the thread still sleeping from before runs w0's wait_release itself;
+    # then with that call of w0 running, w0's calls are handed to the pool
+    assert not any(own[1:]), own
+
+
 def test_a_caller_reads_its_late_reply_itself_with_other_requests_in_flight(tcp3):
     a0 = tcp3[0]
     readers = []
