@@ -97,6 +97,14 @@ def agents(agents3):
     return agents3
 
 
+def counted(send, ops):
+    """``send_control`` that records each op it sends in ``ops``."""
+    def send_control(to, op, *rest):
+        ops.append(op)
+        return send(to, op, *rest)
+    return send_control
+
+
 def holds_empty(agent, timeout=10.0):
     deadline = time.monotonic() + timeout
     while agent.rrefs.holds and time.monotonic() < deadline:
@@ -307,14 +315,8 @@ def test_child_accept_travels_with_the_next_call_to_the_parent_or_its_own(
     a0, a1, _ = agents
     ops = []
 
-    def counted(send):
-        def send_control(to, op, *rest):
-            ops.append(op)
-            return send(to, op, *rest)
-        return send_control
-
     for a in agents:
-        monkeypatch.setattr(a, "send_control", counted(a.send_control))
+        monkeypatch.setattr(a, "send_control", counted(a.send_control, ops))
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)
     rrefs = [a0.remote("w1", np.full, ((2,), i)) for i in range(10)]
     assert a0.rpc_async("w2", hold, (rrefs,)).wait() == 10  # ran once w1 confirmed
@@ -389,14 +391,8 @@ def test_user_rref_sent_to_its_owner_is_released_by_the_reply(agents):
     a0, a1, _ = agents
     ops = []
 
-    def counted(send):
-        def send_control(to, op, *rest):
-            ops.append(op)
-            return send(to, op, *rest)
-        return send_control
-
     for a in agents:
-        a.send_control = counted(a.send_control)
+        a.send_control = counted(a.send_control, ops)
     rrefs = [a0.remote("w1", Counter, (i,)) for i in range(20)]
     assert all(a0.rpc_async("w1", stash_on_owner, (i, r)).wait()
                for i, r in enumerate(rrefs[:10]))
