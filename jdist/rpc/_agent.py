@@ -112,7 +112,9 @@ class RpcAgent(CallClient, CallServer):
         self.poll_gate = PollGate(self._poll_s)
         #: peer -> (kind, start) of a pool thread's wait for that peer's next call
         self._next_call_waits: dict[int, tuple] = {}
-        self._running_from: dict[int, int] = {}  # peer -> its calls running here now
+        #: peer -> its rpc_* calls running here now (counted by _run_one; remote()
+        #: values are not): a pool thread sleeps for a peer's next call only at zero
+        self._running_from: dict[int, int] = {}
         #: the same waits, for sleeping on the connection: allowed while their kind's
         #: average is at most NEXT_SLEEP_S
         self.sleep_gate = PollGate(NEXT_SLEEP_S / WINDOWS)

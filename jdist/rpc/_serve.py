@@ -169,9 +169,10 @@ class CallServer:
         ``peer`` after one of ``after`` has come late
         (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
         way). Then, while such calls have come within ``NEXT_SLEEP_S`` on average
-        (``sleep_gate``), no other call from ``peer`` runs here and this process has no
-        request of its own in flight (a server of busy clients: calls of other peers
-        may run, sleeping holds no GIL), by sleeping on the connection
+        (``sleep_gate``), no other ``rpc_*`` call from ``peer`` runs here (``remote()``
+        values are not counted) and this process has no request of its own in flight
+        (a server of busy clients: calls of other peers may run, sleeping holds no
+        GIL), by sleeping on the connection
         (``Comm.wait_until``) until a call from ``peer`` arrives, another call of
         ``peer`` starts here, or that time is up: the call then runs in this thread,
         with no hand-off from the I/O thread to the pool."""
