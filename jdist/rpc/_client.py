@@ -250,16 +250,18 @@ class CallClient:
         request (with several in flight the I/O thread is busy anyway), while no other
         RPC function runs here and while this function's replies from this peer have
         come soon enough (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival
-        is timed either way), by polling for up to ``busy_poll_us``, so a reply that
-        comes soon wakes no thread at all; then by sleeping on the connection
+        is timed either way), by polling for as long as the gate says (``busy_poll_us``,
+        or up to ``busy_poll_max_us`` where cores are spare), so a reply that comes
+        soon wakes no thread at all; then by sleeping on the connection
         (``Comm.wait_until``, which costs no CPU: other requests in flight are no
         reason not to), so the kernel wakes this thread alone when the reply comes.
         Whatever else arrives on that connection meanwhile is delivered from here."""
         began = time.perf_counter()
         fut._arrival = functools.partial(self._reply_arrived, kind, began)
         lone = len(self._pending) <= 1
-        if lone and not others_running() and self.poll_gate.should(kind):
-            limit = self._poll_s if timeout is None else min(self._poll_s, timeout)
+        span = self.poll_gate.poll_for(kind) if lone and not others_running() else 0.0
+        if span > 0:
+            limit = span if timeout is None else min(span, timeout)
             comm.poll_until(lambda: fut._done or others_running(), limit)
             if fut._done:
                 return

@@ -53,6 +53,14 @@ class RpcBackendOptions:
         Waits of a kind whose messages have taken longer than three windows on average
         (a reply from a function that computes for a millisecond) skip the poll.
         0 turns polling off.
+      busy_poll_max_us: the longest such poll where this machine has a usable core for
+        each of the job's RPC processes on it (peers at the same host in the worker
+        table, this one included): there a kind of wait whose messages come within
+        half of this on average polls for twice its average, so a reply to a function
+        that computes for a millisecond wakes no thread either (torch's RPC threads
+        spin too). With more processes than cores the poll stays at ``busy_poll_us``
+        (spinning would take the core a peer computes on). Set it to ``busy_poll_us``
+        to never poll longer.
     """
 
     init_method: object = "env://"
@@ -65,6 +73,7 @@ class RpcBackendOptions:
     connect_timeout: float = 10.0
     shutdown_timeout: float = 60.0
     busy_poll_us: float = 200.0
+    busy_poll_max_us: float = 4000.0
     rendezvous_timeout: float = 300.0
     device_maps: dict | None = None
     devices: list | None = None
@@ -89,10 +98,11 @@ class RpcBackendOptions:
                                  f"got {self.transport!r}")
         if self.auth_token is not None and not isinstance(self.auth_token, (str, bytes)):
             raise TypeError(f"auth_token must be str or bytes, got {type(self.auth_token)}")
-        if (not isinstance(self.busy_poll_us, (int, float)) or isinstance(self.busy_poll_us, bool)
-                or not 0 <= self.busy_poll_us <= 1e6):
-            raise ValueError(f"busy_poll_us must be microseconds in 0..1e6 (0 = no polling), "
-                             f"got {self.busy_poll_us!r}")
+        for field in ("busy_poll_us", "busy_poll_max_us"):
+            v = getattr(self, field)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1e6:
+                raise ValueError(f"{field} must be microseconds in 0..1e6 (busy_poll_us=0: "
+                                 f"no polling), got {v!r}")
         for field in ("connect_timeout", "shutdown_timeout", "rendezvous_timeout"):
             v = getattr(self, field)
             if not isinstance(v, (int, float)) or v <= 0:

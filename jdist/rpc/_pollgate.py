@@ -17,16 +17,27 @@ average is at most ``limit`` (a few poll windows: a wait that does not poll also
 a thread's wake-up, which the next measurement includes). Pure bookkeeping: no clock,
 no I/O, no locks (updates race benignly under the GIL: a lost update only delays
 learning by one wait).
+
+How long a wait polls (:meth:`PollGate.poll_for`): one window, unless the gate was
+given a longer ``longest`` (``busy_poll_max_us``; the agent does so when this machine
+has a core for each of its RPC processes, so a spinning thread takes no core that a
+peer's computation needs). Then a kind whose waits average up to ``longest / SPAN``
+polls for ``SPAN`` times its average (at least one window, at most ``longest``): the
+parameter server's trainer catches the reply of a millisecond's forward pass without a
+thread's wake-up, as torch's RPC threads, which spin, do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
-__all__ = ["PollGate", "WINDOWS", "WEIGHT", "MAX_KINDS"]
+__all__ = ["PollGate", "WINDOWS", "SPAN", "WEIGHT", "MAX_KINDS"]
 
 WINDOWS = 3.0
 """A wait polls while its kind's average wait is at most this many poll windows."""
+
+SPAN = 2.0
+"""With a ``longest`` poll: a wait polls for up to this many times its kind's average."""
 
 WEIGHT = 0.125
 """Weight of the newest wait in the average (about the last eight count)."""
@@ -36,15 +47,33 @@ MAX_KINDS = 4096
 
 
 class PollGate:
-    """Per kind of wait: whether to poll (:meth:`should`) and how long one lasted
-    (:meth:`record`). ``window`` is the poll window in seconds."""
+    """Per kind of wait: whether to poll and for how long (:meth:`poll_for`), and how
+    long one lasted (:meth:`record`). ``window`` is the poll window in seconds;
+    ``longest`` (default: ``window``) the longest poll (see the module docstring)."""
 
-    __slots__ = ("limit", "_cap", "_waits")
+    __slots__ = ("window", "longest", "limit", "_cap", "_waits")
 
-    def __init__(self, window: float) -> None:
-        self.limit = WINDOWS * float(window)
-        self._cap = 4 * self.limit  # one stall must not silence a kind for long
+    def __init__(self, window: float, longest: float | None = None) -> None:
+        self.window = float(window)
         self._waits: dict[Hashable, float] = {}  # kind -> average wait (seconds)
+        self.widen(self.window if longest is None else longest)
+
+    def widen(self, longest: float) -> None:
+        """Let waits poll for up to ``longest`` seconds (never less than one window)."""
+        self.longest = max(self.window, float(longest))
+        #: a kind polls while its average wait is at most this
+        self.limit = max(WINDOWS * self.window, self.longest / SPAN)
+        self._cap = 4 * self.limit  # one stall must not silence a kind for long
+
+    def poll_for(self, kind: Hashable) -> float:
+        """Seconds the next wait of ``kind`` polls (0: none; a kind never seen polls one
+        window)."""
+        avg = self._waits.get(kind)
+        if avg is None:
+            return self.window
+        if avg > self.limit:
+            return 0.0
+        return min(self.longest, max(self.window, SPAN * avg))
 
     def should(self, kind: Hashable) -> bool:
         """Whether the next wait of ``kind`` polls (a kind never seen does)."""

@@ -164,7 +164,8 @@ class CallServer:
         """Read ``comm`` in this thread for the next call from ``peer``; the first call
         read (as ``_run_call``'s arguments) is kept for this thread, others go to the pool.
 
-        First by polling for up to ``busy_poll_us``: not while other threads of this
+        First by polling for as long as the gate says (``busy_poll_us``, or up to
+        ``busy_poll_max_us`` where cores are spare): not while other threads of this
         process run RPC functions (they need the GIL), nor while the next call from
         ``peer`` after one of ``after`` has come late
         (:class:`~jdist.rpc._pollgate.PollGate`; ``_on_call`` times its arrival either
@@ -183,10 +184,11 @@ class CallServer:
         slot: list = []
         _INLINE.slot = slot
         try:
-            if not others_running() and self.poll_gate.should(kind):
+            span = 0.0 if others_running() else self.poll_gate.poll_for(kind)
+            if span > 0:
                 comm.poll_until(
                     lambda: bool(slot) or self.state != "running" or others_running(),
-                    self._poll_s)
+                    span)
             if not slot and not self._running_from.get(peer) and not self._pending \
                     and self.sleep_gate.should(kind):
                 comm.wait_until(lambda: bool(slot) or peer not in self._next_call_waits

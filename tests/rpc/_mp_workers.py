@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -94,6 +95,52 @@ def serve_until_killed():
     time.sleep(600)
 
 
+def pause(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def _replies_slept_for(calls: int) -> int:
+    """Of ``calls`` calls of a 0.5 ms function on w1 (after 10 to learn from), how
+    many replies the caller slept for (``TCPComm.wait_until``) instead of polling."""
+    from jdist.rpc.transport import _tcp
+
+    me, slept, real = threading.get_ident(), [], _tcp.TCPComm.wait_until
+
+    def spy(self, done, seconds):
+        if threading.get_ident() == me:
+            slept.append(1)
+        return real(self, done, seconds)
+
+    _tcp.TCPComm.wait_until = spy
+    try:
+        for i in range(10 + calls):
+            if i == 10:
+                slept.clear()
+            assert rpc_sync("w1", pause, (5e-4, i)) == i
+    finally:
+        _tcp.TCPComm.wait_until = real
+    return len(slept)
+
+
+def _poll_lengths() -> dict:
+    """The agent's default gate (widened where this host has a core per RPC process),
+    and the replies slept for with a plain and with a widened gate."""
+    from jdist.rpc._pollgate import PollGate
+
+    agent = current_agent()
+    gate = agent.poll_gate
+    out = {"widened": gate.longest == agent.options.busy_poll_max_us * 1e-6}
+    try:
+        agent.poll_gate = PollGate(gate.window)
+        out["plain"] = _replies_slept_for(50)
+        agent.poll_gate = PollGate(gate.window, agent.options.busy_poll_max_us * 1e-6)
+        out["widened_slept"] = _replies_slept_for(50)
+    finally:
+        agent.poll_gate = gate
+    return out
+
+
 # ---- per-rank entry points ----
 def _poll(fn, ok, timeout):
     deadline = time.monotonic() + timeout
@@ -133,6 +180,7 @@ def _drive() -> dict:
     except RpcTimeoutError as e:
         res["timeout"] = (str(e), time.monotonic() - t0)
     res["async_relay"] = rpc_sync("w1", async_relay, ("w2", 4))
+    res["polls"] = _poll_lengths()
     # RRef API
     r = remote("w1", Counter, (5,))
     res["rref"] = (r.owner(), r.owner_name(), r.is_owner(), r.rpc_sync().add(2),

@@ -6,6 +6,7 @@ launcher's JDIST_AUTH_TOKEN); the checks run in order inside it.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import numpy as np
@@ -29,6 +30,11 @@ def test_three_workers_end_to_end():
     assert "WorkerInfo(id=1, name=w1)" in msg and "sleep" in msg and "0.5 s" in msg
     assert took < 4
     assert r0["async_relay"] == 50
+    # a 0.5 ms reply: slept for with a plain gate (one 200 us window), polled for where
+    # a core per RPC process lets the gate widen (jdist's default there)
+    polls = r0["polls"]
+    assert polls["widened"] == (3 <= len(os.sched_getaffinity(0))), polls
+    assert polls["plain"] >= 45 and polls["widened_slept"] <= 25, polls
     owner, owner_name, is_owner, a, b, c, n = r0["rref"]
     assert (owner, owner_name, is_owner) == (WorkerInfo(1, "w1"), "w1", False)
     assert (a, b, c, n) == (7, 8, 8, 8)

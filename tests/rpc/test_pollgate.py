@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jdist.rpc import _pollgate as G
+from jdist.rpc._agent import co_located
 
 WINDOW = 200e-6  # busy_poll_us=200
 
@@ -44,6 +45,37 @@ def test_a_kind_that_speeds_up_polls_again_and_one_stall_does_not_silence_it():
     assert n <= 8
 
 
+def test_a_gate_without_a_longer_poll_polls_one_window_or_not_at_all():
+    gate = G.PollGate(WINDOW)
+    assert gate.longest == WINDOW and gate.poll_for("new") == WINDOW
+    for wait, polls in ((50e-6, WINDOW), (550e-6, WINDOW), (650e-6, 0.0)):
+        gate.record(wait, wait)
+        assert gate.poll_for(wait) == polls
+
+
+def test_a_widened_gate_polls_twice_the_average_up_to_the_longest():
+    """Where cores are spare (busy_poll_max_us=4000): a parameter server's 1 ms reply
+    is polled for (2 ms), a 3 ms one is not; short waits still poll one window."""
+    gate = G.PollGate(WINDOW)
+    gate.widen(4e-3)
+    assert gate.limit == 2e-3 and gate.poll_for("new") == WINDOW
+    for wait, polls in ((50e-6, WINDOW), (1e-3, 2e-3), (1.9e-3, 3.8e-3), (3e-3, 0.0)):
+        gate.record(wait, wait)
+        assert abs(gate.poll_for(wait) - polls) < 1e-12, (wait, gate.poll_for(wait))
+        assert gate.should(wait) == (polls > 0)
+    gate.widen(WINDOW / 2)  # never below one window: back to the plain gate
+    assert gate.longest == WINDOW and gate.limit == G.WINDOWS * WINDOW
+
+
+def test_co_located_counts_the_addresses_at_this_host():
+    here = "tcp://127.0.0.1:4000#local=jdist-rpc-a"
+    table = [here, "tcp://127.0.0.1:4001#local=jdist-rpc-b", "tcp://10.0.0.2:4000#local=c",
+             "tcp://[::1]:4002", "inproc://w3"]
+    assert co_located(here, table) == 2
+    assert co_located("tcp://[::1]:9", table) == 1
+    assert co_located("inproc://w3", table) == 1
+
+
 def test_the_table_starts_over_when_full():
     gate = G.PollGate(WINDOW)
     for k in range(G.MAX_KINDS):
@@ -53,12 +85,18 @@ def test_the_table_starts_over_when_full():
     assert not gate.should("one more")
 
 
-@given(st.lists(st.floats(min_value=-1.0, max_value=100.0), min_size=1, max_size=200))
-def test_the_average_stays_within_the_samples_and_the_cap(waits):
-    gate = G.PollGate(WINDOW)
+@given(st.lists(st.floats(min_value=-1.0, max_value=100.0), min_size=1, max_size=200),
+       st.sampled_from([None, 1e-3, 4e-3]))
+def test_the_average_stays_within_the_samples_and_the_cap(waits, longest):
+    gate = G.PollGate(WINDOW, longest)
     for w in waits:
         gate.record("k", w)
     avg = gate.average("k")
     clipped = [min(max(w, 0.0), 4 * gate.limit) for w in waits]
     assert min(clipped) - 1e-12 <= avg <= max(clipped) + 1e-12
     assert gate.should("k") == (avg <= gate.limit)
+    span = gate.poll_for("k")
+    if avg > gate.limit:
+        assert span == 0.0
+    else:
+        assert WINDOW <= span <= gate.longest

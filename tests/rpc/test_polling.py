@@ -129,6 +129,8 @@ def test_when_nothing_polls():
 
     with pytest.raises(ValueError, match=r"busy_poll_us must be .* got -1"):
         RpcBackendOptions(busy_poll_us=-1)
+    with pytest.raises(ValueError, match=r"busy_poll_max_us must be .* got '4000'"):
+        RpcBackendOptions(busy_poll_max_us="4000")
     agents = make_agents(2, transport="tcp")  # same process: no polling
     try:
         assert agents[0].rpc_async("w1", echo, (1,))._poll is None
@@ -168,10 +170,10 @@ def test_waits_for_late_messages_stop_polling_and_fast_ones_go_on(tcp3):
     polls = []
 
     class Spy(_pollgate.PollGate):
-        def should(self, kind):
-            out = super().should(kind)
+        def poll_for(self, kind):
+            out = super().poll_for(kind)
             if kind == reply_kind:
-                polls.append(out)
+                polls.append(out > 0)
             return out
 
     a0.poll_gate = Spy(a0._poll_s)
