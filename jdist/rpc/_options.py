@@ -59,8 +59,9 @@ class RpcBackendOptions:
         half of this on average polls for twice its average, so a reply to a function
         that computes for a millisecond wakes no thread either (torch's RPC threads
         spin too). With more processes than cores the poll stays at ``busy_poll_us``
-        (spinning would take the core a peer computes on). Set it to ``busy_poll_us``
-        to never poll longer.
+        (spinning would take the core a peer computes on; see docs/design-rpc.md).
+        Other Python threads of the process may wait up to this long per wait, as
+        with ``busy_poll_us``. Set it to ``busy_poll_us`` to never poll longer.
     """
 
     init_method: object = "env://"
