@@ -17,6 +17,10 @@ the same orderly teardown at interpreter exit: without it, rank 0 (host of JAX's
 coordination service) can exit first and JAX then aborts the other ranks while they
 disconnect. After an uncaught exception the exit teardown is skipped, so a failing rank
 exits at once and the launcher can end the job.
+
+Every process of a multi-process job writes its own persistent compilation cache
+entries (``_compile_cache``): JAX writes them on process 0 only, and on CPU the other
+processes' keys are their own, so a warm re-run would compile everything again there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import jax
 
 from jdist.collectives import _rendezvous as rdzv
+from jdist.collectives._compile_cache import write_on_every_process
 from jdist.collectives._group import (
     DEFAULT_AXIS,
     NON_GROUP_MEMBER,
@@ -267,6 +272,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                 time.sleep(0.05)
                 store = rdzv.make_store(spec, max(deadline - time.monotonic(), 0.1))
         owns_jax = _start_jax(spec, res.coordinator, seconds, device_ids)
+        write_on_every_process()  # JAX writes cache entries on process 0 only
         world = _make_world(spec.rank, _devices_by_rank(spec.world_size),
                             _platform_backend(requested), seconds)
     except BaseException:
