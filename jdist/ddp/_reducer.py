@@ -281,7 +281,7 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             # reduced with the loss once the backward pass is done; these cotangents
             # reach no output (the step's gradients are the reduced ones in ``rec``)
             rec.pending = (bi, grads)
-            return (grads,)
+            return (to_varying(grads, axis),)
         out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post, flat)
         return (to_varying(out, axis),)
 
