@@ -18,6 +18,8 @@ from jdist.collectives._eager import reduce_scatter as reduce_scatter
 from jdist.collectives._eager import reduce_scatter_single as reduce_scatter_single
 from jdist.collectives._eager import reduce_scatter_tensor as reduce_scatter_tensor
 from jdist.collectives._eager import scatter as scatter
+from jdist.collectives._flat import all_reduce_flat as all_reduce_flat
+from jdist.collectives._flat import prefers_flat as prefers_flat
 from jdist.collectives._group import NON_GROUP_MEMBER as NON_GROUP_MEMBER
 from jdist.collectives._group import ProcessGroup as ProcessGroup
 from jdist.collectives._group import get_backend as get_backend
@@ -57,6 +59,8 @@ __all__ = [
     "ProcessGroup",
     "ReduceOp",
     "all_reduce",
+    "all_reduce_flat",
+    "prefers_flat",
     "broadcast",
     "reduce",
     "all_gather",
