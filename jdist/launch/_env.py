@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = ["JobInfo", "worker_env", "worker_args", "worker_command", "restart_cache_env",
-           "has_user_cache", "xla_flags_single_threaded", "xla_flags_with_devices"]
+           "has_user_cache", "default_cache_dir", "default_cache_env", "cache_opted_out",
+           "xla_flags_single_threaded", "xla_flags_with_devices"]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:
@@ -53,7 +56,8 @@ class JobInfo(NamedTuple):
 
 
 def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
-               devices_per_proc: int | None, columns: int | None = None) -> dict[str, str]:
+               devices_per_proc: int | None, columns: int | None = None,
+               compilation_cache: bool = True) -> dict[str, str]:
     """The environment of local rank ``local_rank`` under ``job``.
 
     Sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -65,7 +69,10 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     unless set, and then XLA's CPU operations on one thread too
     (:func:`xla_flags_single_threaded`). Python output is unbuffered so that lines reach the
     launcher as they are printed; ``columns`` (the console's width less the rank
-    prefix) becomes COLUMNS, so progress bars fit the terminal.
+    prefix) becomes COLUMNS, so progress bars fit the terminal. With
+    ``compilation_cache`` (jdist-run's default; ``--no-compilation-cache`` or
+    ``JDIST_COMPILATION_CACHE=0`` turn it off), JAX's persistent compilation cache is on:
+    :func:`default_cache_env`.
     """
     env = dict(base)
     env.update(
@@ -94,6 +101,8 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     if devices_per_proc is not None:
         env["XLA_FLAGS"] = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices_per_proc)
         env["JDIST_DEVICES_PER_PROC"] = str(devices_per_proc)
+    if compilation_cache:
+        env.update(default_cache_env(env))
     if job.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
         if env["OMP_NUM_THREADS"] == "1":  # XLA's CPU threads too (see the helper)
@@ -113,6 +122,47 @@ CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 def has_user_cache(base: Mapping[str, str]) -> bool:
     """Whether ``base`` names a JAX compilation cache of its own."""
     return bool(base.get("JAX_COMPILATION_CACHE_DIR"))
+
+
+_OFF = ("0", "off", "false", "no")
+
+
+def cache_opted_out(base: Mapping[str, str]) -> bool:
+    """Whether ``base`` turns jdist-run's default compilation cache off
+    (``JDIST_COMPILATION_CACHE`` is 0, off, false or no)."""
+    return base.get("JDIST_COMPILATION_CACHE", "").strip().lower() in _OFF
+
+
+def default_cache_dir(base: Mapping[str, str]) -> str:
+    """jdist-run's compilation cache directory: one per user and machine,
+    ``$XDG_CACHE_HOME/jdist/jax-compilation-cache/<host>`` (``~/.cache`` without
+    ``XDG_CACHE_HOME``), or ``JDIST_COMPILATION_CACHE`` where that names a directory.
+
+    Not one per launch: JAX's cache key already holds everything a compiled program
+    depends on (the program's text, jaxlib and backend versions, XLA flags, compile
+    options, the devices' topology), so one directory serves every job of the user and
+    a re-run of the same script loads all it compiled before. The host in the path keeps
+    nodes that share a home directory (NFS) from writing into one directory.
+    """
+    named = base.get("JDIST_COMPILATION_CACHE", "").strip()
+    if named and not cache_opted_out(base) and named.lower() not in ("1", "on", "true", "yes"):
+        return os.path.abspath(os.path.expanduser(named))
+    root = base.get("XDG_CACHE_HOME") or os.path.join(
+        base.get("HOME") or os.path.expanduser("~"), ".cache")
+    host = socket.gethostname().split(".")[0] or "localhost"
+    return os.path.join(root, "jdist", "jax-compilation-cache", host)
+
+
+def default_cache_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The variables that turn JAX's persistent compilation cache on for a worker:
+    ``JAX_COMPILATION_CACHE_DIR`` (:func:`default_cache_dir`) and JAX's two thresholds
+    at zero (every program is written, even a step that compiles in milliseconds),
+    each only where ``base`` sets none. Empty when ``base`` names a cache of its own
+    (``JAX_COMPILATION_CACHE_DIR``: the user's wins, with JAX's own thresholds) or opts
+    out (``JDIST_COMPILATION_CACHE=0``)."""
+    if has_user_cache(base) or cache_opted_out(base):
+        return {}
+    return restart_cache_env(base, default_cache_dir(base))
 
 
 def restart_cache_env(base: Mapping[str, str], directory: str) -> dict[str, str]:
