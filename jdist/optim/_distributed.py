@@ -12,14 +12,19 @@
   (``step(context_id)``); nothing is all-reduced.
 
 ``AllReduceOptimizer(tx)`` averages the gradients across the replicas of ``group``
-and then runs ``tx``. The average is fused per dtype (after compression): one ``psum``
-over all leaves of a dtype, which XLA's all-reduce combiner compiles into one combined
-(variadic) all-reduce on CPU, and into chunks of
-``xla_gpu_all_reduce_combine_threshold_bytes`` on GPU. This is Horovod's tensor fusion
-done by the compiler: no copy into a fusion buffer (concatenating into one flat buffer
-is much slower on XLA:CPU) and no background negotiation, since the
-program is static. The lowered program lists one all-reduce per leaf; the compiled one
-(``comm_report(compiled)``) shows the fused collective.
+and then runs ``tx``. The average is fused per dtype (after compression) by
+:func:`jdist.collectives.all_reduce_flat`, which picks the form the backend runs fastest
+(Horovod's tensor fusion, done in the compiled program; no background negotiation, since
+the program is static):
+
+- CPU across processes (gloo runs a multi-operand all-reduce as one collective per
+  operand): each dtype's gradients are copied into one flat buffer and reduced by one
+  all-reduce, as DDP's ``flat_buckets`` are;
+- elsewhere (one process, GPU): one ``psum`` over all leaves of a dtype, which XLA's
+  all-reduce combiner compiles into one variadic all-reduce with no copy (on GPU in
+  chunks of ``xla_gpu_all_reduce_combine_threshold_bytes``).
+
+``flat=True``/``False`` forces either form; the results are the same bits.
 
 Semantics follow Horovod's torch frontend:
 
@@ -42,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdist.collectives import ReduceOp, all_reduce_flat
 from jdist.collectives._axis import axis_of, bound_size
-from jdist.collectives._types import ReduceOp
 from jdist.optim._compression import Compression, Compressor
 
 __all__ = ["AllReduceOptimizer", "DistributedOptimizer", "DistributedOptimizerState",
@@ -60,10 +65,12 @@ class DistributedOptimizerState(NamedTuple):
 
 
 def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Compression.none,
-                    prescale: float = 1.0, postscale: float = 1.0):
+                    prescale: float = 1.0, postscale: float = 1.0, flat: bool | None = None):
     """Sum (or average) a pytree over ``axis``, fused per (compressed) dtype (see module doc).
 
-    Must run inside ``shard_map`` (or any context where ``axis`` is bound).
+    The sum is :func:`jdist.collectives.all_reduce_flat`: one flat buffer per dtype on
+    CPU across processes (gloo), one combined all-reduce elsewhere; ``flat`` forces
+    either form. Must run inside ``shard_map`` (or any context where ``axis`` is bound).
     """
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
@@ -73,31 +80,28 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
         f"It must run inside jax.shard_map over the group's mesh axis {axis!r}; wrap the "
         "train step in jax.shard_map (or use DDP, which averages itself)")
     packed = [compression.compress(x) for x in leaves]
-    groups: dict = {}
-    for i, (y, _) in enumerate(packed):
-        groups.setdefault(jnp.dtype(y.dtype), []).append(i)
+    parts = []
+    for y, _ in packed:
+        if prescale != 1.0 and jnp.issubdtype(y.dtype, jnp.floating):
+            y = y * jnp.asarray(prescale, y.dtype)
+        parts.append(y)
+    parts = all_reduce_flat(parts, ReduceOp.SUM, axis, flat=flat)
     post = postscale / size if op == ReduceOp.AVG else postscale
-    out = [None] * len(leaves)
-    for dtype, idxs in groups.items():
-        floating = jnp.issubdtype(dtype, jnp.floating)
-        parts = [packed[i][0] for i in idxs]
-        if prescale != 1.0 and floating:
-            parts = [y * jnp.asarray(prescale, dtype) for y in parts]
-        parts = jax.lax.psum(parts, axis)  # one group: XLA's combiner runs it as one
-        for i, y in zip(idxs, parts, strict=True):
-            if not floating:
-                y = y // size if op == ReduceOp.AVG else y  # integer leaves: floor mean
-            elif post != 1.0:
-                y = y * jnp.asarray(post, dtype)
-            out[i] = compression.decompress(y, packed[i][1])
+    out = []
+    for y, (_, ctx) in zip(parts, packed, strict=True):
+        if not jnp.issubdtype(y.dtype, jnp.floating):
+            y = y // size if op == ReduceOp.AVG else y  # integer leaves: floor mean
+        elif post != 1.0:
+            y = y * jnp.asarray(post, y.dtype)
+        out.append(compression.decompress(y, ctx))
     return jax.tree.unflatten(treedef, out)
 
 
 def AllReduceOptimizer(tx: optax.GradientTransformation, *, group=None, compression=None,
                        backward_passes_per_step: int = 1,
                        gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.AVG,
-                       average_aggregated_gradients: bool = False
-                       ) -> optax.GradientTransformationExtraArgs:
+                       average_aggregated_gradients: bool = False,
+                       flat: bool | None = None) -> optax.GradientTransformationExtraArgs:
     """Wrap ``tx`` so gradients are averaged across replicas first (Horovod semantics).
 
     Horovod's ``hvd.DistributedOptimizer``; ``jdist.optim.DistributedOptimizer`` is the
@@ -112,6 +116,8 @@ def AllReduceOptimizer(tx: optax.GradientTransformation, *, group=None, compress
       gradient_predivide_factor: Horovod's pre/post scaling split (> 0).
       op: ``ReduceOp.AVG`` (default) or ``ReduceOp.SUM``.
       average_aggregated_gradients: divide the ``k``-pass sum by ``k``.
+      flat: reduce each dtype's gradients as one flat buffer (True), per leaf (False),
+        or as the backend prefers (None; see :func:`jdist.collectives.prefers_flat`).
 
     Returns:
       An optax ``GradientTransformationExtraArgs``; call ``update`` inside ``shard_map``
@@ -147,7 +153,7 @@ def AllReduceOptimizer(tx: optax.GradientTransformation, *, group=None, compress
 
     def reduce(grads):
         return fused_allreduce(grads, axis, op=op, compression=compression,
-                               prescale=1.0 / f, postscale=f)
+                               prescale=1.0 / f, postscale=f, flat=flat)
 
     def init_fn(params):
         acc = () if k == 1 else jax.tree.map(jnp.zeros_like, params)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -180,3 +181,18 @@ def test_allreduce_optimizer_is_horovods_distributed_optimizer_not_torchs():
                                         r"DistributedOptimizer.*use jdist.rpc.Distributed"):
         jdist.optim.AllReduceOptimizer(optax.sgd)
     assert jdist.rpc.DistributedOptimizer is not jdist.optim.DistributedOptimizer
+
+
+@pytest.mark.parametrize("kw", [{}, {"compression": Compression.fp16},
+                                {"gradient_predivide_factor": 2.0}, {"op": ReduceOp.SUM}],
+                         ids=["avg", "fp16", "predivide", "sum"])
+def test_flat_form_is_one_all_reduce_per_dtype_and_the_same_bits(kw):
+    """The gloo form (one flat buffer per dtype) gives the per-leaf form's bits."""
+    gs = [_grads(9)]
+    f_flat, args = _runner(DistributedOptimizer(optax.sgd(0.1), flat=True, **kw), gs)
+    f_leaf, _ = _runner(DistributedOptimizer(optax.sgd(0.1), flat=False, **kw), gs)
+    ars = comm_report(f_flat.lower(*args)).collectives
+    assert [c.elements for c in ars] == [38]  # 30 + 5 + 3 floats in one buffer
+    for a, b in zip(jax.tree.leaves(f_flat(*args)), jax.tree.leaves(f_leaf(*args)),
+                    strict=True):
+        assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
