@@ -10,6 +10,7 @@ import collections
 import itertools
 import operator
 import warnings
+import weakref
 
 import numpy as np
 
@@ -31,15 +32,33 @@ _NO_GROUP = (
 
 
 class RepeatedEpochWarning(UserWarning):
-    """A shuffled sampler ran through the same epoch twice, so both passes had one order.
+    """A training sampler ran through the same shuffled epoch twice, in one order.
 
-    Cause: two complete passes over the sampler with no ``set_epoch`` to a new value in
-    between (torch issue #31771): for example ``set_epoch`` is never called, or is
-    called with a constant. A partial pass (a peek such as ``next(iter(loader))``, or a
-    loop that breaks early) is not a pass and never warns. Fix: call
-    ``sampler.set_epoch(epoch)`` with each epoch's own number before that epoch's loop;
+    Cause: two complete passes over a ``shuffle=True`` sampler with no ``set_epoch`` to a
+    new value in between (torch issue #31771): ``set_epoch`` is called with a constant,
+    or the program calls it on no sampler at all. A partial pass (a peek such as
+    ``next(iter(loader))``, or a loop that breaks early) is not a pass and never warns.
+    Who is warned (the rule, see :class:`DistributedSampler`): only shuffled samplers
+    whose order feeds training; a ``shuffle=False`` sampler, and a shuffled sampler left
+    at one epoch while the program sets the epoch of another one (an evaluation
+    sampler), never warn. Fix: call ``sampler.set_epoch(epoch)`` with each epoch's own
+    number before that epoch's loop; for an evaluation sampler pass ``shuffle=False``;
     to replay an epoch on purpose, set another epoch in between or filter this warning.
     """
+
+
+# The samplers of this process whose set_epoch was called (weakly held): a program that
+# sets some sampler's epoch knows the per-epoch contract, so a shuffled sampler it leaves
+# at one epoch is one whose order it does not need to vary (evaluation).
+_EPOCH_SET: weakref.WeakSet = weakref.WeakSet()
+
+
+def _repeat_matters(sampler) -> bool:
+    """Whether a second pass over ``sampler``'s epoch changes training (see the rule in
+    :class:`DistributedSampler`)."""
+    if not sampler.shuffle:
+        return False  # one order every epoch, by design
+    return sampler in _EPOCH_SET or not _EPOCH_SET
 
 
 def _default_replicas_and_rank(num_replicas, rank) -> tuple[int, int]:
@@ -74,10 +93,18 @@ class DistributedSampler:
       with no padding duplicates, so metrics summed over ranks are exact. Ranks' lengths
       then differ by at most one: run any collective once after the loop (for example
       ``all_reduce`` of metric sums and counts), not once per batch.
-    * Running through a shuffled epoch a second time without ``set_epoch`` changing
-      the epoch warns (:class:`RepeatedEpochWarning`) when the second pass ends: both
-      passes were identical. Partial passes (``next(iter(loader))`` to peek at a batch)
-      do not count.
+    * Running through a shuffled training epoch a second time without ``set_epoch``
+      changing the epoch warns (:class:`RepeatedEpochWarning`) when the second pass
+      ends: both passes were identical. Partial passes (``next(iter(loader))`` to peek at
+      a batch) do not count. The rule, since a repeat matters only where the order
+      reaches training: (1) ``shuffle=False`` never warns (the same order every epoch is
+      its design); (2) a shuffled sampler whose ``set_epoch`` was called warns when an
+      epoch repeats (the epoch is managed, and a constant repeats it); (3) a shuffled
+      sampler whose ``set_epoch`` was never called warns only if no live sampler of the
+      process had ``set_epoch`` called: the program then varies no order at all (the
+      torch #31771 mistake). If another sampler's epoch is set, this one is an
+      evaluation sampler reused every epoch, whose order changes no metric: silent, as
+      in torch. The indices are torch's in every case; only the warning differs.
     * One sampler serves one loader: a pass that is read again after a newer
       ``iter(sampler)`` started (two loaders sharing the sampler, interleaved) raises
       ``RuntimeError`` instead of silently splitting the epoch between them.
@@ -137,6 +164,7 @@ class DistributedSampler:
         ``load_state_dict``; the same epoch keeps a loaded position.
         """
         epoch = _as_int(epoch, "epoch")
+        _EPOCH_SET.add(self)
         if epoch != self.epoch:
             self._start = 0
             self._base = 0
@@ -184,13 +212,15 @@ class DistributedSampler:
             self._shared(box)
         if box[0] != self._pass:
             return  # it ended before a newer pass began; that pass owns the state now
-        if self._completed and self.shuffle:
+        if self._completed and _repeat_matters(self):
             warnings.warn(
                 f"DistributedSampler ran through epoch {self.epoch} a second time, in the "
                 "same order as the first pass: set_epoch was not called with a new epoch "
                 "between the two passes (a constant, or no call at all). Call "
                 "sampler.set_epoch(epoch) with each epoch's own number before the epoch's "
-                "loop; to replay an epoch on purpose, set another epoch in between",
+                "loop; to replay an epoch on purpose, set another epoch in between; for "
+                "an evaluation sampler, where the order changes nothing, pass "
+                "shuffle=False",
                 RepeatedEpochWarning,
                 stacklevel=2,
             )

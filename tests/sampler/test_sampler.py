@@ -236,3 +236,50 @@ def test_works_as_a_torch_dataloader_sampler():
         got = [b.tolist() for b in torch.utils.data.DataLoader(data, 4, sampler=ours)]
         want = [b.tolist() for b in torch.utils.data.DataLoader(data, 4, sampler=theirs)]
         assert got == want
+
+
+def _run_epochs(make, shuffle, drop_last, mode, passes, beside):
+    """A program's epoch loop: each epoch, optionally set a training sampler's epoch
+    beside (``beside``), set the sampler under test's epoch as ``mode`` says, then read
+    one full pass. Returns every pass's indices and, per pass, the warnings raised."""
+    sampler = make(range(11), 3, 1, shuffle=shuffle, seed=4, drop_last=drop_last)
+    train = make(range(11), 3, 1, shuffle=True, seed=4, drop_last=drop_last)
+    orders, warned = [], []
+    for epoch in range(passes):
+        if beside:
+            train.set_epoch(epoch)
+            list(train)
+        if mode == "each":
+            sampler.set_epoch(epoch)
+        elif mode == "constant":
+            sampler.set_epoch(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            orders.append(list(sampler))
+        warned.append(sum(issubclass(w.category, RepeatedEpochWarning) for w in caught))
+    return orders, warned
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-train"])
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("mode", ["never", "each", "constant"])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_repeated_epoch_warns_only_where_the_order_reaches_training(
+        shuffle, drop_last, mode, passes, beside):
+    """The rule of DistributedSampler's docstring, generated: shuffle x set_epoch (never,
+    every epoch, a constant) x passes x drop_last x whether the program sets another
+    (training) sampler's epoch, which makes this one an evaluation sampler when its own
+    epoch is never set. Indices stay torch's in every case."""
+    import gc
+
+    from jdist.sampler import _sampler
+
+    if list(_sampler._EPOCH_SET):  # samplers of earlier tests held in cycles: free them
+        gc.collect()
+    assert not list(_sampler._EPOCH_SET)  # only this program's samplers count
+    ours, warned = _run_epochs(DistributedSampler, shuffle, drop_last, mode, passes, beside)
+    theirs, _ = _run_epochs(TorchSampler, shuffle, drop_last, mode, passes, beside)
+    assert ours == theirs
+    repeats = shuffle and (mode == "constant" or (mode == "never" and not beside))
+    assert warned == [int(repeats and p > 0) for p in range(passes)]
