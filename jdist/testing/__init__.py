@@ -2,7 +2,9 @@
 
 Weight conversion between torch modules and Flax NNX modules (both directions, paired
 by layer definition order; see :mod:`jdist.testing._convert` for the rule and for what
-the user must keep consistent: layouts, epsilons, BatchNorm momentum).
+the user must keep consistent: layouts, epsilons, BatchNorm momentum). Flax lacks exact
+counterparts of some torch layers; :class:`EmbeddingBag`, :class:`LSTM`, :class:`GRU`
+and :class:`TransformerEncoderLayer` are NNX modules holding torch's arrays exactly.
 
 Parity harness: :func:`run_parity` trains a torch model and its NNX port side by side
 and returns a :class:`ParityReport` (per-step losses, per-layer parameter differences);
@@ -19,6 +21,9 @@ from jdist.testing._convert import paired_layers as paired_layers
 from jdist.testing._convert import state_dict_to_nnx as state_dict_to_nnx
 from jdist.testing._convert import torch_to_flax_momentum as torch_to_flax_momentum
 from jdist.testing._convert import torch_to_nnx as torch_to_nnx
+from jdist.testing._convert_rnn import GRU as GRU
+from jdist.testing._convert_rnn import LSTM as LSTM
+from jdist.testing._convert_transformer import TransformerEncoderLayer as TransformerEncoderLayer
 from jdist.testing._embedding_bag import EmbeddingBag as EmbeddingBag
 from jdist.testing._parity import run_parity as run_parity
 from jdist.testing._parity import run_parity_cases as run_parity_cases
@@ -40,6 +45,9 @@ from jdist.testing._parity_report import compare_models as compare_models
 
 __all__ = [
     "EmbeddingBag",
+    "GRU",
+    "LSTM",
+    "TransformerEncoderLayer",
     "flax_to_torch_momentum",
     "nnx_state_to_torch_state_dict",
     "nnx_to_torch",

@@ -25,10 +25,29 @@ torch                                      flax.nnx            arrays
 ``LayerNorm``                              ``LayerNorm``       scale, bias
 ``Embedding``                              ``Embed``           embedding = weight
 ``EmbeddingBag``                           ``EmbeddingBag``    embedding = weight
+``MultiheadAttention``                     ``MultiHeadAttention``  q/k/v/out, by head
+``TransformerEncoderLayer``                jdist's (below)     sub-layers paired
+``LSTM``, ``GRU``                          jdist's (below)     kernel = weight.T
 =========================================  ==================  =========================
 
 The NNX ``EmbeddingBag`` is jdist's (:class:`jdist.testing.EmbeddingBag`; Flax has none);
 its ``mode``, ``include_last_offset`` and ``padding_idx`` must match torch's.
+
+``MultiheadAttention``: ``in_proj_weight`` (packed, when kdim == vdim == embed_dim) or
+``q/k/v_proj_weight`` (separate; nnx ``in_kv_features=kdim``) -> ``query``/``key``/
+``value`` kernels (in, heads, head_dim); ``out_proj`` -> ``out`` (heads, head_dim, E).
+kdim != vdim, ``add_bias_kv``, ``add_zero_attn`` have no Flax counterpart and raise.
+``batch_first`` is a call matter (Flax attention is always batch first).
+
+``TransformerEncoderLayer``, ``LSTM``, ``GRU``: Flax has no exact counterpart (its LSTM
+cells hold one bias per gate where torch has two; ``nnx.GRUCell`` lacks ``b_hr``/
+``b_hz``), so the NNX side is :class:`jdist.testing.TransformerEncoderLayer`,
+:class:`jdist.testing.LSTM`, :class:`jdist.testing.GRU`, which keep every torch array
+(gate order i, f, g, o and r, z, n; GRU's ``b_hn`` inside ``r * (...)``). Flax's
+``nnx.LSTMCell``/``OptimizedLSTMCell``/``GRUCell``/``RNN`` are reported as unsupported
+with that fix. The encoder layer is a container: its settings (``norm_first``,
+``activation``, ``batch_first``, dropout) are checked, its sub-layers pair as usual.
+Every array of a paired layer must have a counterpart (else an error lists them).
 
 The pairing lives in :mod:`jdist.testing._convert_layers`, the hyperparameter checks in
 :mod:`jdist.testing._convert_config`; this module moves the arrays.
@@ -63,17 +82,20 @@ silently shift weights); so do shape mismatches. A parameter present on one side
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jdist.errors import WeightConversionError
+from jdist.testing._convert_arrays import LAYOUT, ArrayMap, array_maps, get_path, take_chunk
+from jdist.testing._convert_arrays import torch_names as _torch_names
 from jdist.testing._convert_config import _check_configs
 from jdist.testing._convert_config import flax_to_torch_momentum as flax_to_torch_momentum
 from jdist.testing._convert_config import torch_to_flax_momentum as torch_to_flax_momentum
-from jdist.testing._convert_layers import _ARRAYS, _LAYOUT, Layer, _pair
+from jdist.testing._convert_layers import CONTAINERS, Layer, _pair
 from jdist.testing._convert_layers import nnx_layers as nnx_layers
 from jdist.testing._convert_layers import paired_layers as paired_layers
 from jdist.testing._convert_layers import torch_layers as torch_layers
@@ -109,25 +131,49 @@ def _to_numpy(v) -> np.ndarray:
     return np.array(v, copy=True)
 
 
+def _rows(layer: Layer) -> list[ArrayMap]:
+    return array_maps(layer.kind, layer.module)
+
+
+def _nnx_var(layer: Layer, attr: str):
+    var = get_path(layer.module, attr)
+    return var if isinstance(var, nnx.Variable) else None
+
+
 def _nnx_get(layer: Layer, attr: str):
-    var = getattr(layer.module, attr, None)
+    var = _nnx_var(layer, attr)
     return None if var is None else np.asarray(var.get_value())
 
 
-def _nnx_prepare(layer: Layer, attr: str, value: np.ndarray, src_desc: str, tname: str):
+def _layout(kind) -> str:
+    return LAYOUT.get(kind, "same layout")
+
+
+def _nnx_prepare(layer: Layer, row: ArrayMap, value: np.ndarray, src_desc: str):
     """``(variable, new value)`` after the shape check (nothing is written yet)."""
-    var = getattr(layer.module, attr)
+    var = _nnx_var(layer, row.attr)
     old = var.get_value()
-    if tuple(value.shape) != tuple(old.shape):
+    part = "" if row.chunk is None else f" part {row.chunk[0] + 1} of {row.chunk[1]}"
+    try:
+        new = row.to_nnx(value)
+    except ValueError:  # a reshape into heads that does not divide
+        new = value
+    if tuple(new.shape) != tuple(old.shape):
         raise WeightConversionError(
-            f"shape mismatch: torch {src_desc} '{tname}' gives {tuple(value.shape)} after "
-            f"conversion ({_LAYOUT.get(layer.kind, 'same layout')}) but nnx "
-            f"{layer.describe()} '{attr}' has {tuple(old.shape)}; build both layers with the "
-            f"same sizes")
-    return var, jnp.array(value, dtype=old.dtype, copy=True)
+            f"shape mismatch: torch {src_desc} '{row.tname}'{part} gives "
+            f"{tuple(new.shape)} after conversion ({_layout(layer.kind)}) but nnx "
+            f"{layer.describe()} '{row.attr}' has {tuple(old.shape)}; build both layers "
+            f"with the same sizes")
+    return var, jnp.array(new, dtype=old.dtype, copy=True)
 
 
-def _missing(strict, side, desc, name, other_side, other_desc, other_name):
+def _missing(strict, side, desc, name, other_side, other_desc, other_name, optional=True):
+    if not optional:
+        raise WeightConversionError(
+            f"{side} {desc} has '{name}' but {other_side} {other_desc} has no "
+            f"'{other_name}': the two layers are built differently (e.g. packed vs "
+            f"separate q/k/v projections: torch kdim/vdim vs nnx in_kv_features); build "
+            f"both alike")
     if strict:
         raise WeightConversionError(
             f"{side} {desc} has '{name}' but {other_side} {other_desc} has no "
@@ -136,18 +182,22 @@ def _missing(strict, side, desc, name, other_side, other_desc, other_name):
             f"strict=False to leave it alone")
 
 
-def _nnx_writes(arrays: Mapping[str, Any], src_desc: str, layer: Layer, strict: bool):
-    """Checked ``(variable, value)`` writes for one layer."""
+def _nnx_writes(get: Callable[[str], Any], src_desc: str, layer: Layer, strict: bool):
+    """Checked ``(variable, value)`` writes for one layer; ``get(torch name)`` reads the
+    source (a torch module's array or a state_dict entry, ``None`` when absent)."""
     writes = []
-    for tname, attr, to_nnx, _ in _ARRAYS[layer.kind]:
-        tv = arrays.get(tname)
-        has_n = getattr(layer.module, attr, None) is not None
+    for row in _rows(layer):
+        full = get(row.tname)
+        tv = None if full is None else take_chunk(_to_numpy(full), row, f"torch {src_desc}")
+        has_n = _nnx_var(layer, row.attr) is not None
         if tv is None and has_n:
-            _missing(strict, "nnx", layer.describe(), attr, "torch", src_desc, tname)
+            _missing(strict, "nnx", layer.describe(), row.attr, "torch", src_desc, row.tname,
+                     row.optional)
         elif tv is not None and not has_n:
-            _missing(strict, "torch", src_desc, tname, "nnx", layer.describe(), attr)
+            _missing(strict, "torch", src_desc, row.tname, "nnx", layer.describe(), row.attr,
+                     row.optional)
         elif tv is not None:
-            writes.append(_nnx_prepare(layer, attr, to_nnx(_to_numpy(tv)), src_desc, tname))
+            writes.append(_nnx_prepare(layer, row, tv, src_desc))
     return writes
 
 
@@ -158,11 +208,18 @@ def _apply(writes) -> None:
 
 
 def _arrays_from_nnx(layer: Layer) -> dict[str, np.ndarray | None]:
-    out = {}
-    for tname, attr, _, to_torch in _ARRAYS[layer.kind]:
-        v = _nnx_get(layer, attr)
-        out[tname] = None if v is None else to_torch(v)
-    return out
+    """Torch name -> array in torch's layout (q/k/v parts joined); ``None`` if absent."""
+    parts: dict[str, list] = {}
+    for row in _rows(layer):
+        v = _nnx_get(layer, row.attr)
+        parts.setdefault(row.tname, []).append(None if v is None else row.to_torch(v))
+    return {name: None if any(p is None for p in ps) else
+            (ps[0] if len(ps) == 1 else np.concatenate(ps, axis=0))
+            for name, ps in parts.items()}
+
+
+def _required(layer: Layer) -> set[str]:
+    return {row.tname for row in _rows(layer) if not row.optional}
 
 
 def _to_torch_tensor(value: np.ndarray, like):
@@ -172,6 +229,28 @@ def _to_torch_tensor(value: np.ndarray, like):
         value = value.astype(np.float32)
     t = torch.from_numpy(np.array(value, copy=True))
     return t.to(dtype=like.dtype, device=like.device) if like is not None else t
+
+
+def _check_covered(t: Layer, n: Layer) -> None:
+    """Every array of a paired layer must have a row: a torch LSTM with more layers, an
+    attention with ``add_bias_kv``, a Flax attention with ``normalize_qk`` would
+    otherwise lose arrays silently."""
+    if n.kind in CONTAINERS:
+        return
+    rows = _rows(n)
+    known_t = set(_torch_names(rows)) | {"num_batches_tracked"}
+    extra_t = [k for k, _ in list(t.module.named_parameters()) + list(t.module.named_buffers())
+               if k not in known_t]
+    known_n = {row.attr for row in rows}
+    flat = nnx.to_flat_state(nnx.state(n.module, (nnx.Param, nnx.BatchStat)))
+    extra_n = [".".join(map(str, p)) for p, _ in flat]
+    extra_n = [k for k in extra_n if k not in known_n]
+    if extra_t or extra_n:
+        raise WeightConversionError(
+            f"torch {t.describe()} and nnx {n.describe()} are built differently: arrays "
+            f"with no counterpart: torch {extra_t}, nnx {extra_n} ({_layout(n.kind)}); "
+            f"build both alike (same num_layers/bidirectional, no add_bias_kv/proj_size/"
+            f"normalize_qk)")
 
 
 # ------------------------------------------------------------------------ public API
@@ -200,11 +279,13 @@ def torch_to_nnx(torch_module, nnx_module, *, strict: bool = True,
         hyperparameter mismatches.
     """
     pairs = _pair(torch_layers(torch_module), nnx_layers(nnx_module), "torch", "nnx", strict)
+    for t, n in pairs:
+        _check_covered(t, n)
     _check_configs(pairs, check_config)
     writes = []
     for t, n in pairs:
-        arrays = {name: getattr(t.module, name, None) for name, *_ in _ARRAYS[t.kind]}
-        writes += _nnx_writes(arrays, t.describe(), n, strict)
+        writes += _nnx_writes(lambda name, m=t.module: get_path(m, name), t.describe(), n,
+                              strict)
     _apply(writes)
     return nnx_module
 
@@ -221,24 +302,27 @@ def nnx_to_torch(nnx_module, torch_module, *, strict: bool = True, check_config:
     import torch
 
     pairs = _pair(nnx_layers(nnx_module), torch_layers(torch_module), "nnx", "torch", strict)
+    for n, t in pairs:
+        _check_covered(t, n)
     _check_configs([(t, n) for n, t in pairs], check_config)
     writes = []  # checked first, written after, so a failed copy changes nothing
     for n, t in pairs:
-        attrs = {tname: attr for tname, attr, *_ in _ARRAYS[n.kind]}
+        attrs = {row.tname: row.attr for row in _rows(n)}
+        required = _required(n)
         for tname, value in _arrays_from_nnx(n).items():
-            target, attr = getattr(t.module, tname, None), attrs[tname]
+            target, attr = get_path(t.module, tname), attrs[tname]
+            opt = tname not in required
             if value is None and target is not None:
-                _missing(strict, "torch", t.describe(), tname, "nnx", n.describe(), attr)
+                _missing(strict, "torch", t.describe(), tname, "nnx", n.describe(), attr, opt)
             elif value is not None and target is None:
-                _missing(strict, "nnx", n.describe(), attr, "torch", t.describe(), tname)
+                _missing(strict, "nnx", n.describe(), attr, "torch", t.describe(), tname, opt)
             elif value is not None:
                 if tuple(value.shape) != tuple(target.shape):
                     raise WeightConversionError(
                         f"shape mismatch: nnx {n.describe()} '{attr}' gives "
-                        f"{tuple(value.shape)} after conversion "
-                        f"({_LAYOUT.get(n.kind, 'same layout')}) but torch {t.describe()} "
-                        f"'{tname}' has {tuple(target.shape)}; build both layers with the "
-                        f"same sizes")
+                        f"{tuple(value.shape)} after conversion ({_layout(n.kind)}) but "
+                        f"torch {t.describe()} '{tname}' has {tuple(target.shape)}; build "
+                        f"both layers with the same sizes")
                 writes.append((target, _to_torch_tensor(value, target)))
     with torch.no_grad():
         for target, value in writes:
@@ -247,24 +331,31 @@ def nnx_to_torch(nnx_module, torch_module, *, strict: bool = True, check_config:
 
 
 def _state_dict_groups(state_dict: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Keys grouped by module prefix, in order; a group nested in the previous one joins
+    it (``attn.out_proj.weight`` belongs to the attention ``attn``, key
+    ``out_proj.weight``)."""
     groups: OrderedDict[str, dict[str, Any]] = OrderedDict()
     for key, value in state_dict.items():
         prefix, _, name = key.rpartition(".")
+        last = next(reversed(groups), None)
+        if last is not None and prefix != last and (last == "" or
+                                                    prefix.startswith(last + ".")):
+            prefix, name = last, key[len(last) + 1:] if last else key
         groups.setdefault(prefix, {})[name] = value
     return list(groups.items())
 
 
-def _group_kind_ok(kind: str, arrays: Mapping[str, Any]) -> bool:
-    names = set(arrays)
-    allowed = {t for t, *_ in _ARRAYS[kind]} | ({"num_batches_tracked"}
+def _group_kind_ok(layer: Layer, arrays: Mapping[str, Any]) -> bool:
+    kind, names = layer.kind, set(arrays)
+    allowed = set(_torch_names(_rows(layer))) | ({"num_batches_tracked"}
                                                   if kind == "batchnorm" else set())
-    if not names <= allowed or ("weight" not in names and kind != "batchnorm"):
+    if not names <= allowed or not _required(layer) <= names:
         return False
     if kind == "batchnorm":
         return {"running_mean", "running_var"} <= names
-    ndim = ({"linear": 2, "embedding": 2, "embeddingbag": 2, "layernorm": 1}.get(kind)
-            or int(kind[4]) + 2)
-    return np.ndim(_to_numpy(arrays["weight"])) == ndim
+    ndim = {"linear": 2, "embedding": 2, "embeddingbag": 2, "layernorm": 1,
+            "conv1d": 3, "conv2d": 4, "conv3d": 5}.get(kind)
+    return ndim is None or np.ndim(_to_numpy(arrays["weight"])) == ndim
 
 
 def _nnx_layers_with_arrays(nnx_module, strict: bool) -> list[Layer]:
@@ -276,7 +367,7 @@ def _nnx_layers_with_arrays(nnx_module, strict: bool) -> list[Layer]:
             f"nnx model has layers holding parameters that cannot be converted: "
             f"{', '.join(bad)}; pass strict=False to skip them")
     return [lay for lay in layers if lay.kind is not None
-            and any(_nnx_get(lay, attr) is not None for _, attr, *_ in _ARRAYS[lay.kind])]
+            and any(_nnx_get(lay, row.attr) is not None for row in _rows(lay))]
 
 
 def state_dict_to_nnx(state_dict: Mapping[str, Any], nnx_module, *, strict: bool = True):
@@ -300,12 +391,12 @@ def state_dict_to_nnx(state_dict: Mapping[str, Any], nnx_module, *, strict: bool
             f"({[lay.path for lay in convertible]}); they are paired in order")
     writes = []
     for i, ((prefix, arrays), layer) in enumerate(zip(groups, convertible, strict=True)):
-        if not _group_kind_ok(layer.kind, arrays):
+        if not _group_kind_ok(layer, arrays):
             raise WeightConversionError(
                 f"layer #{i}: state_dict entries {prefix!r} {sorted(arrays)} do not look like "
                 f"a {layer.kind} as nnx {layer.describe()} expects (names or weight rank "
                 f"differ); both models must define the same layers in the same order")
-        writes += _nnx_writes(arrays, repr(prefix), layer, strict)
+        writes += _nnx_writes(arrays.get, repr(prefix), layer, strict)
     _apply(writes)
     return nnx_module
 
@@ -339,7 +430,7 @@ def nnx_state_to_torch_state_dict(nnx_module, template: Mapping[str, Any] | None
             f"the nnx model has {len(convertible)} convertible layers "
             f"({[lay.path for lay in convertible]}); they are paired in order")
     for i, ((prefix, arrays), layer) in enumerate(zip(groups, convertible, strict=True)):
-        if not _group_kind_ok(layer.kind, arrays):
+        if not _group_kind_ok(layer, arrays):
             raise WeightConversionError(
                 f"layer #{i}: template entries {prefix!r} {sorted(arrays)} do not look like a "
                 f"{layer.kind} as nnx {layer.describe()} expects")

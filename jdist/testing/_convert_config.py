@@ -100,7 +100,77 @@ def _config_diffs(kind: str, t, n) -> list[str]:
     elif kind == "embedding" and t.max_norm is not None:
         diffs.append(f"max_norm: torch renormalises rows to max_norm={t.max_norm!r}; Flax "
                      f"has no equivalent")
+    elif kind in _COMPOSITE:
+        diffs += _COMPOSITE[kind](t, n)
     return diffs
+
+
+def _cmp(diffs, what, tv, nv, fix):
+    if tv != nv:
+        diffs.append(f"{what}: torch {tv!r} vs nnx {nv!r} ({fix})")
+
+
+def _mha_diffs(t, n) -> list[str]:
+    d: list[str] = []
+    _cmp(d, "num_heads", int(t.num_heads), int(n.num_heads), "pass the same head count")
+    _cmp(d, "embed_dim", int(t.embed_dim), int(n.in_features), "in_features=embed_dim")
+    _cmp(d, "qkv_features", int(t.embed_dim), int(n.qkv_features),
+         "torch projects q/k/v to embed_dim; leave qkv_features unset")
+    _cmp(d, "out_features", int(t.embed_dim), int(n.out_features), "leave out_features unset")
+    if t.kdim != t.vdim:
+        d.append(f"kdim={t.kdim!r} vs vdim={t.vdim!r}: nnx.MultiHeadAttention projects keys "
+                 f"and values from one in_kv_features; give torch kdim == vdim")
+    else:
+        _cmp(d, "kdim/vdim", int(t.kdim), int(n.in_kv_features), "pass in_kv_features=kdim")
+    _cmp(d, "num_kv_heads", int(n.num_heads), int(n.num_kv_heads),
+         "torch has no grouped-query attention; leave num_kv_heads unset")
+    _cmp(d, "dropout", float(t.dropout), float(n.dropout_rate), "pass dropout_rate=")
+    if t.add_zero_attn:
+        d.append("add_zero_attn=True: nnx.MultiHeadAttention has no zero attention row; "
+                 "use add_zero_attn=False")
+    if n.normalize_qk:
+        d.append("normalize_qk=True: torch has no q/k LayerNorm; use normalize_qk=False")
+    return d
+
+
+def _rnn_diffs(t, n) -> list[str]:
+    d: list[str] = []
+    for what in ("input_size", "hidden_size", "num_layers"):
+        _cmp(d, what, int(getattr(t, what)), int(getattr(n, what)), f"pass the same {what}")
+    for what in ("bidirectional", "batch_first", "bias"):
+        _cmp(d, what, bool(getattr(t, what)), bool(getattr(n, what)), f"pass the same {what}")
+    _cmp(d, "dropout", float(t.dropout), float(n.dropout), "pass the same dropout")
+    if getattr(t, "proj_size", 0):
+        d.append(f"proj_size={t.proj_size!r}: jdist.testing.LSTM has no projection; use "
+                 f"proj_size=0")
+    return d
+
+
+def _torch_activation(a) -> str:
+    """``"relu"``/``"gelu"`` for torch's encoder-layer activation, else its repr."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    if a is F.relu or isinstance(a, nn.ReLU):
+        return "relu"
+    if a is F.gelu or (isinstance(a, nn.GELU) and a.approximate == "none"):
+        return "gelu"
+    return repr(a)
+
+
+def _encoder_diffs(t, n) -> list[str]:
+    d: list[str] = []
+    _cmp(d, "activation", _torch_activation(t.activation), n.activation,
+         "jdist.testing.TransformerEncoderLayer takes activation='relu' or 'gelu'")
+    _cmp(d, "norm_first", bool(t.norm_first), bool(n.norm_first), "pass the same norm_first")
+    _cmp(d, "batch_first", bool(t.self_attn.batch_first), bool(n.batch_first),
+         "pass the same batch_first")
+    _cmp(d, "dropout", float(t.dropout.p), float(n.dropout.rate), "pass the same dropout")
+    return d
+
+
+_COMPOSITE = {"mha": _mha_diffs, "lstm": _rnn_diffs, "gru": _rnn_diffs,
+              "transformer_encoder_layer": _encoder_diffs}
 
 
 def _check_configs(pairs, check_config: bool) -> None:

@@ -10,11 +10,17 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from jdist.errors import WeightConversionError
+from jdist.testing._convert_rnn import GRU, LSTM
+from jdist.testing._convert_transformer import TransformerEncoderLayer
 from jdist.testing._embedding_bag import EmbeddingBag
+
+# kinds whose sub-layers are paired on their own (the container only checks settings)
+CONTAINERS = frozenset({"transformer_encoder_layer"})
+SUPPORTED = ("Linear, Conv1d/2d/3d, BatchNorm, LayerNorm, Embedding, EmbeddingBag, "
+             "MultiheadAttention, TransformerEncoderLayer, LSTM, GRU")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,43 +31,10 @@ class Layer:
     kind: str | None
     module: Any
     type_name: str
+    note: str = ""  # why an unsupported layer cannot be converted, and the fix
 
     def describe(self) -> str:
         return f"{self.path or '<root>'!r} ({self.type_name})"
-
-
-# (torch name, nnx attribute, transform to nnx, transform to torch)
-def _same(a):
-    return a
-
-
-def _transpose(a):
-    return np.ascontiguousarray(np.transpose(a))
-
-
-def _conv_maps(nd: int):
-    to_nnx = tuple(range(2, nd + 2)) + (1, 0)  # O I *S -> *S I O
-    to_torch = tuple(int(i) for i in np.argsort(to_nnx))
-    return (lambda a: np.ascontiguousarray(np.transpose(a, to_nnx)),
-            lambda a: np.ascontiguousarray(np.transpose(a, to_torch)))
-
-
-_CONV = {nd: _conv_maps(nd) for nd in (1, 2, 3)}
-_ARRAYS = {
-    "linear": [("weight", "kernel", _transpose, _transpose), ("bias", "bias", _same, _same)],
-    "batchnorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same),
-                  ("running_mean", "mean", _same, _same), ("running_var", "var", _same, _same)],
-    "layernorm": [("weight", "scale", _same, _same), ("bias", "bias", _same, _same)],
-    "embedding": [("weight", "embedding", _same, _same)],
-    "embeddingbag": [("weight", "embedding", _same, _same)],
-}
-for _nd, (_to_nnx, _to_torch) in _CONV.items():
-    _ARRAYS[f"conv{_nd}d"] = [("weight", "kernel", _to_nnx, _to_torch),
-                              ("bias", "bias", _same, _same)]
-_LAYOUT = {"linear": "torch (out, in) <-> nnx (in, out)",
-           "conv1d": "torch (O, I, W) <-> nnx (W, I, O)",
-           "conv2d": "torch (O, I, H, W) <-> nnx (H, W, I, O)",
-           "conv3d": "torch (O, I, D, H, W) <-> nnx (D, H, W, I, O)"}
 
 
 # ------------------------------------------------------------------------ traversal
@@ -70,7 +43,7 @@ _LAYOUT = {"linear": "torch (out, in) <-> nnx (in, out)",
 def _nnx_kind(m) -> str | None:
     if isinstance(m, nnx.Linear):
         return "linear"
-    if isinstance(m, nnx.Conv) and len(m.kernel_size) in _CONV:
+    if isinstance(m, nnx.Conv) and len(m.kernel_size) in (1, 2, 3):
         return f"conv{len(m.kernel_size)}d"
     if isinstance(m, nnx.BatchNorm):
         return "batchnorm"
@@ -80,7 +53,31 @@ def _nnx_kind(m) -> str | None:
         return "embedding"
     if isinstance(m, EmbeddingBag):
         return "embeddingbag"
+    if isinstance(m, nnx.MultiHeadAttention):
+        return "mha"
+    if isinstance(m, LSTM):
+        return "lstm"
+    if isinstance(m, GRU):
+        return "gru"
+    if isinstance(m, TransformerEncoderLayer):
+        return "transformer_encoder_layer"
     return None
+
+
+def _flax_recurrent_note(m) -> str:
+    """Why Flax's own recurrent modules cannot hold a torch LSTM/GRU exactly ("" if not one)."""
+    if isinstance(m, (nnx.LSTMCell, nnx.OptimizedLSTMCell)):
+        return ("Flax's LSTM cells have one bias per gate where torch's LSTM has two "
+                "(b_ih, b_hh), so torch's weights cannot be stored and recovered; build "
+                "the nnx side with jdist.testing.LSTM")
+    if isinstance(m, nnx.GRUCell):
+        return ("nnx.GRUCell has no hidden-side biases for the r and z gates where "
+                "torch's GRU has b_hr and b_hz, so torch's weights cannot be stored and "
+                "recovered; build the nnx side with jdist.testing.GRU")
+    if isinstance(m, (nnx.RNN, nnx.Bidirectional, nnx.SimpleCell)):
+        return ("Flax's RNN/Bidirectional/cells do not hold torch's recurrent arrays "
+                "exactly; build the nnx side with jdist.testing.LSTM or jdist.testing.GRU")
+    return ""
 
 
 def _attributes_in_definition_order(node) -> list[tuple[str, Any]]:
@@ -118,13 +115,14 @@ def nnx_layers(module) -> list[Layer]:
         if not isinstance(node, nnx.Module) or id(node) in seen:
             return
         seen.add(id(node))
-        kind = _nnx_kind(node)
-        if kind is not None:
-            out.append(Layer(path, kind, node, type(node).__name__))
-            return
+        kind, note = _nnx_kind(node), _flax_recurrent_note(node)
+        if kind is not None or note:
+            out.append(Layer(path, kind, node, type(node).__name__, note))
+            if kind not in CONTAINERS:
+                return
         children = [(k, v) for k, v in _attributes_in_definition_order(node)
                     if not k.startswith("_pytree__")]
-        if any(isinstance(v, nnx.Variable) for _, v in children):
+        if kind is None and any(isinstance(v, nnx.Variable) for _, v in children):
             out.append(Layer(path, None, node, type(node).__name__))
         for k, v in children:
             if not isinstance(v, nnx.Variable):
@@ -150,6 +148,14 @@ def _torch_kind(m) -> str | None:
         return "embedding"
     if isinstance(m, nn.EmbeddingBag):
         return "embeddingbag"
+    if isinstance(m, nn.MultiheadAttention):
+        return "mha"
+    if isinstance(m, nn.LSTM):
+        return "lstm"
+    if isinstance(m, nn.GRU):
+        return "gru"
+    if isinstance(m, nn.TransformerEncoderLayer):
+        return "transformer_encoder_layer"
     return None
 
 
@@ -160,10 +166,15 @@ def torch_layers(module) -> list[Layer]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}: {module!r}")
     out = []
+    inside: list[str] = []  # prefixes of layers converted whole (MultiheadAttention)
     for path, m in module.named_modules():
+        if any(path.startswith(p + ".") or not p for p in inside):
+            continue
         kind = _torch_kind(m)
         if kind is not None:
             out.append(Layer(path, kind, m, type(m).__name__))
+            if kind not in CONTAINERS:
+                inside.append(path)
         elif any(True for _ in m.parameters(recurse=False)) or \
                 any(True for _ in m.buffers(recurse=False)):
             out.append(Layer(path, None, m, type(m).__name__))
@@ -173,13 +184,13 @@ def torch_layers(module) -> list[Layer]:
 def _pair(src: list[Layer], dst: list[Layer], src_name: str, dst_name: str, strict: bool):
     """Pair the i-th supported layer of each side; raise on unsupported, count, kind."""
     for side, layers in ((src_name, src), (dst_name, dst)):
-        bad = [lay.describe() for lay in layers if lay.kind is None]
+        bad = [lay.describe() + (f" [{lay.note}]" if lay.note else "")
+               for lay in layers if lay.kind is None]
         if bad and strict:
             raise WeightConversionError(
                 f"{side} model has layers holding parameters that cannot be converted: "
-                f"{', '.join(bad)}. Supported: Linear, Conv1d/2d/3d, BatchNorm, LayerNorm, "
-                f"Embedding, EmbeddingBag. Pass strict=False to skip them (their weights are not "
-                f"copied)"
+                f"{', '.join(bad)}. Supported: {SUPPORTED}. Pass strict=False to skip "
+                f"them (their weights are not copied)"
             )
     src = [lay for lay in src if lay.kind is not None]
     dst = [lay for lay in dst if lay.kind is not None]
