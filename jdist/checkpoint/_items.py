@@ -35,7 +35,7 @@ import numpy as np
 from jdist.checkpoint._errors import CheckpointMismatchError
 from jdist.checkpoint._leaves import PerRank, describe, key_path
 
-__all__ = ["kind_of", "array_leaves", "json_value", "check_leaves"]
+__all__ = ["kind_of", "array_leaves", "json_value", "check_leaves", "not_whole"]
 
 
 def _is_sampler(v) -> bool:
@@ -129,6 +129,22 @@ def hook_leaves(ddp) -> list[tuple[str, Any]]:
     if state is None:
         return []
     return [(key_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+_OWN = {"sampler": "a sampler (its position)", "np_rng": "a numpy Generator",
+        "rngs": "an nnx.Rngs", "per_rank": "a PerRank value"}
+
+
+def not_whole(name: str, kind: str, leaves: list) -> str | None:
+    """Why one rank cannot save ``state[name]`` whole by itself (None: it can, every
+    value being replicated, addressable here or JSON data)."""
+    if kind in _OWN:
+        return f"state[{name!r}] is {_OWN[kind]}, which every rank holds its own of"
+    for path, x in leaves:
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+            return (f"state[{name!r}] {path!r} (shape {tuple(x.shape)}) is sharded over "
+                    f"the devices of several processes ({str(x.sharding)[:160]})")
+    return None
 
 
 def rebuild(kind: str, value: Any, new_leaves: list) -> Any:

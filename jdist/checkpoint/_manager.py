@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jdist.checkpoint import _items, _layout, _leaves, _pack
+from jdist.checkpoint import _items, _layout, _leaves, _pack, _peers
 from jdist.checkpoint._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -57,6 +57,63 @@ def _checksums(arrays: dict, meta: dict) -> None:
         rec.update(_pack.buffer_checksum(arrays[name]))
 
 
+_LEAN_WAIT_S = 2.0  # how long a rank other than 0 waits to learn whether rank 0 saves
+
+
+def _entries(state: dict) -> list:
+    """``[(name, kind, array leaves, comm-hook leaves), ...]`` of a state."""
+    out = []
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state keys must be strings, got {name!r}")
+        kind = _items.kind_of(name, value)
+        hook = _items.hook_leaves(value) if kind == "ddp" else []
+        out.append((name, kind, value, _items.array_leaves(kind, value), hook))
+    return out
+
+
+def _make_part(step: int, entries: list, rank: int, world: int, whole: bool) -> tuple:
+    """``(host values, JSON record)`` of this rank's part (``whole``: with every
+    replicated value, as rank 0 writes them)."""
+    values: list = []  # every piece this rank writes, still on its device
+    recs: list = []  # its record in the JSON, filled in once the pieces are packed
+    items = {}
+
+    def leaf_entry(path, x, local):
+        place, pieces = _leaves.host_pieces(x, 0 if whole else rank, local)
+        mine = []
+        for index, a in pieces:
+            values.append(a)
+            mine.append({"index": index})
+            recs.append(mine[-1])
+        return {"path": path, **_leaves.describe(x), "place": place, "pieces": mine}
+
+    for name, kind, value, leaves, hook in entries:
+        entry: dict[str, Any] = {"kind": kind}
+        if kind in ("sampler", "np_rng", "json"):
+            entry["json"] = _items.json_value(kind, value)
+            _items.check_json(name, entry["json"])
+        entry["leaves"] = [leaf_entry(p, x, kind in ("per_rank", "rngs")) for p, x in leaves]
+        if kind == "ddp":
+            entry["num_replicas"] = value.process_group.num_replicas
+            entry["hook"] = [leaf_entry(p, x, False) for p, x in hook]
+        items[name] = entry
+    # host values that stay as they are (views of CPU device buffers, copies of
+    # anything mutable): the writer packs them into its buffers, while the training
+    # step goes on and may reuse or donate its arrays
+    host = _pack.to_host(values)
+    sizes, places = _pack.layout(host)
+    for rec, (buf, offset, shape) in zip(recs, places, strict=True):
+        rec.update(buffer=buf, offset=offset, shape=shape)
+    buffers = {k: {"dtype": str(dtype), "size": int(n)}
+               for k, (dtype, n) in sizes.items()}  # checksums: see _checksums
+    meta = {"format": _pack.FORMAT, "step": step, "rank": rank, "world": world,
+            "whole": whole, "time": time.time(), "items": items, "arrays": sorted(buffers),
+            "buffers": buffers}
+    # a copy: the async write serializes it later, while training mutates the state
+    return host, json.loads(json.dumps(meta))
+
+
 class CheckpointManager:
     """Saves and restores one training state; every rank of the job makes one.
 
@@ -77,6 +134,10 @@ class CheckpointManager:
         (PowerSGD error feedback) afresh when the number of replicas changed, instead of
         raising :class:`CheckpointMismatchError`.
       timeout: seconds to wait for a write in flight before raising ``TimeoutError``.
+      peer_timeout: seconds a save of values of each rank's own (samplers,
+        Generators, sharded arrays) waits for every rank to call ``save`` for the
+        same step before raising :class:`CheckpointError` (``None``: ``timeout``);
+        a warning names the missing ranks after 5 s.
 
     Example::
 
@@ -92,7 +153,7 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, save_interval_steps: int = 1,
                  max_to_keep: int | None = None, async_save: bool = True, *,
                  elastic: bool = False, reset_hook_state_on_resize: bool = False,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, peer_timeout: float | None = None):
         if isinstance(save_interval_steps, bool) or not isinstance(
                 save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got "
@@ -107,6 +168,7 @@ class CheckpointManager:
         self.elastic = bool(elastic)
         self.reset_hook_state_on_resize = bool(reset_hook_state_on_resize)
         self.timeout = float(timeout)
+        self.peer_timeout = self.timeout if peer_timeout is None else float(peer_timeout)
         self.rank, self.world = _rank_world()
         self.restart_count = restart_count()
         self.restored_step: int | None = None
@@ -132,7 +194,17 @@ class CheckpointManager:
     def save(self, step: int, state: dict, *, force: bool = False) -> bool:
         """Save ``state`` at ``step`` if ``step`` is on the interval (or ``force``).
 
-        Returns whether a save started. Every rank must call it with the same steps.
+        Returns whether a save started. Call it on every rank with the same steps; a
+        state that holds only values every rank has whole (replicated parameters and
+        optimizer state, JSON data) may also be saved by one rank alone, as torch's
+        ``if rank == 0: torch.save(...)``: that rank writes a whole part, a complete
+        step by itself that every rank restores.
+
+        Raises:
+          CheckpointError: ``state`` holds values of each rank's own (samplers,
+            Generators, ``nnx.Rngs``, ``PerRank``) or arrays sharded over other
+            processes, and not every rank called ``save`` for this step within
+            ``peer_timeout`` seconds; nothing is written.
         """
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -143,61 +215,57 @@ class CheckpointManager:
                             f"{type(state).__name__}")
         if not (force or self.should_save(step)):
             return False
-        self.wait()
         existing = next((s for s in _layout.scan(self.directory) if s.step == step), None)
         if existing is not None and existing.complete_world() == self.world:
+            self.wait()
             return False  # the step this job resumed from: already complete
-        host, meta = self._part(step, state)
+        entries = _entries(state)
+        why = next((w for w in (_items.not_whole(n, k, lv + hk)
+                                for n, k, _, lv, hk in entries) if w), None)
+        _layout.announce(self.directory, step, self.rank, self.world)
+        try:
+            self.wait()
+            whole = self._whole(step, why)
+        except BaseException:
+            _layout.withdraw(self.directory, step, self.rank, self.world)
+            raise
+        host, meta = _make_part(step, entries, self.rank, self.world, whole)
         _layout.remove_own(self.directory, step, self.rank, self.world)
         path = os.path.join(_layout.step_dir(self.directory, step),
-                            _layout.part_name(self.rank, self.world))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+                            _layout.part_name(self.rank, self.world, whole))
         self._writer.save(path, lambda spare: _pack.pack(host, spare)[0], meta,
                           prepare=_checksums, then=self._retain)
         return True
 
-    def _part(self, step: int, state: dict) -> tuple[dict, dict]:
-        values: list = []  # every piece this rank writes, still on its device
-        recs: list = []  # its record in the JSON, filled in once the pieces are packed
-        items = {}
+    def _whole(self, step: int, why: str | None) -> bool:
+        """Whether this rank writes the whole state (a part complete by itself).
 
-        def leaf_entry(path, x, local):
-            place, pieces = _leaves.host_pieces(x, self.rank, local)
-            mine = []
-            for index, a in pieces:
-                values.append(a)
-                mine.append({"index": index})
-                recs.append(mine[-1])
-            return {"path": path, **_leaves.describe(x), "place": place, "pieces": mine}
-
-        for name, value in state.items():
-            if not isinstance(name, str):
-                raise TypeError(f"state keys must be strings, got {name!r}")
-            kind = _items.kind_of(name, value)
-            entry: dict[str, Any] = {"kind": kind}
-            if kind in ("sampler", "np_rng", "json"):
-                entry["json"] = _items.json_value(kind, value)
-                _items.check_json(name, entry["json"])
-            entry["leaves"] = [leaf_entry(p, x, kind in ("per_rank", "rngs"))
-                               for p, x in _items.array_leaves(kind, value)]
-            if kind == "ddp":
-                entry["num_replicas"] = value.process_group.num_replicas
-                entry["hook"] = [leaf_entry(p, x, False) for p, x in _items.hook_leaves(value)]
-            items[name] = entry
-        # host values that stay as they are (views of CPU device buffers, copies of
-        # anything mutable): the writer packs them into its buffers, while the training
-        # step goes on and may reuse or donate its arrays
-        host = _pack.to_host(values)
-        sizes, places = _pack.layout(host)
-        for rec, (buf, offset, shape) in zip(recs, places, strict=True):
-            rec.update(buffer=buf, offset=offset, shape=shape)
-        buffers = {k: {"dtype": str(dtype), "size": int(n)}
-                   for k, (dtype, n) in sizes.items()}  # checksums: see _checksums
-        meta = {"format": _pack.FORMAT, "step": step, "rank": self.rank, "world": self.world,
-                "time": time.time(), "items": items, "arrays": sorted(buffers),
-                "buffers": buffers}
-        # a copy: the async write serializes it later, while training mutates the state
-        return host, json.loads(json.dumps(meta))
+        Rank 0 does whenever it can (it writes every replicated value anyway); another
+        rank does when rank 0 is not saving this step (it waits a moment for rank 0's
+        announcement, so a save on every rank writes the replicated values once). A
+        state with values of each rank's own needs every rank: raise, writing nothing,
+        when they do not all come.
+        """
+        if self.world == 1:
+            return False  # its one part completes the step as it is
+        if why is None and self.rank == 0:
+            return True
+        if why is None:
+            return bool(_peers.await_ranks(self.directory, step, self.world, {0},
+                                           min(self.peer_timeout, _LEAN_WAIT_S)))
+        missing = _peers.await_ranks(
+            self.directory, step, self.world, set(range(self.world)), self.peer_timeout,
+            warn_after=min(5.0, self.peer_timeout / 2), why=why)
+        if missing:
+            raise CheckpointError(
+                f"save(step {step}) was called on rank {self.rank} but ranks "
+                f"{sorted(missing)} of {self.world} did not call it within "
+                f"{self.peer_timeout:g} s, and {why}: one rank cannot save the other "
+                "ranks' values, so nothing was written. Call save on every rank (not "
+                "under `if rank == 0:`), or save on one rank a state of replicated "
+                "values and JSON data only (parameters, optimizer state, the epoch); pass "
+                "a larger peer_timeout if the other ranks are only late")
+        return False
 
     def _retain(self) -> None:
         """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones.
@@ -276,49 +344,80 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        cands = self._candidates()
-        if step is not None:
-            cands = [s for s in cands if s.step == step]
-        if not cands:
-            raise CheckpointError(
-                f"{self.directory} has no complete checkpoint"
-                + ("" if step is None else f" of step {step} (complete steps: "
-                   f"{self.all_steps()})"))
-        errors = []
-        for cand in cands:
-            reader = StepReader(cand, cand.complete_world(), self.rank)
-            code, err, result = _OK, None, None
-            try:
-                reader.load_all()
-                result = restore_items(reader, state, world=self.world,
-                                       elastic=self.elastic,
-                                       reset_hook_state_on_resize=
-                                       self.reset_hook_state_on_resize)
-            except CheckpointMismatchError as e:
-                code, err = _MISMATCH, e
-            except CheckpointCorruptError as e:
-                code, err = _CORRUPT, e
+        errors: list = []
+        tried: set = set()
+        while True:
+            target = self._agree_target(step, tried)
+            if target < 0:
+                if errors:
+                    raise CheckpointCorruptError(
+                        f"no complete checkpoint in {self.directory} could be read: "
+                        + " | ".join(errors))
+                raise CheckpointError(
+                    f"{self.directory} has no complete checkpoint"
+                    + ("" if step is None else f" of step {step} (complete steps: "
+                       f"{self.all_steps()})"))
+            tried.add(target)
+            code, err, result = self._try_step(target, state)
             agreed = self._agree(code)
             if agreed == _MISMATCH:
                 raise err if err is not None else CheckpointMismatchError(
-                    f"another rank found that the state does not fit step {cand.step} of "
+                    f"another rank found that the state does not fit step {target} of "
                     f"{self.directory} (see its error)")
             if agreed == _CORRUPT:
                 msg = str(err) if err is not None else (
-                    f"another rank could not read its parts of step {cand.step}")
-                warnings.warn(f"skipping checkpoint step {cand.step}: {msg}; trying the "
+                    f"another rank could not read its parts of step {target}")
+                warnings.warn(f"skipping checkpoint step {target}: {msg}; trying the "
                               "previous complete step", stacklevel=2)
                 errors.append(msg)
                 continue
             out, actions = result
             for act in actions:
                 act()
-            self.restored_step = cand.step
-            self._drop_newer(cand.step)
+            self.restored_step = target
+            self._drop_newer(target)
             return out
-        raise CheckpointCorruptError(
-            f"no complete checkpoint in {self.directory} could be read: "
-            + " | ".join(errors))
+
+    def _agree_target(self, step: int | None, tried: set) -> int:
+        """The step all ranks try next: the newest one any rank sees complete (-1:
+        none); an unusable directory on any rank raises on every rank."""
+        err, mine = None, -1
+        try:
+            cands = [s.step for s in self._candidates()
+                     if (step is None or s.step == step) and s.step not in tried]
+            mine = cands[0] if cands else -1
+        except CheckpointError as e:
+            err = e
+        if self._agree(1 if err is not None else 0):
+            raise err if err is not None else CheckpointError(
+                f"another rank cannot use {self.directory} (see its error)")
+        return self._agree(mine)
+
+    def _try_step(self, target: int, state: dict) -> tuple:
+        """``(code, error, (state, actions))`` of reading step ``target`` here; waits up
+        to ``timeout`` for a step another rank sees complete to show here too."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            cand = next((s for s in _layout.scan(self.directory) if s.step == target
+                         and s.complete_world() is not None), None)
+            if cand is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if cand is None:
+            return _CORRUPT, CheckpointCorruptError(
+                f"step {target} is complete on another rank, but this rank does not see it "
+                f"complete in {self.directory} within {self.timeout:g} s (do all ranks see "
+                "the same directory?)"), None
+        reader = StepReader(cand, cand.complete_world(), self.rank)
+        try:
+            reader.load_all()
+            return _OK, None, restore_items(
+                reader, state, world=self.world, elastic=self.elastic,
+                reset_hook_state_on_resize=self.reset_hook_state_on_resize)
+        except CheckpointMismatchError as e:
+            return _MISMATCH, e, None
+        except CheckpointCorruptError as e:
+            return _CORRUPT, e, None
 
     def _drop_newer(self, step: int | None) -> None:
         """Rank 0 removes steps newer than the one resumed (parts of a killed attempt)."""
@@ -339,9 +438,11 @@ class CheckpointManager:
         if not isinstance(state, dict):
             raise TypeError(f"init must return a dict of named values, got "
                             f"{type(state).__name__}")
-        cands = self._candidates()
-        found = self._agree(1 if cands else 0)
-        if not found:
+        try:
+            found = 1 if self._candidates() else 0
+        except CheckpointError:
+            found = 1  # restore raises it on every rank
+        if not self._agree(found):
             self._drop_newer(None)  # leftovers of a first save that never completed
             return state
         return self.restore(state)

@@ -30,7 +30,12 @@ class StepReader:
         self.step = step
         self.world = world
         self.rank = rank
-        self.paths = step.parts[world]
+        # every rank's part, or one part holding the whole state (saved by one rank)
+        self.paths, self.whole_rank = step.readable(world)
+        self.ranks = sorted(self.paths)
+        whole = self.whole_rank is not None
+        self.primary = self.whole_rank if whole else 0  # the replicated values' part
+        self.own = self.whole_rank if whole else (rank if rank < world else None)
         self._meta: dict = {}
         self._arrays: dict = {}
         self._checked: set = set()  # (rank, buffer) whose checksum matched
@@ -93,7 +98,7 @@ class StepReader:
 
     def load_all(self) -> None:
         """Read and check everything this rank will need (so a broken part fails here)."""
-        for r in range(self.world):
+        for r in self.ranks:
             self.meta(r)
         for r in self._needed_ranks():
             m = self.meta(r)
@@ -103,10 +108,10 @@ class StepReader:
                         self.piece(r, p, f"state[{name!r}] {leaf['path']!r}")
 
     def _needed_ranks(self) -> list[int]:
-        ranks = {0}
-        if self.rank < self.world:
-            ranks.add(self.rank)
-        for r in range(self.world):
+        ranks = {self.primary}
+        if self.own is not None:
+            ranks.add(self.own)
+        for r in self.ranks:
             for entry in self.meta(r)["items"].values():
                 if any(leaf["place"] == "sharded" and leaf["pieces"]
                        for leaf in entry.get("leaves", []) + entry.get("hook", [])):
@@ -115,15 +120,16 @@ class StepReader:
 
     def value(self, name: str, i: int, key: str = "leaves") -> np.ndarray:
         """The host value of leaf ``i`` of item ``name`` (``key``: leaves or hook)."""
-        own = self.rank if self.rank < self.world else 0
+        own = self.primary if self.own is None else self.own
         info = self.meta(own)["items"][name][key][i]
         where = f"state[{name!r}] {info['path']!r}"
         if info["place"] == "local":
             return self.piece(own, info["pieces"][0], where)
         if info["place"] == "replicated":
-            return self.piece(0, self.meta(0)["items"][name][key][i]["pieces"][0], where)
+            p = self.primary
+            return self.piece(p, self.meta(p)["items"][name][key][i]["pieces"][0], where)
         pieces = []
-        for r in range(self.world):
+        for r in self.ranks:
             rinfo = self.meta(r)["items"][name][key][i]
             pieces += [(p["index"], self.piece(r, p, where)) for p in rinfo["pieces"]]
         return _leaves.assemble(tuple(info["shape"]), np.dtype(info["dtype"]), pieces, where)
@@ -162,7 +168,7 @@ def _hook_loader(reader: StepReader, name: str, ddp, saved: list, reset: bool):
     """A loader for ``ddp.load_replica_hook_state`` (None: keep the fresh state)."""
     if not saved:
         return None
-    saved_replicas = reader.meta(0)["items"][name].get("num_replicas")
+    saved_replicas = reader.meta(reader.primary)["items"][name].get("num_replicas")
     now = ddp.process_group.num_replicas
     if saved_replicas != now:
         if reset:
@@ -192,8 +198,13 @@ def restore_items(reader: StepReader, state: dict, *, world: int, elastic: bool,
                   reset_hook_state_on_resize: bool) -> tuple[dict, list]:
     """``(new state, actions)``: the restored values, and the in-place writes to run
     once every item checked out (so a mismatch leaves the given state untouched)."""
-    own = reader.rank if reader.rank < reader.world else None
-    meta = reader.meta(own if own is not None else 0)
+    own = reader.own
+    meta = reader.meta(own if own is not None else reader.primary)
+    # a state saved whole (replicated values and JSON data only) restores the JSON
+    # values of the part that holds it on every rank, as a torch.load of rank 0's
+    # snapshot does, however many ranks' parts are there
+    saved_whole = bool(reader.meta(reader.primary).get("whole"))
+    json_rank = reader.primary if saved_whole else own
     saved_items = meta["items"]
     missing = sorted(set(saved_items) - set(state))
     extra = sorted(set(state) - set(saved_items))
@@ -206,7 +217,7 @@ def restore_items(reader: StepReader, state: dict, *, world: int, elastic: bool,
     out, actions = dict(state), []
     per_rank = sorted(n for n, e in saved_items.items()
                       if e["kind"] in ("np_rng", "per_rank", "rngs", "json"))
-    if reader.rank == 0 and world < reader.world and per_rank:
+    if reader.rank == 0 and world < reader.world and per_rank and not saved_whole:
         warnings.warn(f"the checkpoint was saved by {reader.world} ranks and this job has "
                       f"{world}: the per-rank values {per_rank} of ranks {world}.."
                       f"{reader.world - 1} are not restored anywhere", stacklevel=4)
@@ -224,8 +235,8 @@ def restore_items(reader: StepReader, state: dict, *, world: int, elastic: bool,
             continue
         if kind == "json":
             # this rank's value; a rank new to the world takes rank 0's (the step, ...)
-            out[name] = entry["json"] if own is not None else reader.meta(0)["items"][
-                name]["json"]
+            src = reader.primary if json_rank is None else json_rank
+            out[name] = reader.meta(src)["items"][name]["json"]
             continue
         if kind in ("np_rng", "per_rank", "rngs"):
             if own is None:
