@@ -29,6 +29,7 @@ from jdist.collectives import _engine as eng
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives import functional as F
 from jdist.collectives._group import ProcessGroup, group_state
+from jdist.collectives._result import as_result, as_results
 from jdist.collectives._types import ReduceOp, check_op_dtype
 from jdist.collectives._work import Queues, Work
 from jdist.errors import GroupMismatchError, UnsupportedOpError
@@ -144,6 +145,14 @@ def _stack(arrays, what: str, n: int, as_jax: bool):
     return np.stack([np.asarray(a) for a in arrays])
 
 
+def _split(stacked, as_jax: bool) -> list:
+    """The rows of ``stacked`` in the caller's kind (numpy rows stay ``ndarray``, 0-d too);
+    :func:`~jdist.collectives._result.as_results` also places jax rows like an input."""
+    if as_jax:
+        return [stacked[i] for i in range(stacked.shape[0])]
+    return [np.asarray(stacked[i]) for i in range(stacked.shape[0])]
+
+
 def _stack_padded(arrays, as_jax: bool):
     """``[n, m]``: each array flattened and zero-padded to the longest (m >= 1)."""
     xnp = jax.numpy if as_jax else np
@@ -152,8 +161,6 @@ def _stack_padded(arrays, as_jax: bool):
     return xnp.stack([xnp.pad(f, (0, m - int(f.shape[0]))) for f in flat])
 
 
-def _split(stacked, as_jax: bool) -> list:
-    return [stacked[i] for i in range(stacked.shape[0])]
 
 
 # ------------------------------------------------------------------------ reductions
@@ -190,6 +197,7 @@ def all_reduce(tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None =
         out = eng.run(g, "all_reduce", ("all_reduce", op),
                       lambda: (lambda v: F.all_reduce(v, op, axis)), x, shape, dtype,
                       _fp(g, "all_reduce", op, shape, dtype), as_jax)
+        out = as_result(out, tensor, as_jax, shape)
         _write_back(tensor, out)
         return out
 
@@ -214,6 +222,7 @@ def broadcast(tensor, src: int | None = None, group: ProcessGroup | None = None,
         out = eng.run(g, "broadcast", ("broadcast", root),
                       lambda: (lambda v: F.broadcast(v, root, axis)), x, shape, dtype,
                       _fp(g, "broadcast", None, shape, dtype, root), as_jax)
+        out = as_result(out, tensor, as_jax, shape)
         _write_back(tensor, out)
         return out
 
@@ -241,6 +250,7 @@ def reduce(tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
                       _fp(g, "reduce", op, shape, dtype, root), as_jax)
         if g.rank != root:
             return tensor if as_jax else x
+        out = as_result(out, tensor, as_jax, shape)
         _write_back(tensor, out)
         return out
 
@@ -281,7 +291,7 @@ def all_gather(tensor_list, tensor, group: ProcessGroup | None = None,
 
     def fn():
         fp = _fp(g, "all_gather", None, x.shape, x.dtype)
-        values = _split(_gathered(g, "all_gather", x, as_jax, fp), as_jax)
+        values = as_results(_gathered(g, "all_gather", x, as_jax, fp), tensor, as_jax)
         return _fill_list(tensor_list, values, "all_gather")
 
     return dispatch(g, "all_gather", fn, async_op)
@@ -308,7 +318,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: ProcessGroup | No
 
     def fn():
         fp = _fp(g, "all_gather_into_tensor", None, x.shape, x.dtype)
-        out = _gathered(g, "all_gather_into_tensor", x, as_jax, fp).reshape(out_shape)
+        out = as_result(_gathered(g, "all_gather_into_tensor", x, as_jax, fp), input_tensor,
+                        as_jax, out_shape)
         if output_tensor is not None:
             _write_back(output_tensor, out.reshape(np.shape(output_tensor)))
         return out
@@ -336,7 +347,7 @@ def gather(tensor, gather_list=None, dst: int | None = None,
 
     def fn():
         fp = _fp(g, "gather", None, x.shape, x.dtype, root)
-        values = _split(_gathered(g, "gather", x, as_jax, fp), as_jax)
+        values = as_results(_gathered(g, "gather", x, as_jax, fp), tensor, as_jax)
         if g.rank != root:
             return None
         return _fill_list(gather_list, values, "gather")
@@ -385,7 +396,8 @@ def scatter(tensor, scatter_list=None, src: int | None = None,
 
     def fn():
         fp = _fp(g, "scatter", None, x.shape, x.dtype, root)
-        out = _exchange(g, "scatter", stacked.astype(x.dtype), as_jax, fp)[root]
+        out = as_result(_exchange(g, "scatter", stacked.astype(x.dtype), as_jax, fp)[root],
+                        tensor, as_jax, tuple(x.shape))
         _write_back(tensor, out)
         return out
 
@@ -425,7 +437,8 @@ def reduce_scatter(output, input_list, op: ReduceOp = ReduceOp.SUM,
                       lambda: (lambda v: F.reduce_scatter(v[0], op, axis, 0, tiled=True)),
                       stacked, tuple(stacked.shape), stacked.dtype, fp, as_jax)
         if tuple(out.shape) != mine:
-            out = out[:int(np.prod(mine, dtype=np.int64))].reshape(mine)
+            out = out[:int(np.prod(mine, dtype=np.int64))]
+        out = as_result(out, input_list[g.rank], as_jax, mine)
         _write_back(output, out)
         return out
 
@@ -471,6 +484,7 @@ def reduce_scatter_tensor(output, input, op: ReduceOp = ReduceOp.SUM,  # noqa: A
                       lambda: (lambda v: F.reduce_scatter(v[0], op, g.axis_name, 0,
                                                           tiled=True)),
                       stacked, tuple(stacked.shape), stacked.dtype, fp, as_jax)
+        out = as_result(out, input, as_jax, tuple(stacked.shape[1:]))
         _write_back(output, out)
         return out
 

@@ -1,0 +1,58 @@
+"""What an eager collective hands back: the input's kind, shape and placement.
+
+The program's output is a block on this process's device of the group's process mesh.
+The caller gets it in the kind it passed in:
+
+- **numpy in, numpy ``ndarray`` out**, with the result's full shape, 0-d included (an
+  element of a numpy array is a numpy *scalar*, not an array; torch returns a 0-d
+  tensor for a 0-d tensor, and so do we);
+- **jax.Array in, jax.Array out**, placed as the input was. An *uncommitted* input (the
+  usual ``jnp`` result, on the default device) gives an uncommitted result, which JAX
+  lets move anywhere: ``jax.device_put(result, NamedSharding(group.mesh, P()))`` works
+  across processes (JAX then checks that every process holds the same value). A
+  result left committed to the collective's device could not be placed on a mesh
+  spanning other processes ("does not support cross-host device transfers"). A
+  committed input gives a result committed where the input was: on its device, or with
+  its sharding when the result has the input's shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+__all__ = ["as_result", "as_results"]
+
+
+def _jax_like(value: jax.Array, like) -> jax.Array:
+    if not isinstance(like, jax.Array) or not like.committed:
+        # uncommitted: the value on the default device, free to be placed anywhere
+        return jax.device_put(np.asarray(value))
+    sharding = like.sharding
+    if like.is_fully_addressable and tuple(value.shape) == tuple(like.shape):
+        return value if value.sharding == sharding else jax.device_put(value, sharding)
+    devices = sharding.device_set
+    if len(devices) == 1 and value.sharding.device_set != devices:
+        return jax.device_put(value, next(iter(devices)))
+    return value
+
+
+def as_result(value, like, as_jax: bool, shape: tuple | None = None):
+    """``value`` as the caller's kind: a numpy ``ndarray`` of ``shape`` (default: its
+    own), or a jax.Array placed like the input ``like`` (see the module doc)."""
+    if as_jax:
+        value = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
+        if shape is not None:
+            value = value.reshape(shape)
+        return _jax_like(value, like)
+    out = np.asarray(value)
+    return out if shape is None else out.reshape(shape)
+
+
+def as_results(stacked, like, as_jax: bool) -> list:
+    """The rows of ``stacked`` (``[n, *shape]``), each as :func:`as_result` would give it;
+    placed once for all rows."""
+    stacked = as_result(stacked, like, as_jax)
+    if as_jax:
+        return [stacked[i] for i in range(stacked.shape[0])]
+    return [np.asarray(stacked[i]) for i in range(stacked.shape[0])]

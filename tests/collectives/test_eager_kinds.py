@@ -1,0 +1,132 @@
+"""Eager results keep the input's kind, shape and placement (0-d and empty inputs too).
+
+One 2-process launch runs the grid: every eager collective x {numpy, jax} input x
+shapes {(), (0,), (2, 3)} in float32 (dtypes are test_eager.py's grid); the parent
+checks each result's kind, shape, dtype and value against a numpy reference built from
+every rank's input.
+Jax results of uncommitted inputs are uncommitted, so they can be placed on the group's
+mesh across processes (``device_put`` to ``NamedSharding(mesh, P())``), which a result
+committed to the collective's device could not be.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from tests.helpers import run_procs
+
+N = 2
+SHAPES = ((), (0,), (2, 3))
+DTYPES = ("float32",)
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+               "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
+
+
+def _input(rank, shape, dtype, slot=0):
+    rng = np.random.default_rng(100 * rank + 10 * len(shape) + slot)
+    return rng.integers(-9, 9, shape).astype(dtype)
+
+
+def _call(jdist, name, rank, shape, dtype, xp):
+    x = xp.asarray(_input(rank, shape, dtype))
+    pieces = [xp.asarray(_input(rank, shape, dtype, slot=1 + i)) for i in range(N)]
+    if name == "all_reduce":
+        return jdist.all_reduce(x)
+    if name == "broadcast":
+        return jdist.broadcast(x, src=0)
+    if name == "reduce":
+        return jdist.reduce(x, dst=0)
+    if name == "all_gather":
+        return jdist.all_gather(None, x)
+    if name == "all_gather_into_tensor":
+        return jdist.all_gather_into_tensor(None, x)
+    if name == "gather":
+        return jdist.gather(x, dst=0)
+    if name == "scatter":
+        return jdist.scatter(x, pieces if rank == 0 else None, src=0)
+    if name == "reduce_scatter":
+        return jdist.reduce_scatter(None, pieces)
+    return jdist.reduce_scatter_tensor(None, xp.stack(pieces))
+
+
+def _reference(name, rank, shape, dtype):
+    xs = [_input(r, shape, dtype) for r in range(N)]
+    pieces = [[_input(r, shape, dtype, slot=1 + i) for i in range(N)] for r in range(N)]
+    total = np.sum(xs, axis=0, dtype=dtype)
+    return {
+        "all_reduce": total,
+        "broadcast": xs[0],
+        "reduce": total if rank == 0 else xs[rank],
+        "all_gather": xs,
+        "all_gather_into_tensor": np.concatenate(xs) if shape else np.stack(xs),
+        "gather": xs if rank == 0 else None,
+        "scatter": pieces[0][rank],
+        "reduce_scatter": np.sum([p[rank] for p in pieces], axis=0, dtype=dtype),
+        "reduce_scatter_tensor": np.sum([p[rank] for p in pieces], axis=0,
+                                        dtype=dtype)[None],
+    }[name]
+
+
+def _describe(v, jax):
+    if v is None or isinstance(v, list):
+        return None if v is None else [_describe(e, jax) for e in v]
+    if isinstance(v, jax.Array):
+        kind, committed = "jax", v.committed
+    else:
+        kind, committed = "numpy" if isinstance(v, np.ndarray) else type(v).__name__, None
+    return kind, tuple(v.shape), str(v.dtype), np.asarray(v), committed
+
+
+def child():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jdist
+
+    jdist.init_process_group(timeout=60)
+    rank, g = jdist.get_rank(), jdist.get_default_group()
+    out = {}
+    for name, kind, shape, dtype in itertools.product(COLLECTIVES, ("numpy", "jax"), SHAPES,
+                                                      DTYPES):
+        xp = np if kind == "numpy" else jnp
+        out[name, kind, shape, dtype] = _describe(
+            _call(jdist, name, rank, shape, dtype, xp), jax)
+    # the Horovod sequence: broadcast, then place on the group's mesh, replicated
+    b = jdist.broadcast(jnp.arange(4.0) + rank, src=0)
+    placed = jax.device_put(b, NamedSharding(g.mesh, P()))
+    out["placed"] = (np.asarray(placed.addressable_data(0)), placed.is_fully_replicated)
+    committed = jax.device_put(jnp.arange(4.0), jax.local_devices()[0])
+    out["committed"] = jdist.all_reduce(committed).committed
+    jdist.destroy_process_group()
+    return out
+
+
+def _check(got, want, kind, what):
+    if want is None or isinstance(want, list):
+        assert (got is None) == (want is None), what
+        if want is not None:
+            assert len(got) == len(want), what
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                _check(a, b, kind, f"{what}[{i}]")
+        return
+    module, shape, dtype, value, committed = got
+    assert module == ("numpy" if kind == "numpy" else "jax"), (what, module)
+    assert shape == want.shape and dtype == str(want.dtype), (what, shape, dtype, want.shape)
+    np.testing.assert_array_equal(value, want, err_msg=what)
+    assert committed in ((None,) if kind == "numpy" else (False,)), (what, committed)
+
+
+def test_eager_results_keep_kind_shape_and_are_placeable():
+    res = run_procs(child, N, timeout=300)
+    for rank, out in enumerate(res):
+        for key in itertools.product(COLLECTIVES, ("numpy", "jax"), SHAPES, DTYPES):
+            name, kind, shape, dtype = key
+            want = _reference(name, rank, shape, dtype)
+            _check(out[key], want, kind, f"rank {rank} {key}")
+        np.testing.assert_array_equal(out["placed"][0], np.arange(4.0))
+        assert out["placed"][1]
+        assert out["committed"] is True
