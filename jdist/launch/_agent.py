@@ -12,8 +12,11 @@ launchers' environment, and runs without a secret otherwise). Keys, under the pr
 - ``round/<r>/port``: the workers' MASTER_PORT of attempt ``r``, a free port that node 0
   picks for each attempt. It differs from the launchers' store port, so the job's
   processes run their own rendezvous (``init_process_group``) undisturbed;
-- ``round/<r>/failed``: the first failure of attempt ``r`` (set with ``compare_set``,
-  so every node reports the same rank); the other nodes poll it and stop their workers;
+- ``round/<r>/failed``: the first failure of attempt ``r``: the earliest by its time
+  (``_blame``: a rank's recorded exception or fatal signal, not the order in which
+  launchers noticed exits), kept by a ``compare_set`` loop, so every node reports the
+  same rank; the other nodes poll it, add an earlier failure of their own, and stop
+  their workers;
 - ``round/<r>/done`` / ``round/<r>/stopped``: counters of nodes whose workers
   finished / were stopped; a new attempt starts when every node stopped the last one;
 - ``hb/<i>``: a counter each launcher bumps every second from a thread with its own
@@ -42,6 +45,7 @@ import threading
 import time
 
 from jdist.errors import StoreError, StoreTimeoutError
+from jdist.launch._blame import ERROR_FILE_VAR, candidate, first_failure
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import (
     JobInfo,
@@ -53,7 +57,13 @@ from jdist.launch._env import (
 )
 from jdist.launch._forkserver import forkserver_script
 from jdist.launch._stop import signal_group
-from jdist.launch._worker_group import Failure, WorkerGroup, describe_exit, exit_code_of
+from jdist.launch._worker_group import (
+    Failure,
+    Worker,
+    WorkerGroup,
+    describe_exit,
+    exit_code_of,
+)
 from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
 
 __all__ = ["run", "LaunchError"]
@@ -92,6 +102,8 @@ class _Agent:
         self.members: list[int] = list(range(cfg.nnodes))  # node ranks of this attempt
         self.lock = threading.Lock()
         self._stop_beats = threading.Event()
+        # the workers' failure records (``_blame``), one folder per attempt
+        self.error_dir = tempfile.mkdtemp(prefix="jdist-run-errors-")
 
     # --- heartbeats ----------------------------------------------------------------------
     def start_heartbeats(self) -> None:
@@ -231,9 +243,13 @@ class _Agent:
         columns = None
         if sys.stderr.isatty():
             columns = shutil.get_terminal_size().columns - len(f"[rank {job.world_size}] ")
-        cmds = [(job.rank_offset + lr, lr, argv,
-                 worker_env(self.environ, job, lr, cfg.devices_per_proc, columns))
-                for lr in range(cfg.nproc_per_node)]
+        errors = os.path.join(self.error_dir, f"attempt_{job.restart_count}")
+        os.makedirs(errors, exist_ok=True)
+        cmds = []
+        for lr in range(cfg.nproc_per_node):
+            env = worker_env(self.environ, job, lr, cfg.devices_per_proc, columns)
+            env[ERROR_FILE_VAR] = os.path.join(errors, f"rank_{job.rank_offset + lr}.json")
+            cmds.append((job.rank_offset + lr, lr, argv, env))
         log_dir = None
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
@@ -256,24 +272,24 @@ class _Agent:
         while True:
             failed, running = group.poll()
             if failed:
-                w = failed[0]
+                mine = _first_on_node(group, cfg.node_rank, r)  # before any signal
                 for other in group.workers:  # end the others at once
                     if other.proc.poll() is None:
                         signal_group(other.proc.pid, signal.SIGTERM)
-                code = w.proc.returncode
-                mine = Failure(w.rank, w.local_rank, cfg.node_rank, exit_code_of(code),
-                               describe_exit(code), w.stderr_tail(0.5), r)
-                blob = json.dumps(mine._asdict())
-                first = s.compare_set(failed_key, "", blob).decode()
+                first = _report_earliest(s, failed_key, mine)
                 group.stop(cfg.shutdown_timeout)
-                return Failure(**json.loads(first))
+                return first
             if not running:
                 break
             if cfg.nnodes > 1 and time.monotonic() - last_remote >= _REMOTE_POLL_S:
                 last_remote = time.monotonic()
-                if s.check([failed_key]):
+                if s.check([failed_key]):  # a rank here may have failed before it
+                    mine = _first_on_node(group, cfg.node_rank, r)
+                    first = Failure(**json.loads(s.get(failed_key)))
+                    if mine is not None:
+                        first = _report_earliest(s, failed_key, mine)
                     group.stop(cfg.shutdown_timeout)
-                    return Failure(**json.loads(s.get(failed_key)))
+                    return first
             time.sleep(_POLL_S)
         group.stop(0.0)  # every worker exited 0; reap stragglers in their groups
         s.add(f"round/{r}/done", 1)
@@ -311,15 +327,66 @@ class _Agent:
             pass
 
 
+def _first_on_node(group: WorkerGroup, node_rank: int, r: int) -> Failure | None:
+    """This node's earliest failure of attempt ``r`` (``_blame.first_failure``): a
+    recorded exception or fatal signal counts by its time, so a rank that raised first
+    is named even while it is still shutting down and its peers already died."""
+    found: dict[int, Worker] = {w.rank: w for w in group.workers}
+    cands = [c for w in group.workers
+             if (c := candidate(w.rank, w.error_file, w.proc.returncode, w.seen_alive,
+                                describe_exit)) is not None]
+    if not cands:
+        return None
+    first, later = first_failure(cands)
+    w = found[first.rank]
+    code = first.exit_code
+    if code is None:
+        code = exit_code_of(w.proc.returncode)
+    after = "; ".join(f"rank {c.rank} {_clip(c.how)}" for c in later)
+    tail = w.stderr_tail(0.5 if w.proc.returncode is not None else 0.0)  # (still going:
+    return Failure(w.rank, w.local_rank, node_rank, code, first.how, tail, r,  # no wait)
+                   first.time, first.traceback, after)
+
+
+def _report_earliest(store: Store, key: str, mine: Failure | None) -> Failure:
+    """Keep the earlier of ``mine`` and the failure stored at ``key`` there (a
+    ``compare_set`` loop, so nodes that report at once agree); return the stored one."""
+    if mine is None:
+        return Failure(**json.loads(store.get(key)))
+    blob = json.dumps(mine._asdict())
+    current = store.compare_set(key, "", blob).decode()
+    while current != blob:
+        theirs = Failure(**json.loads(current))
+        if (theirs.time, theirs.rank) <= (mine.time, mine.rank) or not mine.time:
+            return theirs
+        current = store.compare_set(key, current, blob).decode()
+    return mine
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _indent(text: str, limit: int = 40) -> str:
+    lines = text.rstrip("\n").splitlines()[-limit:]
+    return "".join(f"    {line}\n" for line in lines) or "    (empty)\n"
+
+
 def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
     head = (f"rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}) {f.how} "
             f"on attempt {f.attempt + 1} of {attempts}"
             if f.rank >= 0 else f"{f.how} on attempt {f.attempt + 1} of {attempts}")
     if f.rank < 0:
         return f"job failed: {head}."
-    tail = "".join(f"    {line}\n" for line in f.stderr_tail.splitlines()) or "    (empty)\n"
-    more = f"; no restarts left (--max-restarts {max_restarts})"
-    return f"job failed: {head}{more}. Last lines of its stderr:\n{tail}".rstrip("\n")
+    text = f"job failed: {head}; no restarts left (--max-restarts {max_restarts})."
+    if f.traceback:  # a recorded exception, or the stack at a fatal signal
+        text += f" Its Python traceback:\n{_indent(f.traceback)}"
+    if not f.traceback or not f.how.startswith("raised "):  # a signal: the runtime's words
+        text += f"{'' if f.traceback else ' '}Last lines of its stderr:\n"
+        text += _indent(f.stderr_tail)
+    if f.later:
+        text += f"Failed after it (consequences, in time order): {f.later}\n"
+    return text.rstrip("\n")
 
 
 def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
@@ -392,6 +459,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
                 agent.sync_stop(r)
                 r += 1
                 continue
+            if cfg.nnodes > 1 and s.check([f"round/{r}/failed"]):  # another node's may
+                failure = Failure(**json.loads(s.get(f"round/{r}/failed")))  # be earlier
             _say(_summary(failure, r + 1, max_restarts))
             agent.finish()
             return failure.exit_code or 1
@@ -425,6 +494,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
                 agent.group.stop(0.0)
         if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)
+        if agent is not None:
+            shutil.rmtree(agent.error_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

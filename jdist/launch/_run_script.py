@@ -8,6 +8,9 @@ preloaded server (``--start-method forkserver``, :mod:`jdist.launch._forkserver`
 2. Run the script or module as ``python script.py args`` / ``python -m module args``
    would: ``sys.argv``, ``sys.path[0]`` (the script's directory, or the working
    directory for a module) and ``__name__ == "__main__"``.
+3. Record an uncaught exception (time, type, traceback) and, through faulthandler, a
+   fatal signal in the files ``JDIST_ERROR_FILE`` names, so the launcher can tell which
+   rank failed first (:mod:`jdist.launch._blame`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from jdist.launch._blame import recording_failures
 from jdist.launch._lifeline import die_with_parent
 
 __all__ = ["main"]
@@ -29,9 +33,11 @@ def main(argv: Sequence[str]) -> None:
     sys.argv = [target, *args]
     if mode == "module":
         sys.path.insert(0, os.getcwd())
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        with recording_failures():
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         if sys.path and sys.path[0] == "":
             del sys.path[0]
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+        with recording_failures():
+            runpy.run_path(target, run_name="__main__")

@@ -13,9 +13,11 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections import deque
 from typing import IO, NamedTuple
 
+from jdist.launch._blame import ERROR_FILE_VAR
 from jdist.launch._relay import Console, Relay, start_relay
 from jdist.launch._stop import stop_processes
 
@@ -31,9 +33,12 @@ class Failure(NamedTuple):
     local_rank: int
     node_rank: int
     exit_code: int  # the shell-style code: 128 + signal for a signal death
-    how: str  # "exited with code 3" / "was killed by signal SIGKILL"
+    how: str  # "exited with code 3" / "was killed by signal SIGKILL" / "raised E: msg"
     stderr_tail: str
     attempt: int
+    time: float = 0.0  # wall-clock time of the failure (``_blame``); 0: unknown
+    traceback: str = ""  # its Python traceback (or stack at a fatal signal), if known
+    later: str = ""  # what failed after it on its node (consequences), for the summary
 
 
 def exit_code_of(returncode: int) -> int:
@@ -55,9 +60,11 @@ class Worker:
     """One child process and its output relays."""
 
     def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen,
-                 threads: list[threading.Thread], tail: deque):
+                 threads: list[threading.Thread], tail: deque, error_file: str | None = None):
         self.rank, self.local_rank, self.proc = rank, local_rank, proc
         self.threads, self.tail = threads, tail
+        self.error_file = error_file  # its JDIST_ERROR_FILE (``_blame``), if any
+        self.seen_alive = time.time()  # the last time a poll found it running
 
     def stderr_tail(self, wait: float = 1.0) -> str:
         """The last stderr lines (after the relay threads drained the pipe)."""
@@ -111,7 +118,8 @@ class WorkerGroup:
                                         tail, verbose)),
                 ]
                 threads = [start_relay(pipe, relay) for pipe, relay in relays]
-                self.workers.append(Worker(rank, local_rank, proc, threads, tail))
+                self.workers.append(Worker(rank, local_rank, proc, threads, tail,
+                                           env.get(ERROR_FILE_VAR)))
         except BaseException:
             self.stop(0.0)
             raise
@@ -119,9 +127,11 @@ class WorkerGroup:
     def poll(self) -> tuple[list[Worker], list[Worker]]:
         """``(failed, running)`` workers right now (failed in rank order)."""
         failed, running = [], []
+        now = time.time()
         for w in self.workers:
             code = w.proc.poll()
             if code is None:
+                w.seen_alive = now
                 running.append(w)
             elif code != 0:
                 failed.append(w)

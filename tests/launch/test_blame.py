@@ -1,0 +1,115 @@
+"""jdist-run's failure summary names the rank that failed FIRST, by time, with its Python
+traceback: not the rank whose exit the launcher happened to notice first.
+
+The scripts mimic a collective job without JAX (a launch costs about a second): every
+rank connects to rank 0's tiny server and blocks on it (the "barrier"). The failing rank
+k then fails while the others block; once they notice (the connection drops) they die
+as XLA kills a task whose peer is gone, by SIGABRT, or raise a peer-lost error. The
+failing rank, as JAX's does, takes a while to shut down after its exception (its
+``atexit``), so its exit comes last: the old summary blamed a consequence.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jdist.launch import free_port
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+_JOB = """\
+    import atexit, os, signal, socket, sys, time
+    rank, k, how = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2]
+    port, n = int(sys.argv[3]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:  # the "store": hold every connection, close them all when it ends
+        srv = socket.create_server(("127.0.0.1", port))
+        srv.listen(n)
+        conns = [srv.accept()[0] for _ in range(n - 1)]
+    else:
+        for _ in range(200):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                time.sleep(0.05)
+
+    def stop_serving():  # rank 0's runtime stops serving its peers as it shuts down
+        for c in conns:
+            c.close()
+
+    def fail():
+        atexit.register(time.sleep, 3)  # a slow runtime shutdown: it exits last
+        atexit.register(stop_serving if rank == 0 else conn.close)  # runs first
+        if how == "raise":
+            raise ValueError(f"boom-{rank}")
+        if how == "abort":
+            os.abort()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == k:
+        time.sleep(0.2)
+        fail()
+    elif rank == 0:
+        import selectors
+        sel = selectors.DefaultSelector()
+        for c in conns:
+            sel.register(c, selectors.EVENT_READ)
+        sel.select()  # a peer went away
+        time.sleep(0.3)  # while it, maybe, still shuts down
+        raise ConnectionError("lost a peer in the barrier")
+    else:
+        conn.recv(1)  # blocks in the barrier until rank 0 goes
+        time.sleep(0.3)
+        if rank % 2:  # the peers die as a runtime kills them, or raise
+            os.abort()
+        raise ConnectionError("lost rank 0 in the barrier")
+"""
+
+
+def _launch(tmp_path, k, how, nproc=3):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_JOB))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("JDIST_AUTH_TOKEN", None)
+    return subprocess.run(
+        [sys.executable, "-m", "jdist.launch", "--nproc-per-node", str(nproc),
+         "--shutdown-timeout", "1", str(script), str(k), how, str(free_port())],
+        env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("k,how", [(0, "raise"), (1, "raise"), (2, "raise"),
+                                   (2, "sigkill"), (0, "abort")])
+def test_the_summary_names_the_first_rank_to_fail(tmp_path, k, how):
+    """Grid: rank k fails first by raising (rank 0, or a non-zero rank), by a fatal
+    signal (faulthandler's time), or by SIGKILL (no record: its last moment alive); the
+    others fail after it. The summary names rank k, with its traceback."""
+    res = _launch(tmp_path, k, how)
+    summary = res.stderr.split("jdist-run: job failed: ", 1)[-1]
+    assert re.match(rf"rank {k} \(node 0, local rank {k}\) ", summary), res.stderr
+    if how == "raise":
+        assert summary.startswith(f"rank {k} (node 0, local rank {k}) raised ValueError: "
+                                  f"boom-{k} on attempt 1 of 1"), summary
+        assert "Its Python traceback:\n    Traceback (most recent call last):" in summary
+        assert 'job.py", line ' in summary and f"\n    ValueError: boom-{k}\n" in summary
+        assert "_run_script" not in summary and "runpy" not in summary  # the shim's frames
+        assert res.returncode == 1
+    elif how == "abort":
+        assert "was killed by signal SIGABRT" in summary.splitlines()[0]
+        assert "Its Python traceback:" in summary and "in fail" in summary
+        assert res.returncode == 128 + 6
+    else:
+        assert "was killed by signal SIGKILL" in summary.splitlines()[0]
+        assert res.returncode == 128 + 9
+    # what had failed too when the launcher decided: consequences, never rank k
+    later = summary.partition("Failed after it (consequences, in time order): ")[2]
+    assert {int(x) for x in re.findall(r"(?:^|; )rank (\d+) ", later)} <= {0, 1, 2} - {k}
+    if how == "raise":  # the exit that made the launcher look was a consequence
+        assert later, summary
