@@ -113,3 +113,21 @@ def test_the_summary_names_the_first_rank_to_fail(tmp_path, k, how):
     assert {int(x) for x in re.findall(r"(?:^|; )rank (\d+) ", later)} <= {0, 1, 2} - {k}
     if how == "raise":  # the exit that made the launcher look was a consequence
         assert later, summary
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_nodes_reporting_in_any_order_keep_the_earliest_failure(order):
+    """Several launchers report their node's first failure to one key (a compare_set
+    loop): whatever the order of the reports, the earliest by time stays, and every
+    launcher reads that one."""
+    from jdist.launch._agent import _report_earliest
+    from jdist.launch._worker_group import Failure
+    from jdist.store import HashStore
+
+    store = HashStore()
+    times = {0: 10.5, 1: 10.2, 2: 11.0}  # node 1's rank raised first
+    kept = [_report_earliest(store, "failed", Failure(
+        4 * node, 0, node, 1, f"raised E{node}", "", 0, times[node])) for node in order]
+    first = next(i for i, node in enumerate(order) if node == 1)
+    assert [k.node_rank for k in kept[first:]] == [1] * (len(order) - first)
+    assert _report_earliest(store, "failed", None).rank == 4
