@@ -3,33 +3,43 @@
 Each replica keeps only its shard of the optimizer state. Inside ``shard_map`` over
 the group's axis, ``update(grads, state, params)``:
 
-1. flattens the gradients per dtype into one buffer, zero-padded to a multiple of the
-   replica count ``N``, and reduce-scatters it (mean): replica ``i`` gets elements
-   ``[i*L, (i+1)*L)`` of the averaged gradient (``L = ceil(numel / N)``);
-2. runs the wrapped ``tx`` on that flat shard (its state covers the shard only);
-3. all-gathers the updated shard, so every replica returns the full update tree
-   (``optax.apply_updates`` then gives identical parameters everywhere).
+1. splits every parameter-shaped gradient ``g`` (rank >= 1) into ``N`` flat pieces of
+   ``L = ceil(g.size / N)`` elements (row-major, zero-padded) and reduce-scatters
+   (mean) them, one collective per dtype: replica ``i`` gets piece ``i`` of every leaf;
+   rank-0 parameters are replicated (their gradients are averaged with ``pmean``);
+2. runs the wrapped ``tx`` on those pieces *without ever showing it a tree of pieces*:
+   ``tx.update`` is traced on the real (full, abstract) tree, so masks given as
+   pytrees or callables, ``multi_transform`` labels and per-leaf settings see the real
+   leaves, and the traced program is replayed on the pieces
+   (:mod:`jdist.optim._zero_replay`): element-wise steps run on the pieces, whole-leaf
+   and global norms (``clip_by_global_norm``, LAMB/LARS trust ratios) finish with a
+   collective, and anything that mixes elements across pieces (Adafactor's factored
+   moments, matrix products, per-leaf noise) raises
+   :class:`~jdist.optim._zero_replay.NonSeparableTransformError`;
+3. all-gathers the updated pieces, so every replica returns the full update tree.
+
+So ZeRO gives the unsharded optimizer's result (up to the order of float sums in
+global norms) or a named error; never a silently different one.
 
 Partitioning differs from torch on purpose: torch assigns *whole* parameters to ranks
 greedily (largest first, to the least-loaded rank), so shards are unbalanced by up to
-one parameter and a single huge parameter is not sharded at all. jdist splits the flat
-buffer evenly (parameters may straddle shards), so every replica holds the same
-``L`` elements (at most ``N - 1`` padding elements in all) and one collective of each
-kind runs per dtype. torch needs one dtype for all parameters; jdist keeps one buffer
-per dtype.
+one parameter and a single huge parameter is not sharded at all. jdist splits every
+leaf evenly (at most ``N - 1`` padding elements per leaf), and one collective of each
+kind runs per dtype.
 
 With DDP (gradients already averaged) pass ``average_gradients=False``: each replica
-then slices its shard locally instead of reduce-scattering. Inside
+then slices its pieces locally instead of reduce-scattering. Inside
 ``DistributedDataParallel.train_step`` with ``nnx.Optimizer(model, zero, wrt=nnx.Param)``
 DDP's bucketed all-reduce does the averaging and the step calls
-``update(..., average_gradients=False)`` (no second reduction), and shards the optimizer
-state with :meth:`~ZeroRedundancyOptimizer.state_partition_specs`.
+``update(..., average_gradients=False)``, and shards the optimizer state with
+:meth:`~ZeroRedundancyOptimizer.state_partition_specs`.
 
-Outside ``shard_map`` the state is a pytree of global arrays: shard leaves have shape
-``(N * L,)`` sharded over the axis (``state_partition_specs``), scalars (Adam's
-``count``) are replicated. ``init`` called outside ``shard_map`` builds that global
-state directly (so ``nnx.Optimizer(model, zero)`` works); inside it returns the local
-shard state.
+Outside ``shard_map`` the state is a pytree of global arrays with the structure of
+``tx.init(params)``: each rank >= 1 leaf of full shape ``S`` is stored flat, of shape
+``(N * L,)``, sharded over the axis (data first, zero padding last); rank-0 leaves
+(Adam's ``count``) are replicated. ``init`` called outside ``shard_map`` builds that
+global state directly (so ``nnx.Optimizer(model, zero)`` works); inside it returns the
+local shard state.
 """
 
 from __future__ import annotations
@@ -42,16 +52,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.tree_util import DictKey, GetAttrKey
 
 from jdist.collectives._axis import bound_size, is_bound
 from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.optim._zero_replay import NonSeparableTransformError, ShardReplayer
+from jdist.optim._zero_state import full_state, sharded_state
 
-__all__ = ["ZeroRedundancyOptimizer", "ZeroState", "flat_partition"]
+__all__ = ["NonSeparableTransformError", "ZeroRedundancyOptimizer", "ZeroState",
+           "flat_partition"]
 
 
 class ZeroState(NamedTuple):
-    """``inner``: the wrapped transformation's state over this replica's flat shards."""
+    """``inner``: the wrapped transformation's state, rank >= 1 leaves as flat shards."""
 
     inner: Any
 
@@ -61,49 +73,55 @@ class _Layout(NamedTuple):
     shapes: tuple
     dtypes: tuple
     paths: tuple
-    groups: tuple  # ((key, dtype, leaf indices, total numel, shard length), ...)
+    groups: tuple  # ((key, dtype, leaf indices, total numel, elements per replica), ...)
+
+
+def _check_leaves(leaves_p) -> None:
+    """torch's TypeError for parameters that are not arrays (``1.2``, ``[1, w]``)."""
+    for path, x in leaves_p:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(
+                f"ZeroRedundancyOptimizer can only optimize arrays, but the parameter at "
+                f"{jax.tree_util.keystr(path) or 'the root'} is {type(x).__name__} {x!r}; "
+                "pass a pytree of jax/numpy arrays (e.g. nnx.state(model, nnx.Param))")
 
 
 def flat_partition(params, num_replicas: int) -> _Layout:
-    """The balanced flat partition of ``params`` over ``num_replicas`` (static)."""
+    """The partition of ``params`` over ``num_replicas`` (static): per dtype, the leaves
+    of rank >= 1, their total size and the elements each replica holds."""
     leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params)
     if not leaves_p:
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    _check_leaves(leaves_p)
     paths = tuple(p for p, _ in leaves_p)
-    leaves = [x for _, x in leaves_p]
-    shapes = tuple(tuple(np.shape(x)) for x in leaves)
-    dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+    shapes = tuple(tuple(np.shape(x)) for _, x in leaves_p)
+    dtypes = tuple(jnp.dtype(x.dtype) for _, x in leaves_p)
     groups = []
     for dt in sorted(set(dtypes), key=str):
-        idxs = tuple(i for i, d in enumerate(dtypes) if d == dt)
-        total = sum(math.prod(shapes[i]) for i in idxs)
-        groups.append((str(dt), dt, idxs, total, max(1, -(-total // num_replicas))))
+        idxs = tuple(i for i, d in enumerate(dtypes) if d == dt and shapes[i])
+        if idxs:
+            groups.append((str(dt), dt, idxs, sum(math.prod(shapes[i]) for i in idxs),
+                           sum(_length(shapes[i], num_replicas) for i in idxs)))
     return _Layout(treedef, shapes, dtypes, paths, tuple(groups))
 
 
-def _flatten(tree, layout: _Layout, n: int) -> dict:
-    leaves = jax.tree.leaves(tree)
-    if len(leaves) != len(layout.shapes):
-        raise ValueError(f"ZeroRedundancyOptimizer was set up for {len(layout.shapes)} "
-                         f"parameter arrays, got a tree of {len(leaves)}; call init with "
-                         f"the same parameter tree you update")
-    out = {}
-    for key, dt, idxs, total, shard in layout.groups:
-        parts = [jnp.reshape(leaves[i], (-1,)).astype(dt) for i in idxs]
-        parts.append(jnp.zeros((shard * n - total,), dt))
-        out[key] = jnp.concatenate(parts)
+def _length(shape, n: int) -> int:
+    return max(1, -(-math.prod(shape) // n))
+
+
+def _by_dtype(xs) -> dict:
+    """``{dtype: [indices of rank >= 1 entries]}`` of a list of arrays/avals."""
+    out: dict = {}
+    for i, x in enumerate(xs):
+        if len(x.shape):
+            out.setdefault(jnp.dtype(x.dtype), []).append(i)
     return out
 
 
-def _unflatten(flat: dict, layout: _Layout):
-    leaves = [None] * len(layout.shapes)
-    for key, _, idxs, _, _ in layout.groups:
-        pos = 0
-        for i in idxs:
-            size = math.prod(layout.shapes[i])
-            leaves[i] = flat[key][pos:pos + size].reshape(layout.shapes[i])
-            pos += size
-    return jax.tree.unflatten(layout.treedef, leaves)
+def _describe(tx) -> str:
+    fn = getattr(tx, "update", None)
+    name = getattr(fn, "__qualname__", type(tx).__name__).split(".<locals>")[0]
+    return f"{getattr(fn, '__module__', '')}.{name}".lstrip(".")
 
 
 class ZeroRedundancyOptimizer:
@@ -131,10 +149,9 @@ class ZeroRedundancyOptimizer:
 
     # ---- the pure transformation -------------------------------------------------
     def _layout_for(self, params) -> _Layout:
-        """The flat partition of ``params``: static (from shapes, dtypes and the tree
-        structure only), passed to the traced functions as an argument. Only the eager
-        entry points (``init`` outside ``shard_map``, ``init_global``, ``step``) remember
-        it in :attr:`layout`, for the specs and state dicts."""
+        """The partition of ``params``: static (shapes, dtypes and tree structure only).
+        Only the eager entry points (``init`` outside ``shard_map``, ``init_global``,
+        ``step``) remember it in :attr:`layout`, for the specs and state dicts."""
         layout = flat_partition(params, self.num_replicas)
         # shapes and dtypes only: nnx.Optimizer's init sees Param Variables, its update
         # the bare arrays of the same tree (the treedefs differ, the partition does not)
@@ -144,32 +161,33 @@ class ZeroRedundancyOptimizer:
                              "parameters; make one optimizer per parameter tree")
         return layout
 
-    def _shard(self, flat: dict) -> dict:
-        i = jax.lax.axis_index(self.axis)
-        return {k: jax.lax.dynamic_slice_in_dim(v, i * (v.shape[0] // self.num_replicas),
-                                                v.shape[0] // self.num_replicas)
-                for k, v in flat.items()}
+    def _replayer(self) -> ShardReplayer:
+        return ShardReplayer(self.axis, self.num_replicas, _describe(self.tx))
 
-    def _init_local(self, params, layout: _Layout):
-        return ZeroState(self.tx.init(self._shard(_flatten(params, layout, self.num_replicas))))
+    def _init_local(self, params):
+        rep = self._replayer()
+        closed, shape = jax.make_jaxpr(self.tx.init, return_shape=True)(params)
+        outs = rep.run(closed, [rep.shard(x) for x in jax.tree.leaves(params)])
+        return ZeroState(jax.tree.unflatten(jax.tree.structure(shape), outs))
 
     def init(self, params) -> ZeroState:
         """Local shard state inside ``shard_map``; the global sharded state outside."""
         if not is_bound(self.axis):
             return self.init_global(params)
-        return self._init_local(params, self._layout_for(params))
+        self._layout_for(params)
+        return self._init_local(params)
 
     def init_global(self, params) -> ZeroState:
         """The state as global arrays sharded over the group's mesh (call outside shard_map)."""
-        layout = self.layout = self._layout_for(params)
-        specs = self.state_partition_specs(self._state_shapes(layout))
-        fn = jax.jit(jax.shard_map(lambda p: self._init_local(p, layout), mesh=self.group.mesh,
+        self.layout = self._layout_for(params)
+        specs = self.state_partition_specs(self._state_shapes())
+        fn = jax.jit(jax.shard_map(self._init_local, mesh=self.group.mesh,
                                    in_specs=(P(),), out_specs=specs, check_vma=False))
         return fn(_replicated(params, self.group.mesh))
 
     def update(self, grads, state: ZeroState, params=None, *,
                average_gradients: bool | None = None, **extra):
-        """Inside ``shard_map``: reduce-scatter, shard update, all-gather (see module doc).
+        """Inside ``shard_map``: reduce-scatter, replayed update, all-gather (module doc).
 
         ``average_gradients`` overrides the constructor's setting for this call (DDP's
         train step passes ``False``: its all-reduce already averaged the gradients).
@@ -211,46 +229,96 @@ class ZeroRedundancyOptimizer:
         bound_size(self.axis, "ZeroRedundancyOptimizer.update",
                    f"It must run inside jax.shard_map over the group's mesh axis "
                    f"{self.axis!r}; outside it, use zero.step(params, grads, state)")
-        layout = self._layout_for(params)
-        n = self.num_replicas
-        g = _flatten(grads, layout, n)
-        if average:
-            g = {k: jax.lax.psum_scatter(v, self.axis, scatter_dimension=0, tiled=True)
-                 / jnp.asarray(n, v.dtype) for k, v in g.items()}
-        else:
-            g = self._shard(g)
-        p = self._shard(_flatten(params, layout, n))
-        u, inner = self.tx.update(g, state.inner, p, **extra)
-        # invariant result: the same update on every replica (checked under check_vma)
-        full = {k: jax.lax.all_gather(v, self.axis, axis=0, tiled=True, to="invarying")
-                for k, v in u.items()}
-        return _unflatten(full, layout), ZeroState(inner)
+        self._layout_for(params)
+        rep = self._replayer()
+        full = self._full_state_like(params, state.inner)
+        closed, shape = jax.make_jaxpr(
+            lambda g, s, p, e: self.tx.update(g, s, p, **e), return_shape=True)(
+            grads, full, params, extra)
+        args = (self._grad_shards(jax.tree.leaves(grads), average, rep)
+                + jax.tree.leaves(state.inner)
+                + [rep.shard(x) for x in jax.tree.leaves((params, extra))])
+        outs = rep.run(closed, args)
+        avals = jax.tree.leaves(shape)
+        k = len(jax.tree.leaves(shape[0]))
+        updates = self._gather(outs[:k], avals[:k])
+        new = [rep.zero_padding(x, a.shape) for x, a in zip(outs[k:], avals[k:], strict=True)]
+        return (jax.tree.unflatten(jax.tree.structure(shape[0]), updates),
+                ZeroState(jax.tree.unflatten(jax.tree.structure(shape[1]), new)))
+
+    def _full_state_like(self, params, inner):
+        """Abstract full-shaped state with the structure of ``inner`` (for tracing)."""
+        ref = jax.tree.leaves(jax.eval_shape(self.tx.init, params))
+        got = jax.tree.leaves(inner)
+        if len(ref) != len(got) or any(
+                np.shape(x) != ((_length(r.shape, self.num_replicas),) if r.shape else ())
+                for r, x in zip(ref, got, strict=True)):
+            raise ValueError(
+                "the state passed to ZeroRedundancyOptimizer.update does not match "
+                f"tx.init(params) sharded over {self.num_replicas} replicas: "
+                f"{[np.shape(x) for x in got]}; pass the state from this optimizer's init "
+                "(or load_state_dict)")
+        return jax.tree.unflatten(jax.tree.structure(inner), ref)
+
+    # ---- collectives ---------------------------------------------------------------
+    def _grad_shards(self, leaves, average: bool, rep: ShardReplayer) -> list:
+        """This replica's pieces of the (averaged) gradients; rank 0 leaves whole."""
+        n, out = self.num_replicas, list(leaves)
+        for i, x in enumerate(leaves):
+            if not x.shape:
+                out[i] = jax.lax.pmean(x, self.axis) if average else x
+        for idxs in _by_dtype(leaves).values():
+            lens = [_length(leaves[i].shape, n) for i in idxs]
+            if average:
+                rows = [jnp.pad(leaves[i].reshape(-1), (0, ln * n - leaves[i].size))
+                        .reshape(n, ln) for i, ln in zip(idxs, lens, strict=True)]
+                buf = jnp.concatenate(rows, axis=1).reshape(-1)
+                mine = jax.lax.psum_scatter(buf, self.axis, scatter_dimension=0, tiled=True)
+                mine = mine / jnp.asarray(n, mine.dtype)
+                pieces = jnp.split(mine, np.cumsum(lens)[:-1])
+            else:
+                pieces = [rep.shard(leaves[i]) for i in idxs]
+            for i, piece in zip(idxs, pieces, strict=True):
+                out[i] = piece
+        return out
+
+    def _gather(self, pieces, avals) -> list:
+        """Full values from every replica's pieces (one all-gather per dtype)."""
+        n, out = self.num_replicas, list(pieces)
+        for idxs in _by_dtype(avals).values():
+            lens = [_length(avals[i].shape, n) for i in idxs]
+            buf = jnp.concatenate([pieces[i] for i in idxs])
+            # invariant result: the same update on every replica (checked under check_vma)
+            full = jax.lax.all_gather(buf, self.axis, axis=0, tiled=True, to="invarying")
+            cols = jnp.split(full.reshape(n, -1), np.cumsum(lens)[:-1], axis=1)
+            for i, col in zip(idxs, cols, strict=True):
+                size = math.prod(avals[i].shape)
+                out[i] = col.reshape(-1)[:size].reshape(avals[i].shape)
+        return out
 
     # ---- sharding helpers ----------------------------------------------------------
-    def _state_shapes(self, layout, full=False):
-        n = self.num_replicas
-        flat = {k: jax.ShapeDtypeStruct(((n if full else 1) * shard,), dt)
-                for k, dt, _, _, shard in layout.groups}
-        return ZeroState(jax.eval_shape(self.tx.init, flat))
+    def _params_struct(self):
+        lay = self.layout
+        return jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in
+                                                zip(lay.shapes, lay.dtypes, strict=True)])
 
-    def _is_shard_leaf(self, path, leaf) -> bool:
-        while path and isinstance(path[-1], GetAttrKey) and path[-1].name == "value":
-            path = path[:-1]  # nnx.Optimizer wraps each state leaf in a Variable
-        if not path or not isinstance(path[-1], DictKey) or np.ndim(leaf) != 1:
-            return False
-        return any(path[-1].key == k for k, *_ in self.layout.groups)
+    def _state_shapes(self) -> ZeroState:
+        """Global shapes of the sharded state (rank >= 1 leaves flat, ``N * L``)."""
+        n = self.num_replicas
+        return ZeroState(jax.tree.map(
+            lambda r: jax.ShapeDtypeStruct((n * _length(r.shape, n),) if r.shape else (),
+                                           r.dtype),
+            jax.eval_shape(self.tx.init, self._params_struct())))
 
     def state_partition_specs(self, state) -> Any:
-        """PartitionSpecs for ``state`` outside ``shard_map``: shards on the axis, scalars P().
+        """PartitionSpecs for ``state`` outside ``shard_map``: flat shards (rank 1) on
+        the axis, scalars ``P()``.
 
         Also works on the state of an ``nnx.Optimizer`` built around this optimizer
         (``nnx.split(optimizer)[1]``): a training step that shards its optimizer state
         with these specs keeps 1/N of it per replica.
         """
-        if self.layout is None:
-            raise ValueError("call init(params) first: the partition is not known yet")
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: P(self.axis) if self._is_shard_leaf(path, x) else P(), state)
+        return jax.tree.map(lambda x: P(self.axis) if np.ndim(x) == 1 else P(), state)
 
     def state_shardings(self, state) -> Any:
         """NamedShardings for ``state`` on the group's mesh (for ``jax.jit``)."""
@@ -262,13 +330,15 @@ class ZeroRedundancyOptimizer:
         """Collect the full (unsharded) state on group rank ``to``; call on all ranks.
 
         Every process takes part (the shards are gathered from all of them); only rank
-        ``to`` keeps the result, which :meth:`state_dict` then returns.
+        ``to`` keeps the result, which :meth:`state_dict` then returns. ``state`` is this
+        optimizer's state (a ``ZeroState``, or an ``nnx.Optimizer``'s ``opt_state``).
         """
         if not 0 <= to < self.group.size():
             raise ValueError(f"to={to!r} is not a rank of the group (size "
                              f"{self.group.size()}); pass 0 <= to < {self.group.size()}")
-        host = jax.tree.map(_to_host, state)
-        full = _flat_to_tree_state(self, host)
+        self._need_layout("consolidate_state_dict")
+        host = [_to_host(x) for x in jax.tree.leaves(state)]
+        full = full_state(jax.eval_shape(self.tx.init, self._params_struct()), host)
         self._consolidated = ({"state": full, "num_replicas": self.num_replicas}
                               if self.group.rank == to else None)
 
@@ -286,21 +356,30 @@ class ZeroRedundancyOptimizer:
             )
         return self._consolidated
 
-    def load_state_dict(self, state_dict: dict) -> ZeroState:
-        """The sharded state for a full ``state_dict`` (each replica keeps its shard).
+    def load_state_dict(self, state_dict) -> ZeroState:
+        """The sharded state for a full state (each replica keeps its shard).
 
-        Returns the new state (jdist states are values; torch loads in place).
+        ``state_dict``: a dict from :meth:`state_dict` (its ``'state'``), or the full
+        state of an unsharded optimizer: ``tx.init(params)``'s tree, a plain
+        ``nnx.Optimizer``'s ``opt_state`` or ``nnx.state(optimizer)``. Leaves are matched
+        by their path (``.value`` of nnx Variables ignored). Returns the new state (jdist
+        states are values; torch loads in place).
         """
-        if not isinstance(state_dict, dict) or "state" not in state_dict:
-            raise ValueError("load_state_dict expects a dict from state_dict() with a 'state' "
-                             f"entry, got {type(state_dict).__name__}")
-        if self.layout is None:
-            raise ValueError("call init(params) before load_state_dict (the partition "
-                             "comes from the parameters)")
-        flat = _tree_to_flat_state(self, state_dict["state"])
+        self._need_layout("load_state_dict")
+        tree = state_dict["state"] if isinstance(state_dict, dict) and "state" in \
+            state_dict else state_dict
+        if isinstance(tree, ZeroState):
+            tree = tree.inner
+        flat = sharded_state(jax.eval_shape(self.tx.init, self._params_struct()), tree,
+                             self.num_replicas)
         specs = self.state_partition_specs(flat)
-        return jax.tree.map(
-            lambda x, s: _global(np.asarray(x), NamedSharding(self.group.mesh, s)), flat, specs)
+        return ZeroState(jax.tree.map(
+            lambda x, s: _global(x, NamedSharding(self.group.mesh, s)), flat, specs))
+
+    def _need_layout(self, what: str) -> None:
+        if self.layout is None:
+            raise ValueError(f"call init(params) before {what} (the partition comes from "
+                             "the parameters)")
 
 
 def _on_mesh(tree, mesh):
@@ -322,6 +401,7 @@ def _replicated(tree, mesh):
 
 
 def _global(x: np.ndarray, sharding):
+    x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
@@ -332,69 +412,3 @@ def _to_host(x):
         return np.asarray(x.addressable_data(0))
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _param_slot(zero, path, shape):
-    """(group key, offset, size) if ``path`` ends with a parameter path of that shape."""
-    lay = zero.layout
-    for key, _, idxs, _, _ in lay.groups:
-        pos = 0
-        for i in idxs:
-            pp, size = lay.paths[i], math.prod(lay.shapes[i])
-            if len(path) >= len(pp) and tuple(path[len(path) - len(pp):]) == pp \
-                    and tuple(shape) == lay.shapes[i]:
-                return tuple(path[:len(path) - len(pp)]), key, pos, size, i
-            pos += size
-    return None
-
-
-def _flat_to_tree_state(zero, flat_state):
-    """Unsharded ``tx.init(params)``-shaped state from the gathered flat state."""
-    lay = zero.layout
-    params_struct = jax.tree.unflatten(
-        lay.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(lay.shapes, lay.dtypes,
-                                                                strict=True)])
-    ref = ZeroState(jax.eval_shape(zero.tx.init, params_struct))
-    src = dict(jax.tree_util.tree_flatten_with_path(flat_state)[0])
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(ref)[0]:
-        slot = _param_slot(zero, path, leaf.shape)
-        if slot is not None and slot[0] + (DictKey(slot[1]),) in src:
-            prefix, key, pos, size, i = slot
-            out.append(np.asarray(src[prefix + (DictKey(key),)][pos:pos + size]).reshape(
-                lay.shapes[i]))
-        elif path in src:
-            out.append(np.asarray(src[path]))
-        else:
-            raise ValueError(f"cannot map optimizer state leaf {jax.tree_util.keystr(path)} "
-                             f"to the unsharded state; this transformation's state does not "
-                             f"mirror the parameters")
-    return jax.tree.unflatten(jax.tree.structure(ref), out).inner
-
-
-def _tree_to_flat_state(zero, tree_state):
-    """Inverse of :func:`_flat_to_tree_state`: padded full-length flat state (host)."""
-    lay, n = zero.layout, zero.num_replicas
-    ref = zero._state_shapes(lay, full=True)
-    src = dict(jax.tree_util.tree_flatten_with_path(ZeroState(tree_state))[0])
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(ref)[0]:
-        grp = next((g for g in lay.groups if path and isinstance(path[-1], DictKey)
-                    and path[-1].key == g[0] and leaf.shape == (g[4] * n,)), None)
-        if grp is None:
-            if path not in src:
-                raise ValueError(f"state_dict has no entry {jax.tree_util.keystr(path)}; "
-                                 f"was it saved from the same optimizer?")
-            out.append(np.asarray(src[path]))
-            continue
-        key, dt, idxs, total, shard = grp
-        parts = []
-        for i in idxs:
-            p = path[:-1] + lay.paths[i]
-            if p not in src or tuple(np.shape(src[p])) != lay.shapes[i]:
-                raise ValueError(f"state_dict entry {jax.tree_util.keystr(p)} is missing or "
-                                 f"has the wrong shape; expected {lay.shapes[i]}")
-            parts.append(np.asarray(src[p], dt).reshape(-1))
-        parts.append(np.zeros((shard * n - total,), dt))
-        out.append(np.concatenate(parts))
-    return jax.tree.unflatten(jax.tree.structure(ref), out)
