@@ -7,6 +7,8 @@ from jdist.collectives import functional as functional
 from jdist.collectives._alltoall import all_to_all as all_to_all
 from jdist.collectives._alltoall import all_to_all_single as all_to_all_single
 from jdist.collectives._barrier import barrier as barrier
+from jdist.collectives._coalesced import all_reduce_coalesced as all_reduce_coalesced
+from jdist.collectives._coalesced import broadcast_coalesced as broadcast_coalesced
 from jdist.collectives._eager import all_gather as all_gather
 from jdist.collectives._eager import all_gather_into_tensor as all_gather_into_tensor
 from jdist.collectives._eager import all_gather_single as all_gather_single
@@ -62,6 +64,8 @@ __all__ = [
     "all_reduce_flat",
     "prefers_flat",
     "broadcast",
+    "all_reduce_coalesced",
+    "broadcast_coalesced",
     "reduce",
     "all_gather",
     "all_gather_into_tensor",

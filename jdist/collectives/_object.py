@@ -1,8 +1,9 @@
 """Object collectives: picklable Python objects of any (unequal) sizes.
 
 As torch does: each object is pickled to bytes, the members exchange the byte sizes
-first (a small int32 collective), then the bytes padded to the largest size (a uint8
-collective), and unpickle. Lists are filled in place as in torch, and also returned.
+first (a small int32 collective, which also carries the check that every member made
+the same call), then the bytes padded to the largest size (a uint8 collective), and
+unpickle: two round trips per call. Lists are filled in place as in torch, and also returned.
 
 Pickle runs code when loading: only use these with processes you trust (as torch warns).
 """
@@ -37,30 +38,33 @@ def _load(buf: np.ndarray, size: int) -> Any:
     return pickle.loads(np.asarray(buf[:size]).tobytes())
 
 
-def _allgather(g: ProcessGroup, what: str, x: np.ndarray) -> np.ndarray:
+def _checked(fp):
+    """``fp`` when checks are on: the collective then compares it in the same program."""
+    return fp if fpr.debug_enabled() else None
+
+
+def _allgather(g: ProcessGroup, what: str, x: np.ndarray, fp=None) -> np.ndarray:
     axis = g.axis_name
 
     def build():
         return lambda v: F.all_gather(v[0], axis, axis=0, tiled=False)[None]
 
-    return eng.run(g, what, ("all_gather",), build, x, tuple(x.shape), x.dtype, None, False)
+    return eng.run(g, what, ("all_gather",), build, x, tuple(x.shape), x.dtype, fp, False)
 
 
-def _bcast(g: ProcessGroup, what: str, x: np.ndarray, root: int) -> np.ndarray:
+def _bcast(g: ProcessGroup, what: str, x: np.ndarray, root: int, fp=None) -> np.ndarray:
     axis = g.axis_name
 
     def build():
         return lambda v: F.broadcast(v, root, axis)
 
-    return eng.run(g, what, ("broadcast", root), build, x, tuple(x.shape), x.dtype, None,
+    return eng.run(g, what, ("broadcast", root), build, x, tuple(x.shape), x.dtype, fp,
                    False)
 
 
 def _gather_objects(g: ProcessGroup, what: str, obj: Any, fp) -> list:
-    if fpr.debug_enabled():
-        eng.fingerprint_check(g, what, fp)
-    data = _bytes(obj)
-    sizes = _allgather(g, what, np.array([data.size], np.int32))[:, 0]
+    data = _bytes(obj)  # the call check rides on the sizes' collective: two round trips
+    sizes = _allgather(g, what, np.array([data.size], np.int32), _checked(fp))[:, 0]
     padded = np.zeros((_bucket(sizes.max()),), np.uint8)
     padded[: data.size] = data
     rows = _allgather(g, what, padded)
@@ -129,15 +133,13 @@ def broadcast_object_list(object_list: list, src: int | None = None,
     n_obj = len(object_list)
 
     def fn():
-        if fpr.debug_enabled():
-            eng.fingerprint_check(g, "broadcast_object_list",
-                                  _fp(g, "broadcast_object_list", root=root, count=n_obj))
+        fp = _checked(_fp(g, "broadcast_object_list", root=root, count=n_obj))
         if g.rank == root:
             parts = [_bytes(o) for o in object_list]
             sizes = np.array([p.size for p in parts], np.int32)
         else:
             parts, sizes = [], np.zeros((n_obj,), np.int32)
-        sizes = _bcast(g, "broadcast_object_list", sizes, root)
+        sizes = _bcast(g, "broadcast_object_list", sizes, root, fp)
         buf = np.zeros((_bucket(sizes.sum()),), np.uint8)
         if g.rank == root and parts:
             buf[: int(sizes.sum())] = np.concatenate(parts)
@@ -174,15 +176,13 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
                          f"objects, got {len(scatter_object_input_list)}")
 
     def fn():
-        if fpr.debug_enabled():
-            eng.fingerprint_check(g, "scatter_object_list",
-                                  _fp(g, "scatter_object_list", root=root))
+        fp = _checked(_fp(g, "scatter_object_list", root=root))
         if g.rank == root:
             parts = [_bytes(o) for o in scatter_object_input_list]
             sizes = np.array([p.size for p in parts], np.int32)
         else:
             parts, sizes = [], np.zeros((n,), np.int32)
-        sizes = _bcast(g, "scatter_object_list", sizes, root)
+        sizes = _bcast(g, "scatter_object_list", sizes, root, fp)
         width = _bucket(sizes.max())
         table = np.zeros((n, width), np.uint8)
         for i, p in enumerate(parts):

@@ -101,8 +101,77 @@ def child():
     out["placed"] = (np.asarray(placed.addressable_data(0)), placed.is_fully_replicated)
     committed = jax.device_put(jnp.arange(4.0), jax.local_devices()[0])
     out["committed"] = jdist.all_reduce(committed).committed
+    out["coalesced"] = _coalesced(jdist, jax, jnp, rank)
     jdist.destroy_process_group()
     return out
+
+
+def _tree(rank, jnp):
+    return {"w": jnp.full((2, 3), rank + 1.0), "i": np.arange(4, dtype=np.int32) * (rank + 1),
+            "s": np.float32(rank), "n": rank + 7, "e": np.zeros((0,), np.float16),
+            "b": np.array([rank == 0, True]),
+            "h": jnp.asarray(np.full(3, rank + 2.0)).astype("bfloat16"),
+            "k": jax_key(rank)}
+
+
+def jax_key(rank):
+    import jax
+    return jax.random.key(rank)
+
+
+def _coalesced(jdist, jax, jnp, rank):
+    """Multi-array eager collectives: one round trip (per dtype for reductions)."""
+    from jdist.collectives._engine import stats
+
+    g, out = jdist.get_default_group(), {}
+
+    def counted(name, fn):
+        before = stats(g)["calls"]
+        value = fn()
+        out[name + "_calls"] = stats(g)["calls"] - before
+        return value
+
+    tree = _tree(rank, jnp)
+    b = counted("bcast", lambda: jdist.collectives.broadcast_coalesced(tree, src=1))
+    out["bcast"] = {k: (type(v).__name__, np.asarray(jax.random.key_data(v) if k == "k"
+                                                        else v).tolist())
+                    for k, v in b.items()}
+    out["bcast_committed"] = b["w"].committed
+    nokey = {k: v for k, v in tree.items() if k not in ("k", "b")}
+    r = counted("reduce", lambda: jdist.collectives.all_reduce_coalesced(nokey))
+    out["reduce"] = {k: (type(v).__name__, np.asarray(v).tolist()) for k, v in r.items()}
+    counted("gather_object", lambda: jdist.all_gather_object(None, {"r": rank}))
+    counted("bcast_object", lambda: jdist.broadcast_object_list([rank, "x"], src=0))
+    try:
+        jdist.collectives.broadcast_coalesced({"a": np.zeros((2, 3), np.float32)}
+                                              if rank else {"a": np.zeros((3, 2), np.float32)})
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def _check_coalesced(out, rank):
+    src = _tree(1, np)
+    assert out["bcast_calls"] == 1 and out["bcast_committed"] is False
+    got = out["bcast"]
+    assert got["w"] == ("ArrayImpl", np.full((2, 3), 2.0).tolist())
+    assert got["i"] == ("ndarray", src["i"].tolist()) and got["n"] == ("int", 8)
+    assert got["s"] == ("ndarray", 1.0) and got["e"] == ("ndarray", [])
+    assert got["b"] == ("ndarray", [False, True]) and got["h"][1] == [3.0] * 3
+    assert got["k"][1] == np.asarray(jax_key_data(1)).tolist()
+    assert out["reduce_calls"] == 4  # float32, int32, int64 (a Python int), bfloat16
+    trees = [_tree(r, np) for r in range(N)]
+    for k in ("i", "s", "n"):
+        assert out["reduce"][k][1] == np.sum([t[k] for t in trees], axis=0).tolist(), k
+    assert out["reduce"]["n"][0] == "int"
+    assert out["gather_object_calls"] == 2 and out["bcast_object_calls"] == 2
+    if rank == 1:  # the receiver finds it (the bytes have the same length)
+        assert "differs from the source's" in out["mismatch"]
+
+
+def jax_key_data(rank):
+    import jax
+    return jax.random.key_data(jax.random.key(rank))
 
 
 def _check(got, want, kind, what):
@@ -130,3 +199,4 @@ def test_eager_results_keep_kind_shape_and_are_placeable():
         np.testing.assert_array_equal(out["placed"][0], np.arange(4.0))
         assert out["placed"][1]
         assert out["committed"] is True
+        _check_coalesced(out["coalesced"], rank)
