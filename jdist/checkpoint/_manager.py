@@ -225,7 +225,7 @@ class CheckpointManager:
         _layout.announce(self.directory, step, self.rank, self.world)
         try:
             self.wait()
-            whole = self._whole(step, why)
+            whole = _whole(self, step, why)
         except BaseException:
             _layout.withdraw(self.directory, step, self.rank, self.world)
             raise
@@ -236,36 +236,6 @@ class CheckpointManager:
         self._writer.save(path, lambda spare: _pack.pack(host, spare)[0], meta,
                           prepare=_checksums, then=self._retain)
         return True
-
-    def _whole(self, step: int, why: str | None) -> bool:
-        """Whether this rank writes the whole state (a part complete by itself).
-
-        Rank 0 does whenever it can (it writes every replicated value anyway); another
-        rank does when rank 0 is not saving this step (it waits a moment for rank 0's
-        announcement, so a save on every rank writes the replicated values once). A
-        state with values of each rank's own needs every rank: raise, writing nothing,
-        when they do not all come.
-        """
-        if self.world == 1:
-            return False  # its one part completes the step as it is
-        if why is None and self.rank == 0:
-            return True
-        if why is None:
-            return bool(_peers.await_ranks(self.directory, step, self.world, {0},
-                                           min(self.peer_timeout, _LEAN_WAIT_S)))
-        missing = _peers.await_ranks(
-            self.directory, step, self.world, set(range(self.world)), self.peer_timeout,
-            warn_after=min(5.0, self.peer_timeout / 2), why=why)
-        if missing:
-            raise CheckpointError(
-                f"save(step {step}) was called on rank {self.rank} but ranks "
-                f"{sorted(missing)} of {self.world} did not call it within "
-                f"{self.peer_timeout:g} s, and {why}: one rank cannot save the other "
-                "ranks' values, so nothing was written. Call save on every rank (not "
-                "under `if rank == 0:`), or save on one rank a state of replicated "
-                "values and JSON data only (parameters, optimizer state, the epoch); pass "
-                "a larger peer_timeout if the other ranks are only late")
-        return False
 
     def _retain(self) -> None:
         """Rank 0 deletes steps older than the newest ``max_to_keep`` complete ones.
@@ -347,7 +317,7 @@ class CheckpointManager:
         errors: list = []
         tried: set = set()
         while True:
-            target = self._agree_target(step, tried)
+            target = _agree_target(self, step, tried)
             if target < 0:
                 if errors:
                     raise CheckpointCorruptError(
@@ -358,7 +328,7 @@ class CheckpointManager:
                     + ("" if step is None else f" of step {step} (complete steps: "
                        f"{self.all_steps()})"))
             tried.add(target)
-            code, err, result = self._try_step(target, state)
+            code, err, result = _try_step(self, target, state)
             agreed = self._agree(code)
             if agreed == _MISMATCH:
                 raise err if err is not None else CheckpointMismatchError(
@@ -377,47 +347,6 @@ class CheckpointManager:
             self.restored_step = target
             self._drop_newer(target)
             return out
-
-    def _agree_target(self, step: int | None, tried: set) -> int:
-        """The step all ranks try next: the newest one any rank sees complete (-1:
-        none); an unusable directory on any rank raises on every rank."""
-        err, mine = None, -1
-        try:
-            cands = [s.step for s in self._candidates()
-                     if (step is None or s.step == step) and s.step not in tried]
-            mine = cands[0] if cands else -1
-        except CheckpointError as e:
-            err = e
-        if self._agree(1 if err is not None else 0):
-            raise err if err is not None else CheckpointError(
-                f"another rank cannot use {self.directory} (see its error)")
-        return self._agree(mine)
-
-    def _try_step(self, target: int, state: dict) -> tuple:
-        """``(code, error, (state, actions))`` of reading step ``target`` here; waits up
-        to ``timeout`` for a step another rank sees complete to show here too."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            cand = next((s for s in _layout.scan(self.directory) if s.step == target
-                         and s.complete_world() is not None), None)
-            if cand is not None or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        if cand is None:
-            return _CORRUPT, CheckpointCorruptError(
-                f"step {target} is complete on another rank, but this rank does not see it "
-                f"complete in {self.directory} within {self.timeout:g} s (do all ranks see "
-                "the same directory?)"), None
-        reader = StepReader(cand, cand.complete_world(), self.rank)
-        try:
-            reader.load_all()
-            return _OK, None, restore_items(
-                reader, state, world=self.world, elastic=self.elastic,
-                reset_hook_state_on_resize=self.reset_hook_state_on_resize)
-        except CheckpointMismatchError as e:
-            return _MISMATCH, e, None
-        except CheckpointCorruptError as e:
-            return _CORRUPT, e, None
 
     def _drop_newer(self, step: int | None) -> None:
         """Rank 0 removes steps newer than the one resumed (parts of a killed attempt)."""
@@ -473,3 +402,77 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, save_interval_steps="
                 f"{self.save_interval_steps}, max_to_keep={self.max_to_keep}, "
                 f"async_save={self._writer.async_save}, rank={self.rank}/{self.world})")
+
+
+def _whole(m: CheckpointManager, step: int, why: str | None) -> bool:
+    """Whether this rank writes the whole state (a part complete by itself).
+
+    Rank 0 does whenever it can (it writes every replicated value anyway); another
+    rank does when rank 0 is not saving this step (it waits a moment for rank 0's
+    announcement, so a save on every rank writes the replicated values once). A
+    state with values of each rank's own needs every rank: raise, writing nothing,
+    when they do not all come.
+    """
+    if m.world == 1:
+        return False  # its one part completes the step as it is
+    if why is None and m.rank == 0:
+        return True
+    if why is None:
+        return bool(_peers.await_ranks(m.directory, step, m.world, {0},
+                                       min(m.peer_timeout, _LEAN_WAIT_S)))
+    missing = _peers.await_ranks(
+        m.directory, step, m.world, set(range(m.world)), m.peer_timeout,
+        warn_after=min(5.0, m.peer_timeout / 2), why=why)
+    if missing:
+        raise CheckpointError(
+            f"save(step {step}) was called on rank {m.rank} but ranks "
+            f"{sorted(missing)} of {m.world} did not call it within "
+            f"{m.peer_timeout:g} s, and {why}: one rank cannot save the other "
+            "ranks' values, so nothing was written. Call save on every rank (not "
+            "under `if rank == 0:`), or save on one rank a state of replicated "
+            "values and JSON data only (parameters, optimizer state, the epoch); pass "
+            "a larger peer_timeout if the other ranks are only late")
+    return False
+
+
+def _agree_target(m: CheckpointManager, step: int | None, tried: set) -> int:
+    """The step all ranks try next: the newest one any rank sees complete (-1:
+    none); an unusable directory on any rank raises on every rank."""
+    err, mine = None, -1
+    try:
+        cands = [s.step for s in m._candidates()
+                 if (step is None or s.step == step) and s.step not in tried]
+        mine = cands[0] if cands else -1
+    except CheckpointError as e:
+        err = e
+    if m._agree(1 if err is not None else 0):
+        raise err if err is not None else CheckpointError(
+            f"another rank cannot use {m.directory} (see its error)")
+    return m._agree(mine)
+
+
+def _try_step(m: CheckpointManager, target: int, state: dict) -> tuple:
+    """``(code, error, (state, actions))`` of reading step ``target`` here; waits up
+    to ``timeout`` for a step another rank sees complete to show here too."""
+    deadline = time.monotonic() + m.timeout
+    while True:
+        cand = next((s for s in _layout.scan(m.directory) if s.step == target
+                     and s.complete_world() is not None), None)
+        if cand is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if cand is None:
+        return _CORRUPT, CheckpointCorruptError(
+            f"step {target} is complete on another rank, but this rank does not see it "
+            f"complete in {m.directory} within {m.timeout:g} s (do all ranks see "
+            "the same directory?)"), None
+    reader = StepReader(cand, cand.complete_world(), m.rank)
+    try:
+        reader.load_all()
+        return _OK, None, restore_items(
+            reader, state, world=m.world, elastic=m.elastic,
+            reset_hook_state_on_resize=m.reset_hook_state_on_resize)
+    except CheckpointMismatchError as e:
+        return _MISMATCH, e, None
+    except CheckpointCorruptError as e:
+        return _CORRUPT, e, None
