@@ -16,7 +16,10 @@ files; ``--redirects`` / ``--tee`` choose what the console shows, as in torchrun
 runtime's routine messages are hidden unless ``--verbose``. When a worker fails, the
 others are stopped (SIGTERM, SIGKILL after ``--shutdown-timeout``) and the job is
 restarted while the job-wide ``--max-restarts`` budget lasts; otherwise the launcher
-exits with the failed rank's exit code and prints its last stderr lines.
+exits with the failed rank's exit code and prints its Python traceback (or its last
+stderr lines). The failed rank is the first to fail by time, not the first exit noticed:
+each worker records its uncaught exception or fatal signal with a timestamp
+(``JDIST_ERROR_FILE``), so peers that died because of it are listed as consequences.
 """
 
 from __future__ import annotations

@@ -73,10 +73,10 @@ _JOB = """\
 """
 
 
-def _launch(tmp_path, k, how, nproc=3):
+def _launch(tmp_path, k, how, start="spawn", nproc=3):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_JOB))
-    env = dict(os.environ)
+    env = dict(os.environ, JDIST_START_METHOD=start, JDIST_FORKSERVER_PRELOAD="json")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("JDIST_AUTH_TOKEN", None)
     return subprocess.run(
@@ -85,13 +85,16 @@ def _launch(tmp_path, k, how, nproc=3):
         env=env, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("k,how", [(0, "raise"), (1, "raise"), (2, "raise"),
-                                   (2, "sigkill"), (0, "abort")])
-def test_the_summary_names_the_first_rank_to_fail(tmp_path, k, how):
+@pytest.mark.parametrize("k,how,start", [
+    (0, "raise", "spawn"), (1, "raise", "forkserver"), (2, "raise", "spawn"),
+    (2, "sigkill", "spawn"), (0, "abort", "spawn"),
+])
+def test_the_summary_names_the_first_rank_to_fail(tmp_path, k, how, start):
     """Grid: rank k fails first by raising (rank 0, or a non-zero rank), by a fatal
     signal (faulthandler's time), or by SIGKILL (no record: its last moment alive); the
-    others fail after it. The summary names rank k, with its traceback."""
-    res = _launch(tmp_path, k, how)
+    others fail after it. The summary names rank k, with its traceback. Both start
+    methods run the worker shim that records the failure."""
+    res = _launch(tmp_path, k, how, start)
     summary = res.stderr.split("jdist-run: job failed: ", 1)[-1]
     assert re.match(rf"rank {k} \(node 0, local rank {k}\) ", summary), res.stderr
     if how == "raise":
