@@ -47,6 +47,7 @@ from jdist.collectives._p2p import irecv as irecv
 from jdist.collectives._p2p import isend as isend
 from jdist.collectives._p2p import recv as recv
 from jdist.collectives._p2p import send as send
+from jdist.collectives._replicate import place_replicated as place_replicated
 from jdist.collectives._types import ReduceOp as ReduceOp
 from jdist.collectives._work import Work as Work
 from jdist.store import FileStore as FileStore
@@ -66,6 +67,7 @@ __all__ = [
     "broadcast",
     "all_reduce_coalesced",
     "broadcast_coalesced",
+    "place_replicated",
     "reduce",
     "all_gather",
     "all_gather_into_tensor",

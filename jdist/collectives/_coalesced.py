@@ -37,6 +37,12 @@ _DIGEST = 8  # bytes of the structure digest that travels with a broadcast
 
 def _host(leaf, what: str, path: str) -> np.ndarray:
     """One leaf as a host array (typed keys as their raw key data)."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if not leaf.is_fully_replicated:
+            raise ValueError(f"jdist.{what}: leaf {path} is a global array sharded across "
+                             f"processes ({leaf.sharding}); pass replicated values or this "
+                             f"process's copy")
+        leaf = leaf.addressable_data(0)  # this process's copy of a replicated array
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype,
                                                              jax.dtypes.prng_key):
         leaf = jax.random.key_data(leaf)

@@ -8,6 +8,8 @@ that one, which steps RRef-held parameters with a distributed-autograd context's
 gradients, is :class:`jdist.rpc.DistributedOptimizer`.
 """
 
+from jdist.optim._broadcast import broadcast_optimizer_state as broadcast_optimizer_state
+from jdist.optim._broadcast import broadcast_parameters as broadcast_parameters
 from jdist.optim._compression import Compression as Compression
 from jdist.optim._compression import Compressor as Compressor
 from jdist.optim._distributed import AllReduceOptimizer as AllReduceOptimizer
@@ -26,6 +28,8 @@ __all__ = [
     "DistributedOptimizerState",
     "ZeroRedundancyOptimizer",
     "ZeroState",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "flat_partition",
     "fused_allreduce",
 ]
