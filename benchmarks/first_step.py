@@ -15,9 +15,11 @@ The launches run one after the other:
 
 Whole run: from starting the launcher to its exit. Time to first step, per trainer:
 from starting the launcher to the end of that trainer's first training step (its
-return time less the durations of its later steps). For each jdist launch, each rank
-counts its programs (JAX's backend-compile events: a compile or a load from the cache),
-its persistent cache hits, and the seconds in tracing, lowering and compiling::
+return time less the durations of its later steps). Training loop: the sum of a
+trainer's step times, the first (which compiles, or loads from the cache) included.
+For each jdist launch, each rank counts its programs (JAX's backend-compile events: a
+compile or a load from the cache), its persistent cache hits, and the seconds in
+tracing, lowering and compiling::
 
     python benchmarks/first_step.py [--epochs 2] [--batches 10] [--pad] [--repeats 1]
 
@@ -137,6 +139,8 @@ def _launch(lib: str, port_args: list, out: str, env: dict, timeout: float) -> d
             with open(path) as f:
                 compiles[rank] = json.load(f)
     return {"wall": wall, "first": first, "step": steps[len(steps) // 2] if steps else 0.0,
+            "loop": max((sum(t["times"]) for t in trainers), default=float("nan")),
+            "step0": max((t["times"][0] for t in trainers), default=float("nan")),
             "compiles": compiles}
 
 
@@ -191,7 +195,8 @@ def main() -> None:
                 r = runs[case][-1]
                 print(f"  {case:18s} whole run {r['wall']:6.2f} s, first step "
                       + " / ".join(f"{f:.2f}" for f in r["first"])
-                      + f" s (trainers), median step {1e3 * r['step']:.2f} ms", flush=True)
+                      + f" s (trainers), training loop {r['loop']:.2f} s (first step "
+                      f"{r['step0']:.2f} s), median step {1e3 * r['step']:.2f} ms", flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     _report(a, runs, cases)
@@ -218,6 +223,12 @@ def _report(a, runs: dict, cases: tuple) -> None:
                         "goal <= 1.5" if "warm" in case else ""))
         rows.append(row(f"time to first step (slower trainer), {case}", "s", first, tfirst,
                         first / tfirst))
+        loop, tloop = r["loop"], torch_run["loop"]
+        print(f"  {'':18s} training loop (slower trainer: its steps, the first included) "
+              f"{loop:6.2f} s vs {tloop:6.2f} s = {loop / tloop:5.2f}x; its first step "
+              f"{r['step0']:.2f} s vs {torch_run['step0']:.2f} s")
+        rows.append(row(f"training loop, all steps (slower trainer), {case}", "s", loop,
+                        tloop, loop / tloop))
     for case in cases[1:]:
         _describe(case, best[case])
     print(bench_json("first_step", [table(
