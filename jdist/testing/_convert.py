@@ -279,9 +279,9 @@ def torch_to_nnx(torch_module, nnx_module, *, strict: bool = True,
         hyperparameter mismatches.
     """
     pairs = _pair(torch_layers(torch_module), nnx_layers(nnx_module), "torch", "nnx", strict)
+    _check_configs(pairs, check_config)
     for t, n in pairs:
         _check_covered(t, n)
-    _check_configs(pairs, check_config)
     writes = []
     for t, n in pairs:
         writes += _nnx_writes(lambda name, m=t.module: get_path(m, name), t.describe(), n,
@@ -302,9 +302,9 @@ def nnx_to_torch(nnx_module, torch_module, *, strict: bool = True, check_config:
     import torch
 
     pairs = _pair(nnx_layers(nnx_module), torch_layers(torch_module), "nnx", "torch", strict)
+    _check_configs([(t, n) for n, t in pairs], check_config)
     for n, t in pairs:
         _check_covered(t, n)
-    _check_configs([(t, n) for n, t in pairs], check_config)
     writes = []  # checked first, written after, so a failed copy changes nothing
     for n, t in pairs:
         attrs = {row.tname: row.attr for row in _rows(n)}

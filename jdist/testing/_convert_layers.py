@@ -192,6 +192,8 @@ def _pair(src: list[Layer], dst: list[Layer], src_name: str, dst_name: str, stri
                 f"{', '.join(bad)}. Supported: {SUPPORTED}. Pass strict=False to skip "
                 f"them (their weights are not copied)"
             )
+    skipped = [f"{side} {lay.describe()} [{lay.note}]" for side, layers in
+               ((src_name, src), (dst_name, dst)) for lay in layers if lay.note]
     src = [lay for lay in src if lay.kind is not None]
     dst = [lay for lay in dst if lay.kind is not None]
 
@@ -203,6 +205,7 @@ def _pair(src: list[Layer], dst: list[Layer], src_name: str, dst_name: str, stri
             f"{src_name} model has {len(src)} convertible layers but {dst_name} model has "
             f"{len(dst)}; layers are paired in definition order.\n  {src_name}: "
             f"{listing(src)}\n  {dst_name}: {listing(dst)}"
+            + "".join(f"\n  skipped: {k}" for k in skipped)
         )
     for i, (a, b) in enumerate(zip(src, dst, strict=True)):
         if a.kind != b.kind:

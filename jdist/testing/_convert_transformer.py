@@ -34,15 +34,16 @@ class TransformerEncoderLayer(nnx.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got "
                              f"{activation!r}")
         kw = dict(param_dtype=param_dtype, rngs=rngs)
+        drop_rngs = rngs if dropout else None  # no random state when there is no dropout
         self.self_attn = nnx.MultiHeadAttention(nhead, d_model, dropout_rate=dropout,
                                                 use_bias=bias, decode=False, **kw)
         self.linear1 = nnx.Linear(d_model, dim_feedforward, use_bias=bias, **kw)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=drop_rngs)
         self.linear2 = nnx.Linear(dim_feedforward, d_model, use_bias=bias, **kw)
         self.norm1 = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, use_bias=bias, **kw)
         self.norm2 = nnx.LayerNorm(d_model, epsilon=layer_norm_eps, use_bias=bias, **kw)
-        self.dropout1 = nnx.Dropout(dropout, rngs=rngs)
-        self.dropout2 = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout1 = nnx.Dropout(dropout, rngs=drop_rngs)
+        self.dropout2 = nnx.Dropout(dropout, rngs=drop_rngs)
         self.activation = activation
         self.batch_first, self.norm_first = bool(batch_first), bool(norm_first)
 
