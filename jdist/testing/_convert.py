@@ -16,19 +16,19 @@ definition order, depth first:
 
 The i-th torch layer is paired with the i-th NNX layer. Supported pairs:
 
-=========================================  ==================  =========================
-torch                                      flax.nnx            arrays
-=========================================  ==================  =========================
-``Linear``                                 ``Linear``          kernel = weight.T
-``Conv1d`` / ``Conv2d`` / ``Conv3d``       ``Conv``            OI[D]HW <-> [D]HWIO
-``BatchNorm1d/2d/3d``, ``SyncBatchNorm``   ``BatchNorm``       scale, bias, mean, var
-``LayerNorm``                              ``LayerNorm``       scale, bias
-``Embedding``                              ``Embed``           embedding = weight
-``EmbeddingBag``                           ``EmbeddingBag``    embedding = weight
-``MultiheadAttention``                     ``MultiHeadAttention``  q/k/v/out, by head
-``TransformerEncoderLayer``                jdist's (below)     sub-layers paired
-``LSTM``, ``GRU``                          jdist's (below)     kernel = weight.T
-=========================================  ==================  =========================
+=========================================  ===========================  =========================
+torch                                      flax.nnx (or jdist.testing)  arrays
+=========================================  ===========================  =========================
+``Linear``                                 ``Linear``                   kernel = weight.T
+``Conv1d`` / ``Conv2d`` / ``Conv3d``       ``Conv``                     OI[D]HW <-> [D]HWIO
+``BatchNorm1d/2d/3d``, ``SyncBatchNorm``   ``BatchNorm``                scale, bias, mean, var
+``LayerNorm``                              ``LayerNorm``                scale, bias
+``Embedding``                              ``Embed``                    embedding = weight
+``EmbeddingBag``                           ``EmbeddingBag``             embedding = weight
+``MultiheadAttention``                     ``MultiHeadAttention``       q/k/v/out kernels by head
+``TransformerEncoderLayer``                ``TransformerEncoderLayer``  its sub-layers, paired
+``LSTM``, ``GRU``                          ``LSTM``, ``GRU``            kernel_ih = weight_ih.T
+=========================================  ===========================  =========================
 
 The NNX ``EmbeddingBag`` is jdist's (:class:`jdist.testing.EmbeddingBag`; Flax has none);
 its ``mode``, ``include_last_offset`` and ``padding_idx`` must match torch's.
@@ -231,26 +231,29 @@ def _to_torch_tensor(value: np.ndarray, like):
     return t.to(dtype=like.dtype, device=like.device) if like is not None else t
 
 
-def _check_covered(t: Layer, n: Layer) -> None:
+def _nnx_uncovered(n: Layer) -> list[str]:
+    known = {row.attr for row in _rows(n)}
+    flat = nnx.to_flat_state(nnx.state(n.module, (nnx.Param, nnx.BatchStat)))
+    return [k for k in (".".join(map(str, p)) for p, _ in flat) if k not in known]
+
+
+def _check_covered(t: Layer | None, n: Layer) -> None:
     """Every array of a paired layer must have a row: a torch LSTM with more layers, an
     attention with ``add_bias_kv``, a Flax attention with ``normalize_qk`` would
-    otherwise lose arrays silently."""
+    otherwise lose arrays silently. ``t=None``: the nnx side only (a state_dict)."""
     if n.kind in CONTAINERS:
         return
-    rows = _rows(n)
-    known_t = set(_torch_names(rows)) | {"num_batches_tracked"}
-    extra_t = [k for k, _ in list(t.module.named_parameters()) + list(t.module.named_buffers())
-               if k not in known_t]
-    known_n = {row.attr for row in rows}
-    flat = nnx.to_flat_state(nnx.state(n.module, (nnx.Param, nnx.BatchStat)))
-    extra_n = [".".join(map(str, p)) for p, _ in flat]
-    extra_n = [k for k in extra_n if k not in known_n]
+    known_t = set(_torch_names(_rows(n))) | {"num_batches_tracked"}
+    extra_t = [] if t is None else [
+        k for k, _ in list(t.module.named_parameters()) + list(t.module.named_buffers())
+        if k not in known_t]
+    extra_n = _nnx_uncovered(n)
     if extra_t or extra_n:
+        where = "torch state_dict" if t is None else f"torch {t.describe()}"
         raise WeightConversionError(
-            f"torch {t.describe()} and nnx {n.describe()} are built differently: arrays "
-            f"with no counterpart: torch {extra_t}, nnx {extra_n} ({_layout(n.kind)}); "
-            f"build both alike (same num_layers/bidirectional, no add_bias_kv/proj_size/"
-            f"normalize_qk)")
+            f"{where} and nnx {n.describe()} are built differently: arrays with no "
+            f"counterpart: torch {extra_t}, nnx {extra_n} ({_layout(n.kind)}); build both "
+            f"alike (same num_layers/bidirectional, no add_bias_kv/proj_size/normalize_qk)")
 
 
 # ------------------------------------------------------------------------ public API
@@ -366,8 +369,11 @@ def _nnx_layers_with_arrays(nnx_module, strict: bool) -> list[Layer]:
         raise WeightConversionError(
             f"nnx model has layers holding parameters that cannot be converted: "
             f"{', '.join(bad)}; pass strict=False to skip them")
-    return [lay for lay in layers if lay.kind is not None
-            and any(_nnx_get(lay, row.attr) is not None for row in _rows(lay))]
+    out = [lay for lay in layers if lay.kind is not None
+           and any(_nnx_get(lay, row.attr) is not None for row in _rows(lay))]
+    for lay in out:
+        _check_covered(None, lay)
+    return out
 
 
 def state_dict_to_nnx(state_dict: Mapping[str, Any], nnx_module, *, strict: bool = True):

@@ -142,6 +142,9 @@ def test_multihead_attention_without_counterpart_raises():
     with pytest.raises(WeightConversionError, match="normalize_qk"):
         torch_to_nnx(nn.MultiheadAttention(8, 2), mha(2, 8, normalize_qk=True),
                      check_config=False)
+    with pytest.raises(WeightConversionError, match=r"nnx \['key_ln.scale', 'query_ln.scale'\]"):
+        state_dict_to_nnx(nn.MultiheadAttention(8, 2).state_dict(),
+                          mha(2, 8, normalize_qk=True))
 
 
 # ------------------------------------------------------------------- LSTM and GRU
@@ -315,6 +318,9 @@ def test_gpt_block_converts_whole():
     close(call(nm, j(ids)), tm(ids).detach().numpy())
     fresh = round_trip(tm, nm, TorchGPT)
     close(fresh(ids).detach().numpy(), tm(ids).detach().numpy())
+    plain = TorchGPT()  # keys from the nnx paths and torch's names; a strict load
+    plain.load_state_dict(nnx_state_to_torch_state_dict(nm))
+    close(plain(ids).detach().numpy(), tm(ids).detach().numpy())
     assert [k for *_, k in paired_layers(tm, nm)] == [
         "embedding", "embedding", "layernorm", "mha", "layernorm", "linear", "linear",
         "layernorm", "linear"]
