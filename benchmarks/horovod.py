@@ -10,7 +10,9 @@ and optimizer state are broadcast (``jdist.optim.broadcast_parameters`` /
 ``broadcast_optimizer_state``, placed on the group's mesh), then one jitted
 ``shard_map`` step per batch whose ``AllReduceOptimizer`` averages the gradients.
 
-Rows (medians of timed steps after warm-up, every step blocked on its loss):
+Rows (medians of timed steps after warm-up, every step blocked on its loss; torch and
+jdist run in the same two processes, one step of each per round, so that the load of a
+shared machine falls on both alike):
 
 a) step time, jdist (its default on CPU across processes: each dtype's gradients in one
    flat buffer, one all-reduce) and jdist with ``flat=False`` (one operand per gradient,
@@ -61,17 +63,12 @@ def digits(n, rank, world):
 
 
 # ----------------------------------------------------------------------------- torch
-def torch_worker(steps):
-    import gc
-
+def torch_step(rank, world):
+    """Torch DDP's step on this rank's half of the batch (the group is initialised)."""
     import torch
-    import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Conv2d(1, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 3), nn.ReLU(),
                           nn.Flatten(), nn.Linear(512, 10))
@@ -87,12 +84,7 @@ def torch_worker(steps):
         st["opt"].step()
         return float(loss.detach())
 
-    ms = _median_ms(step, steps)
-    st.clear()  # the reducer must go before the group (see benchmarks/ddp.py)
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    return ms
+    return step, st
 
 
 # ----------------------------------------------------------------------------- jdist
@@ -115,20 +107,17 @@ def cnn(seed):
     return CNN()
 
 
-def jdist_worker(steps, flat):
+def jdist_step(g, flat):
+    """Horovod's sequence in jdist: own init, broadcast from rank 0, shard_map step."""
     import jax
     import optax
     from flax import nnx
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import jdist
     import jdist.optim
 
-    jdist.collectives.init_process_group()
-    g = jdist.collectives.get_default_group()
-    rank, world = g.rank, g.size()
-    model = cnn(rank)  # each rank starts from its own values, as in Horovod
+    model = cnn(g.rank)  # each rank starts from its own values, as in Horovod
     opt = nnx.Optimizer(model, jdist.optim.AllReduceOptimizer(optax.sgd(LR), flat=flat),
                         wrt=nnx.Param)
     jdist.optim.broadcast_parameters(model, root_rank=0)
@@ -146,7 +135,7 @@ def jdist_worker(steps, flat):
 
     step = jax.jit(jax.shard_map(body, mesh=g.mesh, in_specs=(P(), P("dp"), P("dp")),
                                  out_specs=(P(), P("dp"))), donate_argnums=0)
-    xb, yb = digits(GLOBAL_BATCH, rank, world)
+    xb, yb = digits(GLOBAL_BATCH, g.rank, g.size())
     rows = NamedSharding(g.mesh, P("dp"))
     st = {"s": state}
 
@@ -156,12 +145,51 @@ def jdist_worker(steps, flat):
         st["s"], loss = step(st["s"], x, y)
         return float(loss.addressable_data(0)[0])
 
-    t = time.perf_counter()
-    one()
-    compile_s = time.perf_counter() - t
-    ms = _median_ms(one, steps)
+    return one
+
+
+def step_worker(steps, variants):
+    """Torch DDP and the jdist variants in the same two processes, one step of each per
+    round (so a load spike on the shared machine hits every contender alike)."""
+    import gc
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import jdist
+
+    torch.set_num_threads(1)
+    jdist.collectives.init_process_group()
+    g = jdist.collectives.get_default_group()
+    path = os.path.join(tempfile.gettempdir(), f"jdist_hvd_{os.environ['MASTER_PORT']}")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=g.rank,
+                            world_size=g.size())
+    runs = {"torch DDP": torch_step(g.rank, g.size())}
+    runs.update({label: (jdist_step(g, flat), None) for label, flat in variants})
+    first = {}
+    for label, (fn, _) in runs.items():
+        t = time.perf_counter()
+        fn()
+        first[label] = time.perf_counter() - t
+    for _ in range(3):
+        for fn, _ in runs.values():
+            fn()
+    times = {k: [] for k in runs}
+    for _ in range(steps):
+        for label, (fn, _) in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t)
+    out = {k: (1e3 * statistics.median(v), first[k]) for k, v in times.items()}
+    runs["torch DDP"][1].clear()  # the reducer must go before the group (benchmarks/ddp.py)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
     jdist.collectives.destroy_process_group()
-    return ms, compile_s
+    if g.rank == 0 and os.path.exists(path):
+        os.remove(path)
+    return out
 
 
 def allreduce_worker(steps):
@@ -213,13 +241,15 @@ def main(argv=None):
     floats = sum(int(np.prod(s)) for s in SHAPES)
     print(f"(a) small CNN on 8x8 digits, 2 processes x 1 device, gloo, 1 thread each, "
           f"global batch {GLOBAL_BATCH}")
-    t_ms = max(run(me.torch_worker, steps))
+    variants = (("jdist AllReduceOptimizer", None),
+                ("jdist AllReduceOptimizer (flat=False)", False))
+    res = run(me.step_worker, steps, variants)
+    ms = {k: max(r[k][0] for r in res) for k in res[0]}
+    t_ms = ms["torch DDP"]
     print(f"  torch DDP                                 {t_ms:8.2f} ms")
     rows_a, series = [], {"torch DDP": t_ms}
-    for label, flat in (("jdist AllReduceOptimizer", None),
-                        ("jdist AllReduceOptimizer (flat=False)", False)):
-        res = run(me.jdist_worker, steps, flat)
-        j_ms, comp = max(r[0] for r in res), max(r[1] for r in res)
+    for label, _ in variants:
+        j_ms, comp = ms[label], max(r[label][1] for r in res)
         print(f"  {label:41s} {j_ms:8.2f} ms   ratio {j_ms / t_ms:.2f}x   "
               f"(first step {comp:.2f} s)")
         series[label] = j_ms
