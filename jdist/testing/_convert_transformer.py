@@ -6,6 +6,7 @@ Its sub-layers are defined in torch's order and of the kinds the converter pairs
 sub-layer by sub-layer, and checks the hyperparameters that are not weights
 (``norm_first``, ``activation``, ``batch_first``, dropout rate, epsilons, heads).
 
+Dropout is on until ``module.eval()`` (``nnx.Module.eval``), as in torch.
 ``activation`` is ``"relu"`` or ``"gelu"`` (the exact, erf form, as torch's
 ``"gelu"``). ``mask`` follows Flax: ``True`` where a query may attend to a key,
 broadcastable to (batch, heads, query, key), e.g. ``nnx.make_causal_mask(ids)``. torch's
@@ -35,8 +36,10 @@ class TransformerEncoderLayer(nnx.Module):
                              f"{activation!r}")
         kw = dict(param_dtype=param_dtype, rngs=rngs)
         drop_rngs = rngs if dropout else None  # no random state when there is no dropout
+        # training mode by default, as torch and nnx.Dropout; .eval() turns dropout off
         self.self_attn = nnx.MultiHeadAttention(nhead, d_model, dropout_rate=dropout,
-                                                use_bias=bias, decode=False, **kw)
+                                                use_bias=bias, decode=False,
+                                                deterministic=False, **kw)
         self.linear1 = nnx.Linear(d_model, dim_feedforward, use_bias=bias, **kw)
         self.dropout = nnx.Dropout(dropout, rngs=drop_rngs)
         self.linear2 = nnx.Linear(dim_feedforward, d_model, use_bias=bias, **kw)
