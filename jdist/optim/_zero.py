@@ -167,8 +167,11 @@ class ZeroRedundancyOptimizer:
     def _init_local(self, params):
         rep = self._replayer()
         closed, shape = jax.make_jaxpr(self.tx.init, return_shape=True)(params)
-        outs = rep.run(closed, [rep.shard(x) for x in jax.tree.leaves(params)])
-        return ZeroState(jax.tree.unflatten(jax.tree.structure(shape), outs))
+        leaves = jax.tree.leaves(params)
+        outs = rep.run(closed, [rep.shard(x) for x in leaves], [np.ndim(x) > 0 for x in leaves])
+        state = [rep.zero_padding(rep.local(o), a.shape)
+                 for o, a in zip(outs, jax.tree.leaves(shape), strict=True)]
+        return ZeroState(jax.tree.unflatten(jax.tree.structure(shape), state))
 
     def init(self, params) -> ZeroState:
         """Local shard state inside ``shard_map``; the global sharded state outside."""
@@ -235,14 +238,16 @@ class ZeroRedundancyOptimizer:
         closed, shape = jax.make_jaxpr(
             lambda g, s, p, e: self.tx.update(g, s, p, **e), return_shape=True)(
             grads, full, params, extra)
-        args = (self._grad_shards(jax.tree.leaves(grads), average, rep)
-                + jax.tree.leaves(state.inner)
-                + [rep.shard(x) for x in jax.tree.leaves((params, extra))])
-        outs = rep.run(closed, args)
+        g, st, p = (jax.tree.leaves(t) for t in (grads, state.inner, params))
+        e = jax.tree.leaves(extra)
+        args = self._grad_shards(g, average, rep) + st + [rep.shard(x) for x in p] + e
+        sharded = [np.ndim(x) > 0 for x in g + st + p] + [False] * len(e)
+        outs = rep.run(closed, args, sharded)
         avals = jax.tree.leaves(shape)
         k = len(jax.tree.leaves(shape[0]))
         updates = self._gather(outs[:k], avals[:k])
-        new = [rep.zero_padding(x, a.shape) for x, a in zip(outs[k:], avals[k:], strict=True)]
+        new = [rep.zero_padding(rep.local(o), a.shape)
+               for o, a in zip(outs[k:], avals[k:], strict=True)]
         return (jax.tree.unflatten(jax.tree.structure(shape[0]), updates),
                 ZeroState(jax.tree.unflatten(jax.tree.structure(shape[1]), new)))
 
@@ -282,12 +287,16 @@ class ZeroRedundancyOptimizer:
                 out[i] = piece
         return out
 
-    def _gather(self, pieces, avals) -> list:
-        """Full values from every replica's pieces (one all-gather per dtype)."""
-        n, out = self.num_replicas, list(pieces)
-        for idxs in _by_dtype(avals).values():
+    def _gather(self, outs, avals) -> list:
+        """Full values from every replica's shards (one all-gather per dtype); values
+        that stayed replicated are full already."""
+        n = self.num_replicas
+        out = [o.x for o in outs]
+        shards = [i for i, o in enumerate(outs) if o.sharded]
+        for idxs in _by_dtype([avals[i] for i in shards]).values():
+            idxs = [shards[j] for j in idxs]
             lens = [_length(avals[i].shape, n) for i in idxs]
-            buf = jnp.concatenate([pieces[i] for i in idxs])
+            buf = jnp.concatenate([out[i] for i in idxs])
             # invariant result: the same update on every replica (checked under check_vma)
             full = jax.lax.all_gather(buf, self.axis, axis=0, tiled=True, to="invarying")
             cols = jnp.split(full.reshape(n, -1), np.cumsum(lens)[:-1], axis=1)
@@ -401,11 +410,19 @@ def _replicated(tree, mesh):
 
 
 def _global(x: np.ndarray, sharding):
+    if _is_key(x):
+        return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
 def _to_host(x):
+    if _is_key(x):  # PRNG key state (add_noise): kept as a (replicated) key array
+        return x if x.is_fully_addressable else x.addressable_data(0)
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
     if x.is_fully_replicated:

@@ -7,13 +7,14 @@ shown a tree of shards: it is traced (abstractly, no memory) on the real tree, w
 masks, labels and callables see the real leaves, and that program is then *replayed*
 on this replica's shards, one equation at a time:
 
-- every value of rank >= 1 (parameter-shaped or not) is held as its *flat shard*: the
+- gradients, parameters and the rank >= 1 state leaves are *flat shards*: the
   row-major flattening of the full value, zero-padded to ``N * L`` elements
-  (``L = ceil(numel / N)``), of which replica ``i`` holds ``[i*L, (i+1)*L)``; values
-  of rank 0 (step counts, learning rates, global norms) are replicated;
-- element-wise operations run on the shards as they are (operands of one shape share
-  one split); reshapes keep the row-major order, so they are free; broadcasting a
-  scalar fills the shard; ``iota`` is computed from the shard's flat positions;
+  (``L = ceil(numel / N)``), of which replica ``i`` holds ``[i*L, (i+1)*L)``; a value
+  computed from replicated values only (step counts, learning rates, constants, a
+  ``zeros_like``) stays replicated and any operation runs on it as it is;
+- element-wise operations on shards run on the shards (operands of one shape share one
+  split; a replicated operand is sliced to this replica's piece); reshapes keep the
+  row-major order, so they are free;
 - reductions over a *whole* value (a leaf's norm, ``clip_by_global_norm``'s global
   norm, LAMB's and LARS's trust ratios, ``normalize_by_update_norm``) reduce the shard
   with the padding masked and finish with a collective (``psum``/``pmax``/``pmin``),
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,13 @@ def _bind(prim, vals, params):
             for x, v in zip(vals, vmas, strict=True)]
     out = prim.bind(*vals, **params)
     return list(out) if prim.multiple_results else out
+
+
+class _V(NamedTuple):
+    """A value during replay: a flat shard (``sharded``) or the full replicated value."""
+
+    x: Any
+    sharded: bool
 
 
 def _numel(aval) -> int:
@@ -146,19 +155,24 @@ class ShardReplayer:
         return jnp.where(self.valid(shape), x, jnp.zeros((), x.dtype))
 
     # ---- replay -------------------------------------------------------------------
-    def run(self, closed, args: Sequence) -> list:
-        """The outputs (shards / replicated scalars) of ``closed`` on ``args`` (shards)."""
-        return self._eval(closed.jaxpr, [self.shard(c) for c in closed.consts], list(args))
+    def run(self, closed, args: Sequence, sharded: Sequence[bool]) -> list:
+        """``closed``'s outputs on ``args``: ``(value, is_shard)`` pairs.
+
+        ``args[i]`` is a flat shard where ``sharded[i]``, else the full (replicated)
+        value. A value computed from replicated values only stays replicated (any
+        operation runs on it as is); one computed from a shard is a shard.
+        """
+        return self._eval(closed.jaxpr, [_V(c, False) for c in closed.consts],
+                          [_V(x, bool(s)) for x, s in zip(args, sharded, strict=True)])
 
     def _eval(self, jaxpr, consts, args) -> list:
         env = {}
 
         def read(v):
-            return v.val if isinstance(v, jcore.Literal) else env[v]
+            return _V(v.val, False) if isinstance(v, jcore.Literal) else env[v]
 
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
+        for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args),
+                        strict=True):
             env[v] = x
         for eqn in jaxpr.eqns:
             outs = self._eqn(eqn, [read(v) for v in eqn.invars])
@@ -167,17 +181,15 @@ class ShardReplayer:
         return [read(v) for v in jaxpr.outvars]
 
     def _eqn(self, eqn, vals) -> list:
-        avals = [v.aval for v in eqn.invars] + [v.aval for v in eqn.outvars]
-        name = eqn.primitive.name
-        if all(getattr(a, "ndim", 0) == 0 for a in avals):  # replicated scalars
-            out = _bind(eqn.primitive, vals, eqn.params)
-            return out if eqn.primitive.multiple_results else [out]
+        if not any(v.sharded for v in vals):  # replicated values: run as they are
+            out = _bind(eqn.primitive, [v.x for v in vals], eqn.params)
+            return [_V(o, False) for o in (out if eqn.primitive.multiple_results else [out])]
         handler = self._handler(eqn)
         if handler is None:
-            self._refuse(eqn, f"the operation {name!r} on a value of shape "
+            self._refuse(eqn, f"the operation {eqn.primitive.name!r} on a value of shape "
                               f"{self._first_shape(eqn)}")
         out = handler(eqn, vals)
-        return list(out) if isinstance(out, (list, tuple)) else [out]
+        return list(out) if isinstance(out, list) else [out]
 
     def _handler(self, eqn) -> Callable | None:
         name = eqn.primitive.name
@@ -189,8 +201,6 @@ class ShardReplayer:
             return self._reduce
         if name == "dot_general":
             return self._dot
-        if name == "iota":
-            return self._iota
         if name == "cond":
             return self._cond
         if any(k in eqn.params for k in _CALL_PARAMS):
@@ -211,30 +221,34 @@ class ShardReplayer:
         return next((tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "ndim", 0)),
                     tuple(eqn.outvars[0].aval.shape))
 
-    # ---- handlers -------------------------------------------------------------------
+    def local(self, v: _V) -> jax.Array:
+        """The shard of ``v`` (sliced here if ``v`` is replicated; rank 0 stays)."""
+        return v.x if v.sharded else self.shard(v.x)
+
+    # ---- handlers (at least one operand is a shard) ---------------------------------
     def _elementwise(self, eqn, vals):
         shapes = {tuple(v.aval.shape) for v in list(eqn.invars) + list(eqn.outvars)
                   if getattr(v.aval, "ndim", 0)}
         if len(shapes) != 1:
             self._refuse(eqn, f"{eqn.primitive.name!r} on shapes {sorted(shapes)}")
         length = self.length(shapes.pop())
-        vals = [jnp.broadcast_to(x, (length,)) if jnp.ndim(x) == 0 else x for x in vals]
-        return _bind(eqn.primitive, vals, eqn.params)
+        xs = [jnp.broadcast_to(v.x, (length,)) if jnp.ndim(v.x) == 0 else self.local(v)
+              for v in vals]
+        out = _bind(eqn.primitive, xs, eqn.params)
+        return [_V(o, True) for o in out] if eqn.primitive.multiple_results else _V(out, True)
 
     def _same_order(self, eqn, vals):
-        """Reshape / squeeze / size-preserving broadcast: row-major order is kept."""
+        """Reshape / squeeze / size-preserving broadcast of a shard: row-major order
+        (and so the split) is kept."""
         src, dst = eqn.invars[0].aval, eqn.outvars[0].aval
-        x = vals[0]
         if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (
                 None, tuple(range(src.ndim))):
             self._refuse(eqn, "a transposing reshape")
-        if src.ndim == 0:  # broadcast a scalar
-            return jnp.broadcast_to(x, (self.length(dst.shape),))
         if _numel(src) != _numel(dst):
             self._refuse(eqn, f"{eqn.primitive.name!r} from shape {src.shape} to {dst.shape}")
         if dst.ndim == 0:  # the single element lives on replica 0
-            return lax.all_gather(x[0], self.axis)[0]
-        return x
+            return _V(lax.all_gather(vals[0].x[0], self.axis)[0], False)
+        return _V(vals[0].x, True)
 
     def _reduce(self, eqn, vals):
         src = eqn.invars[0].aval
@@ -244,13 +258,13 @@ class ShardReplayer:
                               "(a reduction over part of a leaf)")
         name = eqn.primitive.name
         collective, local = _REDUCE[name]
-        x = jnp.where(self.valid(src.shape), vals[0], _identity(name, vals[0].dtype))
+        x = jnp.where(self.valid(src.shape), vals[0].x, _identity(name, vals[0].x.dtype))
         part = local(x).astype(eqn.outvars[0].aval.dtype)
         if collective is None:
-            return jnp.prod(lax.all_gather(part, self.axis)).astype(part.dtype)
+            return _V(jnp.prod(lax.all_gather(part, self.axis)).astype(part.dtype), False)
         if part.dtype == bool:
-            return collective(part.astype(jnp.int32), self.axis).astype(bool)
-        return collective(part, self.axis)
+            return _V(collective(part.astype(jnp.int32), self.axis).astype(bool), False)
+        return _V(collective(part, self.axis), False)
 
     def _dot(self, eqn, vals):
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -258,28 +272,31 @@ class ShardReplayer:
         full = tuple(range(a.ndim))
         if lb or rb or a.shape != b.shape or tuple(lc) != full or tuple(rc) != full:
             self._refuse(eqn, f"a matrix product of shapes {a.shape} and {b.shape}")
-        x = jnp.where(self.valid(a.shape), vals[0], jnp.zeros((), vals[0].dtype))
-        part = lax.dot_general(x, vals[1], (((0,), (0,)), ((), ())),
+        x = jnp.where(self.valid(a.shape), self.local(vals[0]), jnp.zeros((), a.dtype))
+        part = lax.dot_general(x, self.local(vals[1]), (((0,), (0,)), ((), ())),
                                precision=eqn.params.get("precision"),
                                preferred_element_type=eqn.params.get("preferred_element_type"))
-        return lax.psum(part, self.axis)
-
-    def _iota(self, eqn, vals):
-        shape, dim = tuple(eqn.params["shape"]), eqn.params["dimension"]
-        flat = self.index * self.length(shape) + jnp.arange(self.length(shape))
-        return ((flat // math.prod(shape[dim + 1:])) % shape[dim]).astype(eqn.params["dtype"])
+        return _V(lax.psum(part, self.axis), False)
 
     def _call(self, eqn, vals):
         inner = next(eqn.params[k] for k in _CALL_PARAMS if k in eqn.params)
         if isinstance(inner, jcore.ClosedJaxpr):
-            return self._eval(inner.jaxpr, [self.shard(c) for c in inner.consts], vals)
+            return self._eval(inner.jaxpr, [_V(c, False) for c in inner.consts], vals)
         return self._eval(inner, [], vals)
 
     def _cond(self, eqn, vals):
+        """Each branch replayed; rank >= 1 results made shards in all of them, so the
+        branches agree on their result types."""
         index, ops = vals[0], vals[1:]
-        if jnp.ndim(index) != 0:
+        if index.sharded:
             self._refuse(eqn, "a condition on a non-scalar predicate")
-        branches = [lambda *a, br=br: tuple(self._eval(br.jaxpr, [self.shard(c)
-                                                                   for c in br.consts], a))
-                    for br in eqn.params["branches"]]
-        return list(lax.switch(index, branches, *ops))
+        tags = [v.sharded for v in ops]
+
+        def branch(closed, *xs):
+            outs = self._eval(closed.jaxpr, [_V(c, False) for c in closed.consts],
+                              [_V(x, t) for x, t in zip(xs, tags, strict=True)])
+            return tuple(self.local(o) for o in outs)
+
+        outs = lax.switch(index.x, [lambda *xs, c=c: branch(c, *xs)
+                                    for c in eqn.params["branches"]], *[v.x for v in ops])
+        return [_V(o, jnp.ndim(o) > 0) for o in outs]

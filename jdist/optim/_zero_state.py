@@ -30,8 +30,15 @@ def full_state(ref, host_leaves: list):
             raise ValueError(f"a state array of shape {np.shape(x)} does not hold a "
                              f"sharded {r.shape} value; pass this optimizer's own state")
         out.append(np.asarray(x).reshape(-1)[:size].reshape(r.shape) if r.shape
-                   else np.asarray(x))
+                   else _host(x))
     return jax.tree.unflatten(jax.tree.structure(ref), out)
+
+
+def _host(x, dtype=None):
+    """numpy for numbers; PRNG key arrays (``add_noise``'s state) stay JAX arrays."""
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return x
+    return np.asarray(x, dtype)
 
 
 def _name(key) -> str | None:
@@ -71,7 +78,7 @@ def sharded_state(ref, tree, num_replicas: int):
                 f"state_dict entry {keystr(path)} {what}; expected an array of shape "
                 f"{r.shape} (the state of tx.init(params) for these parameters); was it "
                 "saved from the same transformation and parameters?")
-        x = np.asarray(hits[0], r.dtype)
+        x = _host(hits[0], r.dtype)
         if r.shape:
             n = num_replicas * max(1, -(-x.size // num_replicas))
             x = np.pad(x.reshape(-1), (0, n - x.size))
