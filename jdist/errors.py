@@ -30,6 +30,7 @@ __all__ = [
     "BucketLayoutError",
     "UnusedParametersError",
     "ModelMismatchError",
+    "ReplicaDivergenceError",
     "JoinError",
     "RpcError",
     "RpcTimeoutError",
@@ -204,6 +205,17 @@ class ModelMismatchError(JdistError, RuntimeError):
     """Processes wrapped different models in DDP (paths, shapes or dtypes differ).
 
     The message names the first differing parameter and each rank's shape.
+    """
+
+
+class ReplicaDivergenceError(JdistError, RuntimeError):
+    """A DDP module's parameters differ between processes.
+
+    They were changed outside DDP by a step that did not reduce gradients across
+    processes (e.g. the user's own ``@nnx.jit`` train step called with each process's
+    batch). The message names the ranks whose parameters differ from rank 0's. Fix: call
+    the step with ``ddp.shard_batch(batch)``, or train with ``ddp.train_step`` /
+    ``ddp.value_and_grad``.
     """
 
 

@@ -60,6 +60,8 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "UnusedParametersError": (RuntimeError,),
     # "DDP expects same model across all ranks": RuntimeError
     "ModelMismatchError": (RuntimeError,),
+    # (jdist only: torch's replicas drift silently) parameters differ across processes
+    "ReplicaDivergenceError": (RuntimeError,),
     # Join: "Detected at least one rank that exhausted inputs": RuntimeError
     "JoinError": (RuntimeError,),
     # RPC framework failures: RuntimeError

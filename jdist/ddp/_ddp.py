@@ -21,6 +21,7 @@ from jdist.ddp._binding import Binder, Binding
 from jdist.ddp._binding import merge as _merge
 from jdist.ddp._binding import split as _split
 from jdist.ddp._buckets import LeafInfo
+from jdist.ddp._placement import replicated
 from jdist.ddp._shell import EngineShell
 
 __all__ = ["DistributedDataParallel", "leaf_infos"]
@@ -83,6 +84,49 @@ def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
     return True, ({"average_gradients": False} if hasattr(tx, "average_gradients") else {})
 
 
+class _NodeArgs:
+    """The extra arguments of a step, with NNX objects among them (``nnx.Rngs``, a
+    metric) passed as their state and updated afterwards, as ``nnx.jit`` does: a
+    dropout key drawn from an ``nnx.Rngs`` argument advances at every step.
+
+    Every replica starts from the same state and advances it the same way (as a module's
+    own ``nnx.Rngs``, whose state DDP broadcasts from replica 0); the object takes the
+    first local replica's state after the step.
+    """
+
+    __slots__ = ("objs", "gdefs", "extra")
+
+    def __init__(self, args: tuple):
+        self.objs = [(i, a) for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
+        extra, gdefs = list(args), []
+        for i, a in self.objs:
+            gdef, state = nnx.split(a)
+            gdefs.append((i, gdef))
+            extra[i] = state
+        self.gdefs, self.extra = tuple(gdefs), tuple(extra)
+
+    @staticmethod
+    def merge(gdefs: tuple, extra: tuple) -> tuple[tuple, list]:
+        """Inside the step: the objects rebuilt from their states (and the list of them)."""
+        if not gdefs:
+            return extra, []
+        extra, objs = list(extra), []
+        for i, gdef in gdefs:
+            extra[i] = _merge(gdef, extra[i])
+            objs.append(extra[i])
+        return tuple(extra), objs
+
+    def write_back(self, aux: Any) -> Any:
+        """Update the objects from the step's ``aux`` (stacked per local replica); return
+        the user's ``aux``."""
+        if not self.objs:
+            return aux
+        aux, states = aux
+        for (_, obj), state in zip(self.objs, states, strict=True):
+            nnx.update(obj, jax.tree.map(lambda x: x[0], state))
+        return aux
+
+
 class DistributedDataParallel(EngineShell):
     """Data-parallel training of an NNX module with torch's DDP semantics.
 
@@ -137,15 +181,17 @@ class DistributedDataParallel(EngineShell):
                 "jdist.ddp.FunctionalDDP(params, ...) with an apply function")
         self.module = module
         _, params, buffers = _split(module)
-        params, buffers, synced = self._start(
+        params, buffers, _ = self._start(
             leaf_infos(params), params, buffers, process_group=process_group,
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
             compiler_options=compiler_options, flat_buckets=flat_buckets,
             forward_sync_buffers=forward_sync_buffers)
-        if synced:
-            nnx.update(module, params)
-            nnx.update(module, buffers)
+        # the module's state from now on lives where DDP's steps leave it: replicated over
+        # the group's devices, so the user's own jit programs over it (an eval step, a
+        # train step fed ddp.shard_batch(batch)) see one placement
+        nnx.update(module, replicated(params, self.process_group))
+        nnx.update(module, replicated(buffers, self.process_group))
 
     # ------------------------------------------------------------------ info
     def replica_buffers(self) -> Any:
@@ -160,12 +206,19 @@ class DistributedDataParallel(EngineShell):
         return None if st is None else local_rows(st)
 
     # ------------------------------------------------------------------ pure pieces
-    def _loss(self, gdef, loss_fn: Callable, has_aux: bool) -> Callable:
+    def _loss(self, gdef, loss_fn: Callable, has_aux: bool, nodes: tuple = ()) -> Callable:
+        """The pure loss of one replica. ``nodes``: the graphdefs of the NNX objects
+        passed as extra arguments (``nnx.Rngs``, metrics; see :class:`_NodeArgs`), whose
+        state goes in with the extra arguments and comes out after ``aux``."""
+
         def pure(params, buffers, batch, extra):
             m = _merge(gdef, params, buffers)
+            extra, objs = _NodeArgs.merge(nodes, extra)
             out = loss_fn(m, batch, *extra)
             value, aux = out if has_aux else (out, None)
             _, _, new_buffers = _split(m)
+            if nodes:
+                aux = (aux, [nnx.split(o)[1] for o in objs])
             return value, (aux, new_buffers)
 
         return pure
@@ -201,14 +254,17 @@ class DistributedDataParallel(EngineShell):
         def f(batch, *args):
             self._engine.remember(f, batch, args)
             b = binder.get()
-            if "vg" not in b.cache:
-                b.cache["vg"] = (_StaticKey("vg", b.gdef, loss_fn, has_aux),
-                                 self._loss(b.gdef, loss_fn, has_aux))
-            key, pure = b.cache["vg"]
+            nodes = _NodeArgs(args)
+            if ("vg", nodes.gdefs) not in b.cache:
+                b.cache["vg", nodes.gdefs] = (
+                    _StaticKey("vg", b.gdef, loss_fn, has_aux, nodes.gdefs),
+                    self._loss(b.gdef, loss_fn, has_aux, nodes.gdefs))
+            key, pure = b.cache["vg", nodes.gdefs]
             params, buffers = b.read(flat=False)
-            out = self._engine.grad_step(key, pure, params, buffers, batch, args)
+            out = self._engine.grad_step(key, pure, params, buffers, batch, nodes.extra)
             binder.write(b, out["buffers"])
-            value = (out["loss"], out["aux"]) if has_aux else out["loss"]
+            aux = nodes.write_back(out["aux"])
+            value = (out["loss"], aux) if has_aux else out["loss"]
             return value, out["grads"]
 
         return f
@@ -254,18 +310,21 @@ class DistributedDataParallel(EngineShell):
         def step(batch, *args):
             self._engine.remember(step, batch, args)
             b = binder.get()
-            if "train" not in b.cache:
-                b.cache["train"] = self._train_pieces(b, loss_fn, has_aux, upd_kw, flat)
-            key, pure, update = b.cache["train"]
+            nodes = _NodeArgs(args)
+            if ("train", nodes.gdefs) not in b.cache:
+                b.cache["train", nodes.gdefs] = self._train_pieces(
+                    b, loss_fn, has_aux, upd_kw, flat, nodes.gdefs)
+            key, pure, update = b.cache["train", nodes.gdefs]
             params, buffers, ostate = b.read(flat)
             specs = optimizer.tx.state_partition_specs(ostate) if sharded else None
-            out = self._engine.grad_step(key, pure, params, buffers, batch, args,
+            out = self._engine.grad_step(key, pure, params, buffers, batch, nodes.extra,
                                          update=update, opt_state=ostate, opt_specs=specs)
             if self._engine.require_backward_grad_sync:
                 binder.write(b, out["buffers"], out["params"], out["opt_state"])
             else:  # no_sync: gradients only accumulate, parameters stay
                 binder.write(b, out["buffers"])
-            return (out["loss"], out["aux"]) if has_aux else out["loss"]
+            aux = nodes.write_back(out["aux"])
+            return (out["loss"], aux) if has_aux else out["loss"]
 
         return step
 
@@ -285,7 +344,7 @@ class DistributedDataParallel(EngineShell):
         return step
 
     def _train_pieces(self, b: Binding, loss_fn: Callable, has_aux: bool, upd_kw: dict,
-                      flat: bool) -> tuple:
+                      flat: bool, nodes: tuple = ()) -> tuple:
         """``(key, loss, update)`` of a train step for binding ``b``.
 
         ``update(params, grads, opt_state, buffers) -> (params, opt_state)`` runs
@@ -295,7 +354,7 @@ class DistributedDataParallel(EngineShell):
         Python (about half of DDP's per-step host time).
         """
         gdef, ogdef = b.gdef, b.ogdef
-        pure = self._loss(gdef, loss_fn, has_aux)
+        pure = self._loss(gdef, loss_fn, has_aux, nodes)
 
         def update(p, grads, os, bufs):
             model = _merge(gdef, p, bufs)
@@ -303,7 +362,7 @@ class DistributedDataParallel(EngineShell):
             opt.update(model, grads, **upd_kw)
             return _split(model)[1], nnx.split(opt)[1]
 
-        key = _StaticKey("train", gdef, ogdef, loss_fn, has_aux)
+        key = _StaticKey("train", gdef, ogdef, loss_fn, has_aux, nodes)
         if not (flat and b.fast):
             return key, pure, update
         pt, bt, ot = b.treedefs

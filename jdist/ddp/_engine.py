@@ -82,6 +82,7 @@ class Engine:
         self.join_state: Any = None
         self._programs: dict = {}
         self._warned_unused = False
+        self._params_seen: list | None = None  # the parameters after the last DDP call
         self._user_options = None if compiler_options is None else dict(compiler_options)
         if flat_buckets is None:  # see DistributedDataParallel's flat_buckets
             flat_buckets = self._platform == "cpu" and group.size() > 1
@@ -244,9 +245,11 @@ class Engine:
         return _placement.per_replica(module_buffers, self.group)
 
     def buffers_out(self, stacked: Any) -> Any:
-        """Keep per-replica buffers; return the first local replica's for the module."""
+        """Keep per-replica buffers; return the first local replica's for the module,
+        replicated over the group's devices like the parameters (so that the user's own
+        ``jit`` programs over the module, an ``eval_step``, see one placement)."""
         self.buf_stacked = stacked
-        view = _placement.local_first(stacked)
+        view = _placement.replicated(_placement.local_first(stacked), self.group)
         self.buf_view = jax.tree.leaves(view)
         return view
 
@@ -267,6 +270,7 @@ class Engine:
         sync = self.require_backward_grad_sync
         _check_concrete("ddp.value_and_grad / ddp.train_step", params, batch, extra)
         module_params, params = params, _placement.replicated(params, g)
+        self.check_replicas(module_params, params)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
@@ -298,6 +302,8 @@ class Engine:
         self.hook_state = hstate
         self.acc = acc
         self.last_synced = sync
+        self._params_seen = jax.tree.leaves(new_params if new_params is not None
+                                            else module_params)
         self.steps += 1
         if js is not None:
             js.after_step(int(n_active), g.num_replicas)
@@ -314,7 +320,9 @@ class Engine:
         """Run the forward program; returns (this process's outputs, module buffers)."""
         g = self.group
         _check_concrete("the DDP forward ddp(x)", params, inputs)
-        params = _placement.replicated(params, g)
+        module_params, params = params, _placement.replicated(params, g)
+        self.check_replicas(module_params, params)
+        self._params_seen = jax.tree.leaves(module_params)
         inputs = _placement.shard_batch(inputs, g, what="input")
         buffers = self.buffers_in(module_buffers)
         pkey = ("fwd", key, self.sync_buffers)
@@ -325,7 +333,26 @@ class Engine:
             self._programs[pkey] = prog
         out, new_buffers = self._run(prog, "DDP forward", params, buffers, inputs)
         self.last_synced = self.require_backward_grad_sync
-        return _placement.local_rows(out), self.buffers_out(new_buffers)
+        out = _placement.local_rows(out)
+        if len(g.local_devices) == 1:  # torch's DDP: this rank's scalars stay scalars
+            leaves, tdef = jax.tree.flatten(out)
+            out = jax.tree.unflatten(tdef, [x[0] if s else x for x, s in zip(
+                leaves, prog.scalars, strict=True)])
+        return out, self.buffers_out(new_buffers)
+
+    def check_replicas(self, module_params: Any, placed: Any) -> None:
+        """Across processes, when the module's parameters are not the arrays of the last
+        DDP call (they were changed outside DDP), check that every process holds the same
+        values (:mod:`jdist.ddp._replicas`); raise ``ReplicaDivergenceError`` if not."""
+        if self.group.size() == 1:
+            return
+        leaves, seen = jax.tree.leaves(module_params), self._params_seen
+        if seen is not None and len(seen) == len(leaves) and all(
+                a is b for a, b in zip(leaves, seen, strict=True)):
+            return
+        from jdist.ddp._replicas import check_replicas
+
+        check_replicas(self.group, placed)
 
     def _run(self, prog: Callable, what: str, *args: Any) -> Any:
         """Run ``prog(*args)`` and wait for it (:meth:`_wait`); across processes a runtime

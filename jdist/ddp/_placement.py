@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jdist.collectives._group import ProcessGroup
 
 __all__ = [
+    "local_value",
     "replicated",
     "with_specs",
     "shard_batch",
@@ -247,13 +248,31 @@ def _local_rows_array(x: Any, sharding: NamedSharding, gshape: tuple) -> jax.Arr
     return jax.make_array_from_process_local_data(sharding, np.asarray(x), gshape)
 
 
+def local_value(x: Any) -> Any:
+    """A leaf as a value this process can compute with: a global array replicated over
+    other processes' devices too (a DDP step's output) becomes its copy on this process's
+    first device; other leaves are returned as they are.
+
+    Raises:
+      ValueError: ``x`` is split over processes (no process holds all of it).
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return x
+    if not x.sharding.is_fully_replicated:
+        raise ValueError(
+            f"an array of shape {x.shape} is laid out as {x.sharding}, split over several "
+            "processes, so this process does not hold its value; pass a replicated or a "
+            "process-local array (e.g. the module's parameters after a DDP step)")
+    return x.addressable_shards[0].data
+
+
 def per_replica(tree: Any, group: ProcessGroup) -> Any:
     """Each leaf copied once per replica on a new leading axis (``P(axis)``)."""
     sharding = NamedSharding(group.mesh, P(group.axis_name))
     devs = _local_devices(group)
 
     def one(x):
-        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) else local_value(x)
         parts = [jax.device_put(x[None], d) for d in devs]
         return jax.make_array_from_single_device_arrays(
             (group.num_replicas,) + tuple(x.shape), sharding, parts

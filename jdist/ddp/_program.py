@@ -165,20 +165,35 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
 
 
 def forward_program(cfg: Config, apply: Callable, *, sync_buffers: bool) -> Callable:
-    """``f(params, buffers, inputs) -> (outputs, buffers)`` (jitted, batch split)."""
+    """``f(params, buffers, inputs) -> (outputs, buffers)`` (jitted, batch split).
+
+    Output leaves are concatenated over replicas along their first axis; a scalar output
+    (one replica's loss, torch's ``(logits, loss)`` modules) gets a leading axis of one
+    entry per replica first. The returned function's ``scalars`` attribute, set when it
+    is traced, lists which output leaves were scalars.
+    """
     ax = cfg.axis
+    scalars: list[bool] = []
 
     def body(params, buffers, inputs):
         buffers = _squeeze(buffers)
         if sync_buffers:
             buffers = broadcast_from_first(buffers, ax)
         out, new_buffers = apply(params, buffers, inputs)
-        return to_varying(out, ax), _expand(new_buffers, ax)
+        scalars[:] = [jnp.ndim(x) == 0 for x in jax.tree.leaves(out)]
+        out = jax.tree.map(lambda x: x[None] if jnp.ndim(x) == 0 else x, to_varying(out, ax))
+        return out, _expand(new_buffers, ax)
 
     row = P(ax)
-    return jax.jit(jax.shard_map(body, mesh=cfg.mesh, in_specs=(P(), row, row),
+    prog = jax.jit(jax.shard_map(body, mesh=cfg.mesh, in_specs=(P(), row, row),
                                  out_specs=(row, row), check_vma=True),
                    compiler_options=cfg.compiler_options or None)
+
+    def run(*args):
+        return prog(*args)
+
+    run.scalars = scalars
+    return run
 
 
 def ready_order_program(cfg: Config, loss: Callable, record: Callable) -> Callable:

@@ -99,6 +99,29 @@ class EngineShell:
         """The hook state of this process's first replica (after the last step)."""
         return self._engine.user_hook_state()
 
+    def shard_batch(self, batch: Any) -> Any:
+        """This process's ``batch`` as the group's global batch, split over its replicas.
+
+        The data-parallel path for an existing Flax loop: keep the ``@nnx.jit``
+        ``train_step(model, optimizer, metrics, batch)`` and call it with
+        ``ddp.shard_batch(batch)``. The parameters (replicated over the group's devices
+        by DDP) and a batch split over them make XLA compute the gradient of the loss over
+        the global batch, all-reduce included, exactly as one device would over the
+        concatenated batches of every process; metrics updated in the step are the
+        global ones, and the step's ``nnx.Rngs`` advance as usual. Unlike DDP's own steps
+        (torch's semantics: each replica's forward sees its own shard), layers that mix
+        examples (batch statistics) see the global batch, as ``SyncBatchNorm``. Without
+        it, each process would train on its own batch with no reduction and the
+        replicas would drift apart (the next DDP call raises
+        :class:`~jdist.errors.ReplicaDivergenceError`).
+
+        Every leaf needs this process's batch size (a multiple of its device count) as
+        its leading dimension, the same on every process.
+        """
+        from jdist.ddp._placement import shard_batch
+
+        return shard_batch(batch, self.process_group)
+
     def no_sync(self):
         """Context manager: steps inside accumulate local gradients, no collective.
 

@@ -1,0 +1,90 @@
+"""Check that every process holds the same parameters (a DDP module's replicas agree).
+
+DDP keeps one replicated copy of the parameters. A step that changes them outside DDP
+without reducing gradients across processes (the user's own ``@nnx.jit`` train step fed
+each process's own batch) leaves each process with other values behind the same
+"replicated" global array, and JAX cannot tell. The engine calls :func:`check_replicas`
+when the parameters it is handed are not the arrays of its last call (they were changed
+outside DDP) and the group spans several processes: one small program fingerprints each
+replica's parameters (two 32-bit sums over their bits, one of them position-weighted) and
+all-gathers the fingerprints, and a replica that differs from the first raises
+:class:`~jdist.errors.ReplicaDivergenceError` on every process, naming the ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jdist.collectives._group import ProcessGroup
+from jdist.errors import ReplicaDivergenceError
+
+__all__ = ["fingerprint", "check_replicas", "DIVERGED_MSG"]
+
+DIVERGED_MSG = (
+    "the parameters of this DDP module differ between processes: rank(s) {ranks} hold "
+    "other values than rank 0 ({first}). They were changed outside DDP by a step that did "
+    "not reduce gradients across processes, e.g. an @nnx.jit train_step(model, optimizer, "
+    "batch) called with each process's own batch, so each process trained on its own "
+    "data. Call that step with ddp.shard_batch(batch) (the global batch split over the "
+    "replicas: XLA then averages the gradients over every process), or train with "
+    "ddp.train_step(loss_fn, optimizer) / ddp.value_and_grad(loss_fn).")
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """``x``'s bits as a flat uint32 vector (exact: any change of a value changes it)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    x = jnp.ravel(x)
+    size = jnp.dtype(x.dtype).itemsize
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if size >= 4:  # 8-byte values become two 32-bit words each
+        return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint32))
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+
+
+def fingerprint(leaves: Sequence[jax.Array]) -> jax.Array:
+    """Two uint32 words over every leaf's bits: their sum and a position-weighted sum
+    (both wrapping), so a change of any value, or values swapped, changes the result."""
+    total = jnp.zeros((2,), jnp.uint32)
+    for k, x in enumerate(leaves):
+        u = _bits(x)
+        w = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(2 * k + 1)
+        total = total + jnp.stack([jnp.sum(u, dtype=jnp.uint32),
+                                   jnp.sum(u * w, dtype=jnp.uint32)])
+    return total
+
+
+@functools.lru_cache(maxsize=16)
+def _program(mesh: Any, axis: str):
+    def body(leaves):
+        return jax.lax.all_gather(fingerprint(leaves), axis)
+
+    # without type checks: each replica's parameters are typed replicated, which is
+    # exactly what is being checked here
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(),
+                                 check_vma=False))
+
+
+def check_replicas(group: ProcessGroup, params: Any) -> None:
+    """Raise :class:`ReplicaDivergenceError` on every process when the replicas of
+    ``params`` (global arrays replicated over ``group``'s devices) differ."""
+    leaves = [x for x in jax.tree.leaves(params) if np.size(x)]
+    if not leaves or group.size() == 1:
+        return
+    prints = np.asarray(_program(group.mesh, group.axis_name)(leaves))
+    rank_of = {d: r for r, devs in enumerate(group.devices_per_rank) for d in devs}
+    per_rank: dict[int, np.ndarray] = {}
+    for i, d in enumerate(group.mesh.devices.flat):
+        per_rank.setdefault(rank_of[d], prints[i])
+    bad = [r for r in range(group.size()) if not np.array_equal(per_rank[r], per_rank[0])]
+    if bad:
+        raise ReplicaDivergenceError(DIVERGED_MSG.format(
+            ranks=", ".join(map(str, bad)), first=f"fingerprint {per_rank[0].tolist()}"))
