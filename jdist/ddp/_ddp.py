@@ -84,10 +84,20 @@ def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
     return True, ({"average_gradients": False} if hasattr(tx, "average_gradients") else {})
 
 
+_NODE_ARG_MSG = (
+    "extra step argument #{i} is an NNX object ({kind}) holding state other than RNG "
+    "streams ({paths}); each replica would change it on its own shard of the batch, and "
+    "DDP cannot tell how to combine the copies (metrics sum, other state may not). Pass "
+    "nnx.Rngs as step arguments (they advance as under nnx.jit); update metrics from the "
+    "step's outputs (has_aux=True), or keep your own @nnx.jit step with "
+    "ddp.shard_batch(batch), where metrics are computed over the global batch.")
+
+
 class _NodeArgs:
-    """The extra arguments of a step, with NNX objects among them (``nnx.Rngs``, a
-    metric) passed as their state and updated afterwards, as ``nnx.jit`` does: a
-    dropout key drawn from an ``nnx.Rngs`` argument advances at every step.
+    """The extra arguments of a step, with the NNX objects among them that hold RNG
+    streams only (``nnx.Rngs``) passed as their state and updated afterwards, as
+    ``nnx.jit`` does: a dropout key drawn from an ``nnx.Rngs`` argument advances at every
+    step. An object holding other state (a metric) raises ``TypeError`` naming the fix.
 
     Every replica starts from the same state and advances it the same way (as a module's
     own ``nnx.Rngs``, whose state DDP broadcasts from replica 0); the object takes the
@@ -100,7 +110,11 @@ class _NodeArgs:
         self.objs = [(i, a) for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
         extra, gdefs = list(args), []
         for i, a in self.objs:
-            gdef, state = nnx.split(a)
+            gdef, state, other = nnx.split(a, nnx.RngState, ...)
+            if jax.tree.leaves(other):
+                raise TypeError(_NODE_ARG_MSG.format(
+                    i=i, kind=type(a).__name__,
+                    paths=[p for p, _ in nnx.to_flat_state(other)][:5]))
             gdefs.append((i, gdef))
             extra[i] = state
         self.gdefs, self.extra = tuple(gdefs), tuple(extra)

@@ -143,3 +143,13 @@ def test_rngs_argument_advances_as_under_nnx_jit(kind):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert len(set(got)) == 3  # a new mask every step
     assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == 3
+
+
+def test_stateful_object_argument_other_than_rngs_raises_naming_fix():
+    m = _Drop()
+    ddp = DDP(m, process_group=_group(1))
+    metric = nnx.metrics.Average()
+    f = ddp.value_and_grad(lambda m, b, r, met: _drop_loss(m, b, r))
+    with pytest.raises(TypeError, match=r"argument #1 is an NNX object \(Average\).*"
+                       r"ddp.shard_batch"):
+        f(np.ones((2, 4), np.float32), nnx.Rngs(dropout=0), metric)
