@@ -13,6 +13,7 @@ from jdist.ddp._buckets import (
 from jdist.ddp._ddp import DistributedDataParallel as DistributedDataParallel
 from jdist.ddp._functional import FunctionalDDP as FunctionalDDP
 from jdist.ddp._join import Join as Join
+from jdist.ddp._syncbn import SyncBatchNorm as SyncBatchNorm
 from jdist.ddp._syncbn import convert_sync_batchnorm as convert_sync_batchnorm
 from jdist.ddp.hooks._base import CommHook as CommHook
 from jdist.ddp.hooks._base import GradBucket as GradBucket
@@ -25,6 +26,7 @@ __all__ = [
     "FunctionalDDP",
     "Join",
     "convert_sync_batchnorm",
+    "SyncBatchNorm",
     "GradBucket",
     "compute_bucket_assignment_by_size",
     "hooks",

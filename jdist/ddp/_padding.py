@@ -23,7 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["PadSizes", "pad_batch", "masked_mean"]
+__all__ = ["PadSizes", "pad_batch", "masked_mean", "current_row_mask"]
+
+_ROW_MASK: list = []  # the row mask of the padded step being traced (trace time only)
+
+
+def current_row_mask() -> Any:
+    """The float mask of real rows of the padded DDP step being traced, else ``None``
+    (read by :class:`jdist.ddp.SyncBatchNorm` to leave padding rows out)."""
+    return _ROW_MASK[-1] if _ROW_MASK else None
 
 
 class PadSizes:
@@ -62,9 +70,9 @@ class PadSizes:
 
     def target(self, n: int) -> int:
         """The padded size for ``n`` rows."""
-        if n <= 0:
-            raise ValueError(f"the batch has {n} rows; pad_batch_to needs at least one")
-        for s in self.sizes:
+        if n < 0:
+            raise ValueError(f"the batch has {n} rows")
+        for s in self.sizes:  # an empty batch (a rank out of rows) is all padding
             if n <= s:
                 return s
         raise ValueError(
@@ -105,7 +113,11 @@ def masked_mean(loss_fn: Callable, axis: Any, has_aux: bool) -> Callable:
 
     def loss(module, padded, *args):
         batch, mask = padded
-        out = loss_fn(module, batch, *args)
+        _ROW_MASK.append(mask)
+        try:
+            out = loss_fn(module, batch, *args)
+        finally:
+            _ROW_MASK.pop()
         per, aux = out if has_aux else (out, None)
         per = jnp.asarray(per)
         if per.shape != mask.shape:
@@ -113,7 +125,7 @@ def masked_mean(loss_fn: Callable, axis: Any, has_aux: bool) -> Callable:
                 f"with pad_batch_to, loss_fn must return one loss per example (shape "
                 f"{tuple(mask.shape)} for this replica's shard), got shape {tuple(per.shape)}; "
                 "return e.g. jnp.mean((pred - y) ** 2, axis=-1) instead of a scalar mean")
-        total = lax.psum(jnp.sum(mask), axis)
+        total = jnp.maximum(lax.psum(jnp.sum(mask), axis), 1.0)  # no row anywhere: 0
         value = jnp.sum(per * mask.astype(per.dtype)) * (lax.axis_size(axis) / total)
         return (value, aux) if has_aux else value
 

@@ -153,6 +153,9 @@ def main():
            "after": {k: after_ddp_steps(k, rank=rank, world=world)
                      for k in ("train_step", "value_and_grad", "forward")},
            "forward": forward_outputs(rank=rank)}
+    from tests.ddp import syncbn_cases
+
+    out["syncbn"] = syncbn_cases.mp_cases(rank)
     _finish()
     return out
 

@@ -153,3 +153,20 @@ def test_stateful_object_argument_other_than_rngs_raises_naming_fix():
     with pytest.raises(TypeError, match=r"argument #1 is an NNX object \(Average\).*"
                        r"ddp.shard_batch"):
         f(np.ones((2, 4), np.float32), nnx.Rngs(dropout=0), metric)
+
+
+def test_syncbn_two_processes_empty_and_unequal_ranks(two_processes):
+    """torch's SyncBatchNorm: an empty rank contributes nothing (tests/ddp/test_syncbn.py
+    has the in-process grid); an unpadded step with unequal sizes names them."""
+    from tests.ddp import syncbn_cases
+
+    for split in syncbn_cases.MP_SPLITS:
+        xs = [syncbn_cases.rows(n, 2, seed=r) for r, n in enumerate(split)]
+        loss, state = syncbn_cases.reference([x for x in xs if len(x)], 2)
+        for r in two_processes:
+            got = r["syncbn"][split]
+            np.testing.assert_allclose(got[0], loss, rtol=1e-5, atol=1e-6)
+            assert max_diff(got[1], state) < 1e-5
+    for r in two_processes:
+        assert "rank 0: 4, rank 1: 0 rows" in r["syncbn"]["unequal"]
+        assert "pad_batch_to=4" in r["syncbn"]["unequal"]
