@@ -263,6 +263,14 @@ def test_transformer_encoder_layer_settings_are_checked():
         torch_to_nnx(nn.TransformerEncoderLayer(8, 2, 16), ours())
     with pytest.raises(ValueError, match="activation must be one of"):
         ours(activation="tanh")
+    # with dropout: converted, then equal to torch once both are in eval mode
+    tm = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5, batch_first=True)
+    nm = torch_to_nnx(tm, TransformerEncoderLayer(8, 2, 16, dropout=0.5, batch_first=True,
+                                                  rngs=nnx.Rngs(0)))
+    x = torch.randn(2, 3, 8)
+    assert not np.allclose(encode(nm, j(x), None), tm.eval()(x).detach().numpy(), atol=1e-3)
+    nm.eval()
+    close(encode(nm, j(x), None), tm(x).detach().numpy())
 
 
 # ------------------------------------------------------------------- GPT-style model
