@@ -385,6 +385,26 @@ class ZeroRedundancyOptimizer:
         return ZeroState(jax.tree.map(
             lambda x, s: _global(x, NamedSharding(self.group.mesh, s)), flat, specs))
 
+    @staticmethod
+    def resize_state_leaf(saved, length: int) -> np.ndarray:
+        """A stored flat state leaf (``(N * L,)``, data first) re-split for another
+        replica count: ``length`` elements (for checkpoint restores on another world size).
+
+        Exact because the data come first and the padding is zero (ZeRO zeroes it at
+        every init and update); refuses, naming the fix, a leaf whose cut-off tail holds
+        non-zero values.
+        """
+        saved = np.asarray(saved)
+        keep = min(saved.shape[0], int(length))
+        if saved.ndim != 1 or np.any(saved[keep:] != 0):
+            raise ValueError(
+                f"cannot re-split a ZeRO state leaf of shape {saved.shape} into {length} "
+                "elements: it is not a flat shard whose tail past the data is zero padding; "
+                "restore on the saving world size")
+        out = np.zeros((int(length),), saved.dtype)
+        out[:keep] = saved[:keep]
+        return out
+
     def _need_layout(self, what: str) -> None:
         if self.layout is None:
             raise ValueError(f"call init(params) before {what} (the partition comes from "

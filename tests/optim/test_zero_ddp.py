@@ -98,3 +98,17 @@ def test_zero_on_another_group_is_rejected():
                         wrt=nnx.Param)
     with pytest.raises(ValueError, match="group=ddp.process_group"):
         ddp.train_step(mse, opt)
+
+
+def test_zero_train_step_with_tree_dependent_tx_equals_plain():
+    """A callable weight-decay mask and a global-norm clip (a collective across the
+    shards) inside DDP's train step (check_vma on): equal to the unsharded optimizer."""
+    def make():
+        return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(
+            1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+
+    ref_ddp, _, ref_losses = train(make(), steps=2)
+    ddp, _, losses = train(ZeroRedundancyOptimizer(make()), steps=2)
+    tree_allclose(jax.device_get(nnx.state(ddp.module, nnx.Param)),
+                  jax.device_get(nnx.state(ref_ddp.module, nnx.Param)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)

@@ -101,3 +101,22 @@ def test_bad_params_raise_torchs_exception_classes(case):
     params, exc, msg = BAD_PARAMS[case]
     with pytest.raises(exc, match=msg):
         ZeroRedundancyOptimizer(optax.sgd(0.1), group=group_of(2)).init(params)
+
+
+@pytest.mark.parametrize("to_n", [2, 8])
+def test_stored_leaves_resize_to_another_replica_count_exactly(to_n):
+    """What a checkpoint restore on another world size does with each flat leaf."""
+    params = {"w": jnp.arange(21.0).reshape(7, 3), "b": jnp.ones(5), "s": jnp.ones(())}
+    tx = optax.adamw(1e-2, weight_decay=0.1, mask=is_matrix)
+    zero4 = ZeroRedundancyOptimizer(tx, group=group_of(4))
+    state = zero4.step(params, jax.tree.map(jnp.cos, params), zero4.init(params))[1]
+    zero4.consolidate_state_dict(state)
+    zero_n = ZeroRedundancyOptimizer(tx, group=group_of(to_n))
+    zero_n.init(params)
+    want = zero_n.load_state_dict(zero4.state_dict())
+    got = [zero_n.resize_state_leaf(np.asarray(x), w.shape[0]) if x.ndim else np.asarray(x)
+           for x, w in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True)]
+    for g, w in zip(got, jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, np.asarray(w))
+    with pytest.raises(ValueError, match="restore on the saving world size"):
+        zero_n.resize_state_leaf(np.arange(1.0, 9.0), 4)
