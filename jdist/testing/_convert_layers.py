@@ -71,9 +71,10 @@ def _flax_recurrent_note(m) -> str:
                 "(b_ih, b_hh), so torch's weights cannot be stored and recovered; build "
                 "the nnx side with jdist.testing.LSTM")
     if isinstance(m, nnx.GRUCell):
-        return ("nnx.GRUCell has no hidden-side biases for the r and z gates where "
-                "torch's GRU has b_hr and b_hz, so torch's weights cannot be stored and "
-                "recovered; build the nnx side with jdist.testing.GRU")
+        return ("nnx.GRUCell has no hidden-side biases, so torch's GRU b_hn (inside "
+                "r * (W_hn h + b_hn)) has no place and b_hr, b_hz cannot be recovered "
+                "once folded into the input biases; build the nnx side with "
+                "jdist.testing.GRU")
     if isinstance(m, (nnx.RNN, nnx.Bidirectional, nnx.SimpleCell)):
         return ("Flax's RNN/Bidirectional/cells do not hold torch's recurrent arrays "
                 "exactly; build the nnx side with jdist.testing.LSTM or jdist.testing.GRU")

@@ -2,9 +2,9 @@
 
 Flax's cells cannot hold a torch recurrent layer exactly: ``nnx.LSTMCell`` and
 ``nnx.OptimizedLSTMCell`` have one bias per gate where torch has two (``b_ih`` and
-``b_hh``), and ``nnx.GRUCell`` folds torch's ``b_hr``/``b_hz`` into its input biases.
-Summing the two biases computes the same function but cannot be split back, so a
-round trip would not give torch's weights. These modules keep every torch array:
+``b_hh``); ``nnx.GRUCell`` has no hidden-side bias at all, so torch's ``b_hn`` (inside
+``r * (W_hn h + b_hn)``) has no place in it. Summing two biases computes the same
+function but cannot be split back, so a round trip would not give torch's weights. These modules keep every torch array:
 
 * ``cells[k]`` for layer ``l`` and direction ``d`` (``k = l * num_directions + d``)
   holds ``kernel_ih`` (in, G * H), ``kernel_hh`` (H, G * H) and, with ``bias=True``,

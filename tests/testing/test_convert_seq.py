@@ -199,7 +199,7 @@ def test_recurrent_mismatches_raise_naming_the_fix():
                        r"jdist.testing.GRU"):
         torch_to_nnx(nn.GRU(3, 4), rnn(nnx.GRUCell))
     with pytest.raises(WeightConversionError, match=r"\(GRUCell\) \[nnx.GRUCell has no "
-                       r"hidden-side biases.*jdist.testing.GRU"):
+                       r"hidden-side biases, so torch's GRU b_hn.*jdist.testing.GRU"):
         nnx_to_torch(rnn(nnx.GRUCell).cell, nn.GRU(3, 4))
     with pytest.raises(WeightConversionError, match="is a lstm but nnx .* is a gru"):
         torch_to_nnx(nn.LSTM(3, 4), ours(GRU, 3, 4))
