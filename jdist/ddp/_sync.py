@@ -12,6 +12,7 @@ XLA, as every other collective). With a single process there is nothing to do.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -60,16 +61,19 @@ def first_difference(descs: Sequence[list[list]]) -> str | None:
     return None
 
 
-def gather_bytes(group: ProcessGroup, data: bytes) -> list[bytes]:
-    """Every process's ``data``, in group-rank order (an in-graph all-gather)."""
-    n_local = len(group.local_devices)
-    ax = group.axis_name
-
+@functools.lru_cache(maxsize=16)
+def _gather_program(mesh: Any, ax: str):
     def gather(x):
         return jax.lax.all_gather(x, ax, tiled=True)
 
-    prog = jax.jit(jax.shard_map(gather, mesh=group.mesh, in_specs=P(ax), out_specs=P(),
+    return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(ax), out_specs=P(),
                                  check_vma=False))
+
+
+def gather_bytes(group: ProcessGroup, data: bytes) -> list[bytes]:
+    """Every process's ``data``, in group-rank order (an in-graph all-gather)."""
+    n_local = len(group.local_devices)
+    prog = _gather_program(group.mesh, group.axis_name)
     lengths = np.asarray(prog(per_replica(jnp.asarray([len(data)], jnp.int32), group)))
     lengths = lengths.reshape(-1)
     width = int(lengths.max())

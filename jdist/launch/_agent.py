@@ -247,7 +247,8 @@ class _Agent:
         os.makedirs(errors, exist_ok=True)
         cmds = []
         for lr in range(cfg.nproc_per_node):
-            env = worker_env(self.environ, job, lr, cfg.devices_per_proc, columns)
+            env = worker_env(self.environ, job, lr, cfg.devices_per_proc, columns,
+                             compilation_cache=cfg.compilation_cache)
             env[ERROR_FILE_VAR] = os.path.join(errors, f"rank_{job.rank_offset + lr}.json")
             cmds.append((job.rank_offset + lr, lr, argv, env))
         log_dir = None

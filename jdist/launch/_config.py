@@ -154,10 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "imports (default: $JDIST_FORKSERVER_PRELOAD, else "
                         f"{','.join(DEFAULT_PRELOAD)}); none may create a JAX array")
     p.add_argument("--no-compilation-cache", dest="compilation_cache", action="store_false",
-                   help="with --max-restarts: do not give the attempts a shared JAX "
-                        "compilation cache (by default a per-job directory, removed at the "
-                        "end, unless JAX_COMPILATION_CACHE_DIR is set: a restarted attempt "
-                        "then loads the programs its predecessor compiled)")
+                   help="turn off JAX's persistent compilation cache: by default one "
+                        "directory per user and host ($XDG_CACHE_HOME or ~/.cache, then "
+                        "jdist/jax-compilation-cache/<host>), shared by every rank and "
+                        "every re-run; with restarts, a per-job directory removed at the "
+                        "end; JAX_COMPILATION_CACHE_DIR, if set, is used instead")
     p.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("script", help="the Python script (or module with -m) to run")
