@@ -18,7 +18,8 @@ a) step time, jdist (its default on CPU across processes: each dtype's gradients
    flat buffer, one all-reduce) and jdist with ``flat=False`` (one operand per gradient,
    which gloo runs as one collective each) against torch DDP. Goal: <= 1.0x.
 b) the gradient all-reduce alone, the issue's case: 8 arrays, 21,790 floats, one program
-   per form on the same 2 processes: flat buffer vs one operand per array.
+   per form on the same 2 processes: flat buffer vs one operand per array, and torch's
+   gloo ``all_reduce`` of one tensor of that size (the communication floor).
 
 The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_all.py.
 """
@@ -123,21 +124,23 @@ def jdist_step(g, flat):
     jdist.optim.broadcast_parameters(model, root_rank=0)
     jdist.optim.broadcast_optimizer_state(opt, root_rank=0)
     gdef, state = nnx.split((model, opt))
+    leaves, treedef = jax.tree.flatten(state)  # the step takes the flat list: no nnx.State
+    # flattening per call (a fixed cost of the Python loop, as torch's is)
 
     def loss_fn(m, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
 
-    def body(state, x, y):
-        m, o = nnx.merge(gdef, state)
+    def body(leaves, x, y):
+        m, o = nnx.merge(gdef, jax.tree.unflatten(treedef, leaves))
         loss, grads = nnx.value_and_grad(loss_fn)(m, x, y)
         o.update(m, grads)
-        return nnx.state((m, o)), loss[None]
+        return jax.tree.leaves(nnx.state((m, o))), loss[None]
 
     step = jax.jit(jax.shard_map(body, mesh=g.mesh, in_specs=(P(), P("dp"), P("dp")),
-                                 out_specs=(P(), P("dp"))), donate_argnums=0)
+                                 out_specs=(P(), P("dp")), check_vma=False), donate_argnums=0)
     xb, yb = digits(GLOBAL_BATCH, g.rank, g.size())
     rows = NamedSharding(g.mesh, P("dp"))
-    st = {"s": state}
+    st = {"s": leaves}
 
     def one():  # a host batch every step, as a training loop feeds it
         x = jax.make_array_from_process_local_data(rows, xb)
@@ -207,7 +210,21 @@ def allreduce_worker(steps):
     rows = NamedSharding(g.mesh, P("dp"))
     tree = [jax.make_array_from_process_local_data(
         rows, rng.randn(1, *s).astype(np.float32)) for s in SHAPES]
-    out = {}
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    path = os.path.join(tempfile.gettempdir(), f"jdist_hvd_ar_{os.environ['MASTER_PORT']}")
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=g.rank,
+                            world_size=g.size())
+    flat_t = torch.from_numpy(np.concatenate([np.ravel(rng.randn(*s)) for s in SHAPES])
+                              .astype(np.float32))
+    out = {"torch": _median_ms(lambda: dist.all_reduce(flat_t), steps, warmup=5)}
+    dist.destroy_process_group()
+    if g.rank == 0 and os.path.exists(path):
+        os.remove(path)
     for flat in (True, False):
         def body(t, flat=flat):
             return all_reduce_flat(t, ReduceOp.AVG, "dp", flat=flat)
@@ -260,13 +277,18 @@ def main(argv=None):
     print(f"  one flat buffer (all_reduce_flat)         {flat_ms:8.3f} ms")
     print(f"  one operand per array                     {leaf_ms:8.3f} ms   "
           f"flat / per-operand {flat_ms / leaf_ms:.2f}x")
+    torch_ar = max(r["torch"] for r in ar)
+    print(f"  torch.distributed.all_reduce, one tensor  {torch_ar:8.3f} ms   "
+          f"flat / torch {flat_ms / torch_ar:.2f}x")
     tables = [table("(a) Horovod-style step, 2 processes (gloo): jdist AllReduceOptimizer vs "
                     "torch DDP", "torch DDP", "jdist / torch (lower is better; goal <= 1.0)",
                     rows_a),
               table("(b) gradient all-reduce, 2 processes: flat buffer vs per operand",
                     "per operand", "flat / per operand (lower is better)",
                     [row(f"{len(SHAPES)} arrays, {floats} floats", "ms", flat_ms, leaf_ms,
-                         flat_ms / leaf_ms)])]
+                         flat_ms / leaf_ms),
+                     row(f"flat buffer vs torch gloo all_reduce of {floats} floats", "ms",
+                         flat_ms, torch_ar, flat_ms / torch_ar, "baseline: torch")])]
     print(bench_json("horovod", tables, {"horovod": series}))
 
 

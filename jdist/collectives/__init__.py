@@ -21,6 +21,7 @@ from jdist.collectives._eager import reduce_scatter_single as reduce_scatter_sin
 from jdist.collectives._eager import reduce_scatter_tensor as reduce_scatter_tensor
 from jdist.collectives._eager import scatter as scatter
 from jdist.collectives._flat import all_reduce_flat as all_reduce_flat
+from jdist.collectives._flat import invariant_leaves as invariant_leaves
 from jdist.collectives._flat import prefers_flat as prefers_flat
 from jdist.collectives._group import NON_GROUP_MEMBER as NON_GROUP_MEMBER
 from jdist.collectives._group import ProcessGroup as ProcessGroup
@@ -64,6 +65,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_flat",
     "prefers_flat",
+    "invariant_leaves",
     "broadcast",
     "all_reduce_coalesced",
     "broadcast_coalesced",

@@ -37,7 +37,7 @@ from jdist.collectives._traced import (
 from jdist.collectives._traced import all_reduce as _per_leaf
 from jdist.collectives._types import ReduceOp
 
-__all__ = ["all_reduce_flat", "prefers_flat"]
+__all__ = ["all_reduce_flat", "invariant_leaves", "prefers_flat"]
 
 
 def prefers_flat(platform: str | None = None, process_count: int | None = None) -> bool:
@@ -52,6 +52,24 @@ def prefers_flat(platform: str | None = None, process_count: int | None = None) 
     platform = jax.default_backend() if platform is None else platform
     process_count = jax.process_count() if process_count is None else process_count
     return platform == "cpu" and process_count > 1
+
+
+def invariant_leaves(tree, group=None) -> list[str]:
+    """Paths of the leaves of ``tree`` typed *invariant* over the axis, inside
+    ``shard_map(check_vma=True)`` (none without vma checking, where nothing is typed).
+
+    Under ``check_vma=True``, ``jax.grad`` with respect to replicated (``P()``) inputs
+    returns gradients already summed over the replicas (the transpose of the implicit
+    broadcast is a ``psum``) and typed invariant; a gradient reducer that reduced them
+    again would count every replica ``N`` times. Reducers call this to refuse them.
+    """
+    axes = axis_of(group)
+    if not _vma_checked(axes):
+        return []
+    names = set(axes if isinstance(axes, tuple) else (axes,))
+    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, x in paths
+            if not names <= _varying(jnp.asarray(x))]
 
 
 def _pack(leaves):

@@ -10,8 +10,11 @@ for parameters and optimizer state takes as it is, across processes::
 
     params = jdist.optim.broadcast_parameters(params, root_rank=0)
     opt_state = jdist.optim.broadcast_optimizer_state(dtx.init(params), root_rank=0)
-    step = jax.jit(jax.shard_map(body, mesh=group.mesh,
-                                 in_specs=(P(), P(), P("dp")), out_specs=(P(), P())))
+    step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=(P(), P(), P("dp")),
+                                 out_specs=(P(), P()), check_vma=False))
+
+(``check_vma=False``: with it on, ``jax.grad`` of the replicated parameters would
+already sum the gradients over the replicas; ``AllReduceOptimizer`` refuses those.)
 
 Flax NNX modules and ``nnx.Optimizer`` are updated in place (every Variable: params,
 batch statistics, RNG keys, optimizer moments and step) and returned. Without

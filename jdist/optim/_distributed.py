@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdist.collectives import ReduceOp, all_reduce_flat
+from jdist.collectives import ReduceOp, all_reduce_flat, invariant_leaves
 from jdist.collectives._axis import axis_of, bound_size
 from jdist.optim._compression import Compression, Compressor
 
@@ -79,6 +79,15 @@ def fused_allreduce(tree, axis, *, op=ReduceOp.AVG, compression: Compressor = Co
         axis, "DistributedOptimizer.update",
         f"It must run inside jax.shard_map over the group's mesh axis {axis!r}; wrap the "
         "train step in jax.shard_map (or use DDP, which averages itself)")
+    summed = invariant_leaves(tree, axis)
+    if summed:
+        raise ValueError(
+            f"DistributedOptimizer.update: the gradients at {summed[:4]} are typed invariant "
+            f"over mesh axis {axis!r}: under jax.shard_map(check_vma=True), jax.grad of "
+            f"replicated (P()) parameters already sums them over the replicas, and reducing "
+            f"them again would count each replica {size} times. Use "
+            f"jax.shard_map(..., check_vma=False), or differentiate with respect to "
+            f"jax.lax.pcast(params, {axis!r}, to='varying')")
     packed = [compression.compress(x) for x in leaves]
     parts = []
     for y, _ in packed:

@@ -196,3 +196,27 @@ def test_flat_form_is_one_all_reduce_per_dtype_and_the_same_bits(kw):
     for a, b in zip(jax.tree.leaves(f_flat(*args)), jax.tree.leaves(f_leaf(*args)),
                     strict=True):
         assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_grads_summed_by_check_vma_raise_and_varying_params_average():
+    """Under check_vma=True, grad of P() params is already the replicas' sum: reducing it
+    again would silently scale SGD by N. Refused, naming both fixes."""
+    mesh = make_mesh(jax.devices()[:N], "dp")
+    dtx = DistributedOptimizer(optax.sgd(1.0))
+    xs = jax.random.normal(jax.random.key(3), (N, 4, 6))
+
+    def loss(p, xb):
+        return jnp.sum((xb @ p["w"] + p["b"]) ** 2) + jnp.sum(p["v"] ** 2)
+
+    def step(vary):
+        def body(p, xb):
+            q = jax.lax.pcast(p, "dp", to="varying") if vary else p
+            u, _ = dtx.update(jax.grad(loss)(q, xb[0]), dtx.init(p), p)
+            return u
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P()))
+
+    with pytest.raises(ValueError, match="typed invariant over mesh axis 'dp'.*check_vma=False"):
+        step(False)(_params(), xs)
+    want = jax.tree.map(lambda *g: -sum(g) / N,
+                        *[jax.grad(loss)(_params(), xs[i]) for i in range(N)])
+    tree_allclose(step(True)(_params(), xs), want, rtol=1e-5, atol=1e-5)
