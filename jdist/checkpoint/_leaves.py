@@ -24,7 +24,7 @@ import numpy as np
 from jdist.checkpoint._errors import CheckpointMismatchError
 
 __all__ = [
-    "PerRank", "describe", "host_pieces", "assemble", "place", "resize_1d",
+    "PerRank", "describe", "host_pieces", "assemble", "place",
     "key_path",
 ]
 
@@ -119,29 +119,6 @@ def assemble(shape, dtype, pieces, where: str) -> np.ndarray:
         raise CheckpointMismatchError(
             f"{where}: the saved shards cover only {int(seen.sum())} of {seen.size} "
             "elements; a rank's part is missing from this step")
-    return out
-
-
-def resize_1d(saved: np.ndarray, length: int, real: int | None, where: str) -> np.ndarray:
-    """A flat ZeRO shard buffer re-split for another number of replicas.
-
-    The first ``real`` elements are data, the rest is padding (zeros for every
-    elementwise optimizer state). Refuses, with a named error, a buffer whose padding
-    holds non-zero values or whose data length is unknown: re-splitting it would be
-    silently wrong.
-    """
-    if real is None:
-        raise CheckpointMismatchError(
-            f"{where}: saved as a sharded array of length {saved.shape[0]}, restored into "
-            f"one of length {length}, and its data length is unknown (not a "
-            "ZeroRedundancyOptimizer shard); restore on the saving world size")
-    if real > length or np.any(saved[real:] != 0):
-        raise CheckpointMismatchError(
-            f"{where}: cannot re-split a ZeRO shard buffer of length {saved.shape[0]} into "
-            f"{length}: its padding past the {real} data elements is not zero, so this "
-            "optimizer's state is not elementwise; restore on the saving world size")
-    out = np.zeros((length,), saved.dtype)
-    out[:real] = saved[:real]
     return out
 
 

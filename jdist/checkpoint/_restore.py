@@ -135,31 +135,31 @@ class StepReader:
         return _leaves.assemble(tuple(info["shape"]), np.dtype(info["dtype"]), pieces, where)
 
 
-def _zero_totals(value: Any) -> dict:
-    """``{dtype key: data length}`` of a ZeroRedundancyOptimizer inside an nnx.Optimizer."""
-    layout = getattr(getattr(value, "tx", None), "layout", None)
-    groups = getattr(layout, "groups", None)
-    if not groups:
-        return {}
-    return {g[0]: int(g[3]) for g in groups}
+def _state_resizer(value: Any) -> Any:
+    """The optimizer's ``resize_state_leaf(saved, length)`` when ``value`` is an
+    ``nnx.Optimizer`` whose transformation stores flat sharded state that can be re-split
+    for another number of replicas (ZeroRedundancyOptimizer), else ``None``."""
+    return getattr(getattr(value, "tx", None), "resize_state_leaf", None)
 
 
 def _restore_arrays(reader: StepReader, name: str, kind: str, value: Any, saved: list,
                     leaves: list) -> list:
-    totals = _zero_totals(value) if kind == "nnx" else {}
+    resize = _state_resizer(value) if kind == "nnx" else None
 
     def resizable(path, s, t):
-        return (len(s["shape"]) == 1 and len(t["shape"]) == 1 and s["place"] == "sharded"
-                and path.split("/")[-1] in totals)
+        return (resize is not None and len(s["shape"]) == 1 and len(t["shape"]) == 1
+                and s["place"] == "sharded")
 
     _items.check_leaves(name, saved, leaves, resizable)
     out = []
-    for i, ((path, template), info) in enumerate(zip(leaves, saved, strict=True)):
+    for (path, template), info, i in zip(leaves, saved, range(len(saved)), strict=True):
         host = reader.value(name, i)
         want = _leaves.describe(template)["shape"]
         if list(host.shape) != list(want):
-            host = _leaves.resize_1d(host, want[0], totals.get(path.split("/")[-1]),
-                                     f"state[{name!r}] {path!r}")
+            try:
+                host = resize(host, want[0])
+            except ValueError as e:
+                raise CheckpointMismatchError(f"state[{name!r}] {path!r}: {e}") from e
         out.append(_leaves.place(host, template, info))
     return out
 
