@@ -4,7 +4,8 @@ Flax's cells cannot hold a torch recurrent layer exactly: ``nnx.LSTMCell`` and
 ``nnx.OptimizedLSTMCell`` have one bias per gate where torch has two (``b_ih`` and
 ``b_hh``); ``nnx.GRUCell`` has no hidden-side bias at all, so torch's ``b_hn`` (inside
 ``r * (W_hn h + b_hn)``) has no place in it. Summing two biases computes the same
-function but cannot be split back, so a round trip would not give torch's weights. These modules keep every torch array:
+function but cannot be split back, so a round trip would not give torch's weights.
+These modules keep every torch array:
 
 * ``cells[k]`` for layer ``l`` and direction ``d`` (``k = l * num_directions + d``)
   holds ``kernel_ih`` (in, G * H), ``kernel_hh`` (H, G * H) and, with ``bias=True``,
