@@ -6,7 +6,10 @@ cached jitted ``shard_map`` program over the group's process mesh does the work
 (``_engine`` documents the device mapping). Bytes move through XLA's collectives (gloo
 on CPU, NCCL on GPU).
 
-Results are returned: numpy in -> numpy out, ``jax.Array`` in -> ``jax.Array`` out.
+Results are returned: numpy in -> numpy ``ndarray`` out (0-d stays 0-d), ``jax.Array``
+in -> ``jax.Array`` out, placed as the input was (an uncommitted input gives an
+uncommitted result, which ``jax.device_put`` can place on a mesh spanning processes;
+``_result`` says why).
 As in torch, a writable numpy input is also updated in place (``all_reduce``,
 ``broadcast``, the ``reduce`` destination) and list outputs are filled in place.
 ``async_op=True`` returns a :class:`~jdist.collectives._work.Work` whose ``wait()``
