@@ -2,11 +2,13 @@
 with ``AllReduceOptimizer`` across real processes, against one process on the global
 batch.
 
-One 2-process launch runs both cases: a pytree MLP with optax state, and an NNX module
+One 2-process launch runs the cases: a pytree MLP with optax state, an NNX module
 with an ``nnx.Optimizer`` (updated in place). Ranks start from different parameters; after
 the broadcast both hold rank 0's, placed on the group's mesh (replicated), and three
 steps on each rank's half of the global batch equal three steps of plain SGD with
-momentum (pytree) and Adam (NNX) on the whole batch.
+momentum (pytree) and Adam (NNX) on the whole batch. The same launch checks that
+``all_reduce_flat``'s flat buffer gives the per-leaf form's bits over gloo (SUM, AVG,
+MIN, MAX over six dtypes) and a numpy reference.
 """
 
 from __future__ import annotations
@@ -100,6 +102,46 @@ def _nnx_case(jdist, g, rank, xs, ys, local):
             "step": int(np.asarray(opt.step.value.addressable_data(0)))}
 
 
+FLAT_DTYPES = ("float32", "bfloat16", "float16", "int32", "uint8", "bool")
+
+
+def _flat_inputs(rank):
+    rng = np.random.default_rng(rank)
+    out = {}
+    for dt in FLAT_DTYPES:
+        for i, shape in enumerate(((3, 5), (), (7,))):
+            x = rng.standard_normal(shape) * 4
+            out[f"{dt}_{i}"] = (x > 0) if dt == "bool" else np.asarray(jnp.asarray(x, dt))
+    return out
+
+
+def _flat_case(g):
+    """all_reduce_flat over gloo: the flat form's bits equal the per-leaf form's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jdist.collectives import ReduceOp, all_reduce_flat
+
+    rows = NamedSharding(g.mesh, P("dp"))
+    tree = {k: jax.make_array_from_process_local_data(rows, v[None])
+            for k, v in _flat_inputs(g.rank).items()}
+
+    def body(t):
+        t = jax.tree.map(lambda v: v[0], t)
+        out = {}
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX):
+            sub = {k: v for k, v in t.items()
+                   if op is not ReduceOp.AVG or k.startswith("float")}
+            for flat in (True, False):
+                red = all_reduce_flat(sub, op, "dp", flat=flat)
+                out[op.name, flat] = jax.tree.map(lambda v: v[None], red)
+        return out
+
+    f = jax.jit(jax.shard_map(body, mesh=g.mesh, in_specs=P("dp"), out_specs=P("dp"),
+                              check_vma=False))
+    return jax.tree.map(lambda v: np.asarray(v.addressable_data(0)[0]), f(tree))
+
+
 def child():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -117,7 +159,7 @@ def child():
             NamedSharding(g.mesh, P("dp")), a[rank * half:(rank + 1) * half], a.shape)
 
     out = {"pytree": _pytree_case(jdist, g, rank, xs, ys, local),
-           "nnx": _nnx_case(jdist, g, rank, xs, ys, local)}
+           "nnx": _nnx_case(jdist, g, rank, xs, ys, local), "flat": _flat_case(g)}
     jdist.destroy_process_group()
     return out
 
@@ -149,6 +191,24 @@ def test_broadcast_then_train_across_processes_equals_one_process():
         tree_allclose(r["nnx"]["params"], ref_nnx, rtol=1e-5, atol=1e-6)
         assert r["nnx"]["step"] == STEPS
     tree_allclose(res[0]["pytree"]["params"], res[1]["pytree"]["params"], rtol=0, atol=0)
+    ins = [_flat_inputs(r) for r in range(WORLD)]
+    for (op, flat), got in res[0]["flat"].items():
+        if not flat:
+            continue
+        for k, v in got.items():  # gloo's flat buffer: the per-leaf bits, every dtype
+            w = res[0]["flat"][op, False][k]
+            assert v.dtype == w.dtype and v.shape == w.shape, (op, k)
+            assert v.tobytes() == w.tobytes(), (op, k)
+            a, b = (x[k].astype(np.float64) for x in ins)
+            want = {"SUM": a + b, "AVG": (a + b) / 2, "MIN": np.minimum(a, b),
+                    "MAX": np.maximum(a, b)}[op]
+            if k.startswith("bool"):
+                want = want > 0  # SUM and MAX are OR, MIN is AND
+            elif not k.startswith("float"):
+                want = want.astype(v.dtype)  # integer sums wrap as the dtype does
+            tol = 0.05 if k.startswith(("bfloat16", "float16")) else 1e-6
+            np.testing.assert_allclose(v.astype(np.float64), want, rtol=tol, atol=tol,
+                                       err_msg=f"{op} {k}")
 
 
 def test_one_process_places_on_the_local_mesh_and_steps():
