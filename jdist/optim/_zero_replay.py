@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
@@ -227,8 +228,14 @@ class ShardReplayer:
 
     # ---- handlers (at least one operand is a shard) ---------------------------------
     def _elementwise(self, eqn, vals):
-        shapes = {tuple(v.aval.shape) for v in list(eqn.invars) + list(eqn.outvars)
-                  if getattr(v.aval, "ndim", 0)}
+        out_shape = tuple(eqn.outvars[0].aval.shape)
+        # lax broadcasts size-1 operands: such an operand is one number for every element
+        vals = [self._one(v) if 0 < v_.aval.ndim and math.prod(v_.aval.shape) == 1
+                and tuple(v_.aval.shape) != out_shape else v
+                for v, v_ in zip(vals, eqn.invars, strict=True)]
+        shapes = {tuple(np.shape(v.x)) if not v.sharded else tuple(v_.aval.shape)
+                  for v, v_ in zip(vals, eqn.invars, strict=True) if np.ndim(v.x)}
+        shapes |= {tuple(v.aval.shape) for v in eqn.outvars if v.aval.ndim}
         if len(shapes) != 1:
             self._refuse(eqn, f"{eqn.primitive.name!r} on shapes {sorted(shapes)}")
         length = self.length(shapes.pop())
@@ -236,6 +243,12 @@ class ShardReplayer:
               for v in vals]
         out = _bind(eqn.primitive, xs, eqn.params)
         return [_V(o, True) for o in out] if eqn.primitive.multiple_results else _V(out, True)
+
+    def _one(self, v: _V) -> _V:
+        """The single element of a size-1 value, replicated (a shard's is on replica 0)."""
+        if v.sharded:
+            return _V(lax.all_gather(v.x[0], self.axis)[0], False)
+        return _V(jnp.reshape(v.x, ()), False)
 
     def _same_order(self, eqn, vals):
         """Reshape / squeeze / size-preserving broadcast of a shard: row-major order
