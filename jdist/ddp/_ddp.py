@@ -21,7 +21,6 @@ from jdist.ddp._binding import Binder, Binding
 from jdist.ddp._binding import merge as _merge
 from jdist.ddp._binding import split as _split
 from jdist.ddp._buckets import LeafInfo
-from jdist.ddp._placement import replicated
 from jdist.ddp._shell import EngineShell
 
 __all__ = ["DistributedDataParallel", "leaf_infos"]
@@ -195,17 +194,15 @@ class DistributedDataParallel(EngineShell):
                 "jdist.ddp.FunctionalDDP(params, ...) with an apply function")
         self.module = module
         _, params, buffers = _split(module)
-        params, buffers, _ = self._start(
+        params, buffers, synced = self._start(
             leaf_infos(params), params, buffers, process_group=process_group,
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
             compiler_options=compiler_options, flat_buckets=flat_buckets,
             forward_sync_buffers=forward_sync_buffers)
-        # the module's state from now on lives where DDP's steps leave it: replicated over
-        # the group's devices, so the user's own jit programs over it (an eval step, a
-        # train step fed ddp.shard_batch(batch)) see one placement
-        nnx.update(module, replicated(params, self.process_group))
-        nnx.update(module, replicated(buffers, self.process_group))
+        if synced:  # rank 0's values, uncommitted (see _sync.init_sync)
+            nnx.update(module, params)
+            nnx.update(module, buffers)
 
     # ------------------------------------------------------------------ info
     def replica_buffers(self) -> Any:

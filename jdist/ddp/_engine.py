@@ -326,7 +326,6 @@ class Engine:
         module_params, params = params, _placement.replicated(params, g)
         self.check_replicas(module_params, params)
         self._params_seen = jax.tree.leaves(module_params)
-        self.agree_rows(inputs, "input")
         inputs = _placement.shard_batch(inputs, g, what="input")
         buffers = self.buffers_in(module_buffers)
         pkey = ("fwd", key, self.sync_buffers)
@@ -348,7 +347,9 @@ class Engine:
         """Across processes, at the first step and whenever this process's batch size
         changes, check that every process has as many rows (one small all-gather); raise
         ``ValueError`` naming each rank's size and the fix, instead of running programs
-        of different shapes (which gloo answers by aborting the process)."""
+        of different shapes (which gloo answers by aborting the process). Steps only: a
+        forward (``ddp(x)``) without buffers to broadcast communicates nothing, and an
+        evaluation over unequal shares (``even_split=False``) is fine there."""
         if self.group.size() == 1:
             return
         leaves = jax.tree.leaves(batch)

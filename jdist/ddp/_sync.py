@@ -115,8 +115,25 @@ def broadcast_from_rank0(group: ProcessGroup, tree: Any) -> Any:
     return local_first(prog(per_replica(tree, group)))
 
 
+def _uncommitted(x: Any) -> Any:
+    """``x``'s value as an array on no device in particular (JAX's default device,
+    uncommitted): jitted code puts it wherever its other arguments live."""
+    if not isinstance(x, jax.Array):
+        return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_uncommitted(jax.random.key_data(x)),
+                                        impl=jax.random.key_impl(x))
+    return jnp.asarray(np.asarray(x))
+
+
 def init_sync(group: ProcessGroup, leaves: Sequence[LeafInfo], params: Any,
               buffers: Any) -> tuple[Any, Any]:
-    """Check the model across processes, then return rank 0's ``(params, buffers)``."""
+    """Check the model across processes, then return rank 0's ``(params, buffers)``.
+
+    The values are uncommitted arrays, as a freshly initialized module's are, so the
+    module stays usable by any jitted code: the user's own ``@nnx.jit`` step over a
+    ``ddp.shard_batch`` batch (global arrays on the group's mesh), or an optimizer fed
+    gradients on this process's device (distributed autograd)."""
     check_same_model(group, leaves)
-    return broadcast_from_rank0(group, params), broadcast_from_rank0(group, buffers)
+    return tuple(jax.tree.map(_uncommitted, broadcast_from_rank0(group, t))
+                 for t in (params, buffers))
