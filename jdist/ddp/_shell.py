@@ -105,9 +105,10 @@ class EngineShell:
         The data-parallel path for an existing Flax loop: keep the ``@nnx.jit``
         ``train_step(model, optimizer, metrics, batch)`` and call it with
         ``ddp.shard_batch(batch)``. The parameters (the same on every process, as DDP
-        keeps them) and a batch split over the group's devices make XLA compute the gradient of the loss over
-        the global batch, all-reduce included, exactly as one device would over the
-        concatenated batches of every process; metrics updated in the step are the
+        keeps them) and a batch split over the group's devices make XLA compute the
+        gradient of the loss over the global batch, all-reduce included, exactly as one
+        device would over the concatenated batches of every process; metrics updated in
+        the step are the
         global ones, and the step's ``nnx.Rngs`` advance as usual. Unlike DDP's own steps
         (torch's semantics: each replica's forward sees its own shard), layers that mix
         examples (batch statistics) see the global batch, as ``SyncBatchNorm``. Without
