@@ -150,7 +150,8 @@ class ZeroRedundancyOptimizer:
     # ---- the pure transformation -------------------------------------------------
     def _layout_for(self, params) -> _Layout:
         """The partition of ``params``: static (shapes, dtypes and tree structure only).
-        ``init`` and ``step`` remember it in :attr:`layout`, for the state dicts."""
+        Only the eager entry points (``init`` outside ``shard_map``, ``init_global``,
+        ``step``) remember it in :attr:`layout`, for the state dicts."""
         layout = flat_partition(params, self.num_replicas)
         # shapes and dtypes only: nnx.Optimizer's init sees Param Variables, its update
         # the bare arrays of the same tree (the treedefs differ, the partition does not)
@@ -176,7 +177,7 @@ class ZeroRedundancyOptimizer:
         """Local shard state inside ``shard_map``; the global sharded state outside."""
         if not is_bound(self.axis):
             return self.init_global(params)
-        self.layout = self._layout_for(params)  # static: shapes, dtypes, tree structure
+        self._layout_for(params)  # checked; remembered only by the eager entry points
         return self._init_local(params)
 
     def init_global(self, params) -> ZeroState:

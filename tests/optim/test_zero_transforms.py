@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist.optim import ZeroRedundancyOptimizer
+from jdist.optim import ZeroRedundancyOptimizer, flat_partition
 from jdist.optim._zero_replay import NonSeparableTransformError
 from tests.helpers import tree_allclose
 from tests.optim.test_zero import group_of
@@ -159,6 +159,7 @@ def bundle(makes: dict, n: int, params):
                                          in_specs=(P(), P(None, "dp")),
                                          out_specs=(P(), specs[name]), check_vma=False),
                            params, seq)
+            zero.layout = flat_partition(params, n)  # as an eager init would remember it
             zeros[name] = zero
         except Exception as e:  # noqa: BLE001 -- checked by the caller
             raised[name] = ("zero", e, zero)
