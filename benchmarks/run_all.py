@@ -73,6 +73,8 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
     Bench("hooks_optim", "Comm hooks and ZeRO (vs no hook / plain data parallel)",
           "benchmarks/hooks_optim.py"),
     Bench("dp", "DataParallel (vs one device)", "benchmarks/dp.py", quick=("--reps", "5")),
+    Bench("horovod", "Horovod-style AllReduceOptimizer, 2 processes (vs torch DDP)",
+          "benchmarks/horovod.py"),
     Bench("hybrid", "HybridModel: DDP + RPC (vs torch)", "benchmarks/hybrid.py",
           quick=("--steps", "10", "--num-embeddings", "10000")),
     Bench("ports", "pytorch/examples programs ported (vs torch)", "benchmarks/ports.py",

@@ -21,13 +21,13 @@ from jdist.collectives._eager import (
     _fill_list,
     _fp,
     _prep,
-    _split,
     _stack,
     _stack_padded,
     _write_back,
     dispatch,
 )
 from jdist.collectives._group import ProcessGroup
+from jdist.collectives._result import as_results
 from jdist.collectives._types import ReduceOp
 
 __all__ = ["all_to_all", "all_to_all_single"]
@@ -87,7 +87,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group: ProcessGroup | None
 
         def fn():
             fp = _fp(g, "all_to_all", None, stacked.shape, stacked.dtype)
-            values = _split(_exchange(g, "all_to_all", stacked, as_jax, fp), as_jax)
+            values = as_results(_exchange(g, "all_to_all", stacked, as_jax, fp),
+                                input_tensor_list[0], as_jax)
             return _fill_list(outs, values, "all_to_all")
 
         return dispatch(g, "all_to_all", fn, async_op)

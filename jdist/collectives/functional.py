@@ -23,6 +23,7 @@ product, e.g. ``("a", "b")`` on a 2-D mesh), a :class:`~jdist.ProcessGroup` (its
 torch.distributed                      jdist.collectives.functional
 =====================================  =============================================
 ``all_reduce(t, op)``                  ``all_reduce(x, op, group)``
+``all_reduce_coalesced(ts, op)``       ``all_reduce_flat(tree, op, group)`` (per dtype)
 ``broadcast(t, src)``                  ``broadcast(x, src, group)``
 ``reduce(t, dst, op)``                 ``reduce(x, dst, op, group)`` (others keep x)
 ``all_gather(list, t)``                ``all_gather(x, group, axis=0)`` (stacked)
@@ -55,6 +56,7 @@ axis and may leave ``shard_map`` with ``out_specs=P()``.
 
 from __future__ import annotations
 
+from jdist.collectives._flat import all_reduce_flat as all_reduce_flat
 from jdist.collectives._ring import ring_all_reduce as ring_all_reduce
 from jdist.collectives._traced import all_gather as all_gather
 from jdist.collectives._traced import all_gather_into_tensor as all_gather_into_tensor
@@ -76,6 +78,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_reduce_flat",
     "all_to_all",
     "axis_of",
     "broadcast",
