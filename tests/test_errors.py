@@ -101,6 +101,9 @@ OTHER: dict[str, tuple[type[BaseException], ...]] = {
     "jdist.checkpoint.CheckpointCorruptError": (RuntimeError,),
     # load_state_dict with missing/unexpected keys or other shapes: RuntimeError
     "jdist.checkpoint.CheckpointMismatchError": (RuntimeError,),
+    # (jdist only: torch's ZeRO runs any optimizer per parameter) a transformation ZeRO
+    # cannot split: a ValueError, as optax's own bad-argument errors
+    "jdist.optim.NonSeparableTransformError": (ValueError,),
 }
 PACKAGES = ("jdist", "jdist.collectives", "jdist.store", "jdist.launch", "jdist.rpc",
             "jdist.ddp", "jdist.dp", "jdist.optim", "jdist.sampler", "jdist.testing",

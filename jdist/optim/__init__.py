@@ -19,6 +19,7 @@ from jdist.optim._distributed import fused_allreduce as fused_allreduce
 from jdist.optim._zero import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
 from jdist.optim._zero import ZeroState as ZeroState
 from jdist.optim._zero import flat_partition as flat_partition
+from jdist.optim._zero_replay import NonSeparableTransformError as NonSeparableTransformError
 
 __all__ = [
     "AllReduceOptimizer",
@@ -26,6 +27,7 @@ __all__ = [
     "Compressor",
     "DistributedOptimizer",
     "DistributedOptimizerState",
+    "NonSeparableTransformError",
     "ZeroRedundancyOptimizer",
     "ZeroState",
     "broadcast_optimizer_state",

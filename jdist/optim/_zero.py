@@ -55,6 +55,8 @@ from jax.sharding import PartitionSpec as P
 
 from jdist.collectives._axis import bound_size, is_bound
 from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives._types import ReduceOp
+from jdist.collectives.functional import all_reduce_flat
 from jdist.optim._zero_replay import NonSeparableTransformError, ShardReplayer
 from jdist.optim._zero_state import full_state, sharded_state
 
@@ -269,9 +271,11 @@ class ZeroRedundancyOptimizer:
     def _grad_shards(self, leaves, average: bool, rep: ShardReplayer) -> list:
         """This replica's pieces of the (averaged) gradients; rank 0 leaves whole."""
         n, out = self.num_replicas, list(leaves)
-        for i, x in enumerate(leaves):
-            if not x.shape:
-                out[i] = jax.lax.pmean(x, self.axis) if average else x
+        scalars = [i for i, x in enumerate(leaves) if not x.shape]
+        if average and scalars:  # one all-reduce per dtype where gloo would run one each
+            means = all_reduce_flat([leaves[i] for i in scalars], ReduceOp.AVG, self.axis)
+            for i, m in zip(scalars, means, strict=True):
+                out[i] = m
         for idxs in _by_dtype(leaves).values():
             lens = [_length(leaves[i].shape, n) for i in idxs]
             if average:
