@@ -39,14 +39,9 @@ SHAPES = [(3, 3, 1, 16), (16,), (3, 3, 16, 32), (32,), (512, 10), (10,), (700,),
 
 
 def _median_ms(fn, steps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    from benchmarks.ddp import _median_ms as median  # one timing loop for the benchmarks
+
+    return median(fn, steps, warmup)
 
 
 def digits(n, rank, world):
