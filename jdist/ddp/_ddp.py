@@ -219,8 +219,8 @@ class DistributedDataParallel(EngineShell):
     # ------------------------------------------------------------------ pure pieces
     def _loss(self, gdef, loss_fn: Callable, has_aux: bool, nodes: tuple = ()) -> Callable:
         """The pure loss of one replica. ``nodes``: the graphdefs of the NNX objects
-        passed as extra arguments (``nnx.Rngs``, metrics; see :class:`_NodeArgs`), whose
-        state goes in with the extra arguments and comes out after ``aux``."""
+        passed as extra arguments (``nnx.Rngs``; see :class:`_NodeArgs`), whose state
+        goes in with the extra arguments and comes out after ``aux``."""
 
         def pure(params, buffers, batch, extra):
             m = _merge(gdef, params, buffers)

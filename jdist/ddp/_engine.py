@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jdist.collectives._group import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
+from jdist.ddp._replicas import ProcessChecks
 from jdist.ddp._xla import bucket_compiler_options
 from jdist.ddp.hooks._base import GradBucket
 from jdist.errors import UnusedParametersError
@@ -83,8 +83,7 @@ class Engine:
         self.join_state: Any = None
         self._programs: dict = {}
         self._warned_unused = False
-        self._params_seen: list | None = None  # the parameters after the last DDP call
-        self._rows: int | None = None  # the batch size every process agreed on last
+        self.checks = ProcessChecks(group)  # across processes: batch sizes, replicas
         self._user_options = None if compiler_options is None else dict(compiler_options)
         if flat_buckets is None:  # see DistributedDataParallel's flat_buckets
             flat_buckets = self._platform == "cpu" and group.size() > 1
@@ -272,11 +271,11 @@ class Engine:
         sync = self.require_backward_grad_sync
         _check_concrete("ddp.value_and_grad / ddp.train_step", params, batch, extra)
         module_params, params = params, _placement.replicated(params, g)
-        self.check_replicas(module_params, params)
+        self.checks.replicas(module_params, params)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
-        self.agree_rows(batch, "batch")
+        self.checks.rows(batch)
         batch = _placement.shard_batch(batch, g)
         buffers = self.buffers_in(module_buffers)
         if sync:
@@ -305,8 +304,7 @@ class Engine:
         self.hook_state = hstate
         self.acc = acc
         self.last_synced = sync
-        self._params_seen = jax.tree.leaves(new_params if new_params is not None
-                                            else module_params)
+        self.checks.seen(new_params if new_params is not None else module_params)
         self.steps += 1
         if js is not None:
             js.after_step(int(n_active), g.num_replicas)
@@ -324,8 +322,8 @@ class Engine:
         g = self.group
         _check_concrete("the DDP forward ddp(x)", params, inputs)
         module_params, params = params, _placement.replicated(params, g)
-        self.check_replicas(module_params, params)
-        self._params_seen = jax.tree.leaves(module_params)
+        self.checks.replicas(module_params, params)
+        self.checks.seen(module_params)
         inputs = _placement.shard_batch(inputs, g, what="input")
         buffers = self.buffers_in(module_buffers)
         pkey = ("fwd", key, self.sync_buffers)
@@ -342,49 +340,6 @@ class Engine:
             out = jax.tree.unflatten(tdef, [x[0] if s else x for x, s in zip(
                 leaves, prog.scalars, strict=True)])
         return out, self.buffers_out(new_buffers)
-
-    def agree_rows(self, batch: Any, what: str) -> None:
-        """Across processes, at the first step and whenever this process's batch size
-        changes, check that every process has as many rows (one small all-gather); raise
-        ``ValueError`` naming each rank's size and the fix, instead of running programs
-        of different shapes (which gloo answers by aborting the process). Steps only: a
-        forward (``ddp(x)``) without buffers to broadcast communicates nothing, and an
-        evaluation over unequal shares (``even_split=False``) is fine there."""
-        if self.group.size() == 1:
-            return
-        leaves = jax.tree.leaves(batch)
-        rows = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else -1
-        if rows == self._rows:
-            return
-        from jdist.ddp._sync import gather_bytes
-
-        got = [int(b) for b in gather_bytes(self.group, str(rows).encode())]
-        if len(set(got)) > 1:
-            per = len(self.group.local_devices)
-            pad = -(-max(max(got), 1) // per) * per
-            sizes = ", ".join(f"rank {r}: {n}" for r, n in enumerate(got))
-            raise ValueError(
-                f"DDP needs the same {what} size on every process, got {sizes} rows. "
-                "Every process runs the same compiled step; for batches of different "
-                "sizes (an empty one included) pass train_step(loss_fn, optimizer, "
-                f"pad_batch_to={pad}) with a per-example loss (padding is "
-                "masked out exactly, SyncBatchNorm included), or split the data evenly "
-                "(DistributedSampler with drop_last=True, or the loader's drop_last).")
-        self._rows = rows
-
-    def check_replicas(self, module_params: Any, placed: Any) -> None:
-        """Across processes, when the module's parameters are not the arrays of the last
-        DDP call (they were changed outside DDP), check that every process holds the same
-        values (:mod:`jdist.ddp._replicas`); raise ``ReplicaDivergenceError`` if not."""
-        if self.group.size() == 1:
-            return
-        leaves, seen = jax.tree.leaves(module_params), self._params_seen
-        if seen is not None and len(seen) == len(leaves) and all(
-                a is b for a, b in zip(leaves, seen, strict=True)):
-            return
-        from jdist.ddp._replicas import check_replicas
-
-        check_replicas(self.group, placed)
 
     def _run(self, prog: Callable, what: str, *args: Any) -> Any:
         """Run ``prog(*args)`` and wait for it (:meth:`_wait`); across processes a runtime

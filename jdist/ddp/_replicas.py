@@ -1,4 +1,4 @@
-"""Check that every process holds the same parameters (a DDP module's replicas agree).
+"""Checks across processes: the replicas of a DDP module agree, and so do batch sizes.
 
 DDP keeps one replicated copy of the parameters. A step that changes them outside DDP
 without reducing gradients across processes (the user's own ``@nnx.jit`` train step fed
@@ -8,12 +8,22 @@ when the parameters it is handed are not the arrays of its last call (they were 
 outside DDP) and the group spans several processes: one small program fingerprints each
 replica's parameters (two 32-bit sums over their bits, one of them position-weighted) and
 all-gathers the fingerprints, and a replica that differs from the first raises
-:class:`~jdist.errors.ReplicaDivergenceError` on every process, naming the ranks.
+:class:`~jdist.errors.ReplicaDivergenceError` on every process, naming the ranks. A
+loop that always updates the parameters outside DDP (``ddp.value_and_grad`` and the
+optimizer applied by hand) would pay that check every step; it runs at most once per
+:data:`CHECK_EVERY_S` seconds after the first, so drift is named within about a second
+of steps at a bounded cost.
+
+:class:`ProcessChecks` also agrees on the batch size: at the first step and whenever
+this process's batch size changes, one small all-gather compares every process's, and
+unequal sizes raise a ``ValueError`` naming them and ``pad_batch_to`` instead of running
+programs of different shapes (which gloo answers by aborting the process).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +33,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jdist.collectives._group import ProcessGroup
+from jdist.ddp._sync import gather_bytes
 from jdist.errors import ReplicaDivergenceError
 
-__all__ = ["fingerprint", "check_replicas", "DIVERGED_MSG"]
+__all__ = ["fingerprint", "check_replicas", "ProcessChecks", "DIVERGED_MSG", "CHECK_EVERY_S"]
+
+CHECK_EVERY_S = 1.0
 
 DIVERGED_MSG = (
     "the parameters of this DDP module differ between processes: rank(s) {ranks} hold "
@@ -88,3 +101,59 @@ def check_replicas(group: ProcessGroup, params: Any) -> None:
     if bad:
         raise ReplicaDivergenceError(DIVERGED_MSG.format(
             ranks=", ".join(map(str, bad)), first=f"fingerprint {per_rank[0].tolist()}"))
+
+
+class ProcessChecks:
+    """One DDP engine's checks across processes (none with one process)."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self._seen: list | None = None  # the parameters after the last DDP call
+        self._checked_at: float | None = None
+        self._rows: int | None = None  # the batch size every process agreed on last
+
+    def seen(self, params: Any) -> None:
+        """The parameters as the last DDP call left them."""
+        self._seen = jax.tree.leaves(params)
+
+    def replicas(self, module_params: Any, placed: Any) -> None:
+        """When the module's parameters are not the arrays of the last DDP call (changed
+        outside DDP), check that every process holds the same values (``placed``: them
+        as global replicated arrays); at most once per :data:`CHECK_EVERY_S` after the
+        first check."""
+        if self.group.size() == 1:
+            return
+        leaves, seen = jax.tree.leaves(module_params), self._seen
+        if seen is not None and len(seen) == len(leaves) and all(
+                a is b for a, b in zip(leaves, seen, strict=True)):
+            return
+        now = time.monotonic()
+        if self._checked_at is not None and now - self._checked_at < CHECK_EVERY_S:
+            return
+        self._checked_at = now
+        check_replicas(self.group, placed)
+
+    def rows(self, batch: Any) -> None:
+        """At the first step and whenever this process's batch size changes: every
+        process has as many rows, or ``ValueError`` naming each rank's and the fix.
+        (Steps only: a forward without buffers to broadcast communicates nothing, and an
+        evaluation over unequal shares, ``even_split=False``, is fine there.)"""
+        if self.group.size() == 1:
+            return
+        leaves = jax.tree.leaves(batch)
+        rows = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else -1
+        if rows == self._rows:
+            return
+        got = [int(b) for b in gather_bytes(self.group, str(rows).encode())]
+        if len(set(got)) > 1:
+            per = len(self.group.local_devices)
+            pad = -(-max(max(got), 1) // per) * per
+            sizes = ", ".join(f"rank {r}: {n}" for r, n in enumerate(got))
+            raise ValueError(
+                f"DDP needs the same batch size on every process, got {sizes} rows. Every "
+                "process runs the same compiled step; for batches of different sizes (an "
+                f"empty one included) pass train_step(loss_fn, optimizer, pad_batch_to={pad}) "
+                "with a per-example loss (padding is masked out exactly, SyncBatchNorm "
+                "included), or split the data evenly (DistributedSampler with "
+                "drop_last=True, or the loader's drop_last).")
+        self._rows = rows
