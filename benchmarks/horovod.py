@@ -27,6 +27,7 @@ The last line, ``BENCH_JSON {...}``, holds the same numbers for benchmarks/run_a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -185,8 +186,9 @@ def step_worker(steps, variants):
     dist.barrier()
     dist.destroy_process_group()
     jdist.collectives.destroy_process_group()
-    if g.rank == 0 and os.path.exists(path):
-        os.remove(path)
+    if g.rank == 0:  # torch's FileStore may have removed it already (the last to leave)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     return out
 
 
@@ -218,8 +220,9 @@ def allreduce_worker(steps):
                               .astype(np.float32))
     out = {"torch": _median_ms(lambda: dist.all_reduce(flat_t), steps, warmup=5)}
     dist.destroy_process_group()
-    if g.rank == 0 and os.path.exists(path):
-        os.remove(path)
+    if g.rank == 0:  # torch's FileStore may have removed it already (the last to leave)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     for flat in (True, False):
         def body(t, flat=flat):
             return all_reduce_flat(t, ReduceOp.AVG, "dp", flat=flat)

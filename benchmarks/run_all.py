@@ -79,6 +79,9 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
           quick=("--steps", "10", "--num-embeddings", "10000")),
     Bench("ports", "pytorch/examples programs ported (vs torch)", "benchmarks/ports.py",
           quick_timeout=480.0),
+    Bench("first_step", "Time to first step and a short HybridModel run: compilation "
+          "cache none/cold/warm (vs torch)", "benchmarks/first_step.py",
+          quick_timeout=480.0),
     Bench("checkpoint", "Checkpoints: async saving, restart to the first step (vs none / "
           "a first launch)", "benchmarks/checkpoint.py", quick_timeout=420.0),
     Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",
