@@ -84,19 +84,21 @@ def _sharded_optimizer(tx: Any, group: ProcessGroup) -> tuple[bool, dict]:
 
 
 _NODE_ARG_MSG = (
-    "extra step argument #{i} is an NNX object ({kind}) holding state other than RNG "
-    "streams ({paths}); each replica would change it on its own shard of the batch, and "
-    "DDP cannot tell how to combine the copies (metrics sum, other state may not). Pass "
-    "nnx.Rngs as step arguments (they advance as under nnx.jit); update metrics from the "
-    "step's outputs (has_aux=True), or keep your own @nnx.jit step with "
-    "ddp.shard_batch(batch), where metrics are computed over the global batch.")
+    "extra step argument #{i} is an NNX object ({kind}) whose state other than RNG "
+    "streams the loss changes ({paths}); each replica would change it on its own shard "
+    "of the batch, and DDP cannot tell how to combine the copies (metrics sum, other "
+    "state may not). Pass nnx.Rngs (they advance as under nnx.jit) and read-only objects "
+    "(a frozen teacher model) as step arguments; update metrics from the step's outputs "
+    "(has_aux=True), or keep your own @nnx.jit step with ddp.shard_batch(batch), where "
+    "metrics are computed over the global batch.")
 
 
 class _NodeArgs:
-    """The extra arguments of a step, with the NNX objects among them that hold RNG
-    streams only (``nnx.Rngs``) passed as their state and updated afterwards, as
-    ``nnx.jit`` does: a dropout key drawn from an ``nnx.Rngs`` argument advances at every
-    step. An object holding other state (a metric) raises ``TypeError`` naming the fix.
+    """The extra arguments of a step, with the NNX objects among them passed as their
+    state and their RNG streams updated afterwards, as ``nnx.jit`` does: a dropout key
+    drawn from an ``nnx.Rngs`` argument advances at every step. Other state may be read
+    (a frozen teacher model); a loss that changes it (a metric's update) raises
+    ``TypeError`` naming the fix when the step is traced.
 
     Every replica starts from the same state and advances it the same way (as a module's
     own ``nnx.Rngs``, whose state DDP broadcasts from replica 0); the object takes the
@@ -109,13 +111,9 @@ class _NodeArgs:
         self.objs = [(i, a) for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
         extra, gdefs = list(args), []
         for i, a in self.objs:
-            gdef, state, other = nnx.split(a, nnx.RngState, ...)
-            if jax.tree.leaves(other):
-                raise TypeError(_NODE_ARG_MSG.format(
-                    i=i, kind=type(a).__name__,
-                    paths=[p for p, _ in nnx.to_flat_state(other)][:5]))
+            gdef, rngs, other = nnx.split(a, nnx.RngState, ...)
             gdefs.append((i, gdef))
-            extra[i] = state
+            extra[i] = (rngs, other)
         self.gdefs, self.extra = tuple(gdefs), tuple(extra)
 
     @staticmethod
@@ -125,9 +123,26 @@ class _NodeArgs:
             return extra, []
         extra, objs = list(extra), []
         for i, gdef in gdefs:
-            extra[i] = _merge(gdef, extra[i])
+            extra[i] = _merge(gdef, *extra[i])
             objs.append(extra[i])
         return tuple(extra), objs
+
+    @staticmethod
+    def after(gdefs: tuple, extra: tuple, objs: list) -> list:
+        """Inside the step, after the loss: each object's RNG state to write back;
+        ``TypeError`` if the loss changed any other state of one."""
+        out = []
+        for (i, _), obj in zip(gdefs, objs, strict=True):
+            _, rngs, other = nnx.split(obj, nnx.RngState, ...)
+            before = extra[i][1]
+            changed = [p for (p, a), b in zip(nnx.to_flat_state(before),
+                                              jax.tree.leaves(other), strict=True)
+                       if (a.get_raw_value() if hasattr(a, "get_raw_value") else a) is not b]
+            if changed:
+                raise TypeError(_NODE_ARG_MSG.format(i=i, kind=type(obj).__name__,
+                                                     paths=changed[:5]))
+            out.append(rngs)
+        return out
 
     def write_back(self, aux: Any) -> Any:
         """Update the objects from the step's ``aux`` (stacked per local replica); return
@@ -224,12 +239,12 @@ class DistributedDataParallel(EngineShell):
 
         def pure(params, buffers, batch, extra):
             m = _merge(gdef, params, buffers)
-            extra, objs = _NodeArgs.merge(nodes, extra)
-            out = loss_fn(m, batch, *extra)
+            args, objs = _NodeArgs.merge(nodes, extra)
+            out = loss_fn(m, batch, *args)
             value, aux = out if has_aux else (out, None)
             _, _, new_buffers = _split(m)
             if nodes:
-                aux = (aux, [nnx.split(o)[1] for o in objs])
+                aux = (aux, _NodeArgs.after(nodes, extra, objs))
             return value, (aux, new_buffers)
 
         return pure

@@ -145,14 +145,37 @@ def test_rngs_argument_advances_as_under_nnx_jit(kind):
     assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == 3
 
 
-def test_stateful_object_argument_other_than_rngs_raises_naming_fix():
-    m = _Drop()
-    ddp = DDP(m, process_group=_group(1))
-    metric = nnx.metrics.Average()
-    f = ddp.value_and_grad(lambda m, b, r, met: _drop_loss(m, b, r))
+def _updating_metric(m, b, r, met):
+    loss = _drop_loss(m, b, r)
+    met.update(values=loss)
+    return loss
+
+
+def test_an_object_argument_whose_state_the_loss_changes_raises_naming_fix():
+    ddp = DDP(_Drop(), process_group=_group(2))
+    f = ddp.value_and_grad(_updating_metric)
     with pytest.raises(TypeError, match=r"argument #1 is an NNX object \(Average\).*"
-                       r"ddp.shard_batch"):
-        f(np.ones((2, 4), np.float32), nnx.Rngs(dropout=0), metric)
+                       r"changes.*ddp.shard_batch"):
+        f(np.ones((2, 4), np.float32), nnx.Rngs(dropout=0), nnx.metrics.Average())
+
+
+def test_a_read_only_object_argument_works_as_under_nnx_jit():
+    """Distillation: a frozen teacher model passed to every step."""
+    x = np.random.RandomState(1).randn(4, 4).astype(np.float32)
+    teacher = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def loss(m, b, t):
+        return ((m.a(b) - t(b)) ** 2).mean()
+
+    ref, got_m = _Drop(), _Drop()
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    step = DDP(got_m, process_group=_group(2)).train_step(
+        loss, nnx.Optimizer(got_m, optax.sgd(0.1), wrt=nnx.Param))
+    for _ in range(2):
+        want, g = nnx.value_and_grad(loss)(ref, x, teacher)
+        ref_opt.update(ref, g)
+        np.testing.assert_allclose(float(step(x, teacher)), float(want), rtol=1e-6)
+    assert max_diff(habit_cases.params_of(got_m), habit_cases.params_of(ref)) < 1e-6
 
 
 def test_syncbn_two_processes_empty_and_unequal_ranks(two_processes):
