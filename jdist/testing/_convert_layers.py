@@ -40,28 +40,23 @@ class Layer:
 # ------------------------------------------------------------------------ traversal
 
 
+def _kind_in(m, table) -> str | None:
+    """The kind of the first ``(class, kind)`` entry of ``table`` that ``m`` is an
+    instance of (``None``: not a convertible layer)."""
+    return next((kind for cls, kind in table if isinstance(m, cls)), None)
+
+
+_NNX_KINDS = ((nnx.Linear, "linear"), (nnx.BatchNorm, "batchnorm"),
+              (nnx.LayerNorm, "layernorm"), (nnx.Embed, "embedding"),
+              (EmbeddingBag, "embeddingbag"), (nnx.MultiHeadAttention, "mha"),
+              (LSTM, "lstm"), (GRU, "gru"),
+              (TransformerEncoderLayer, "transformer_encoder_layer"))
+
+
 def _nnx_kind(m) -> str | None:
-    if isinstance(m, nnx.Linear):
-        return "linear"
     if isinstance(m, nnx.Conv) and len(m.kernel_size) in (1, 2, 3):
         return f"conv{len(m.kernel_size)}d"
-    if isinstance(m, nnx.BatchNorm):
-        return "batchnorm"
-    if isinstance(m, nnx.LayerNorm):
-        return "layernorm"
-    if isinstance(m, nnx.Embed):
-        return "embedding"
-    if isinstance(m, EmbeddingBag):
-        return "embeddingbag"
-    if isinstance(m, nnx.MultiHeadAttention):
-        return "mha"
-    if isinstance(m, LSTM):
-        return "lstm"
-    if isinstance(m, GRU):
-        return "gru"
-    if isinstance(m, TransformerEncoderLayer):
-        return "transformer_encoder_layer"
-    return None
+    return _kind_in(m, _NNX_KINDS)
 
 
 def _flax_recurrent_note(m) -> str:
@@ -136,28 +131,13 @@ def nnx_layers(module) -> list[Layer]:
 def _torch_kind(m) -> str | None:
     from torch import nn
 
-    if isinstance(m, nn.Linear):
-        return "linear"
-    for nd, cls in ((1, nn.Conv1d), (2, nn.Conv2d), (3, nn.Conv3d)):
-        if isinstance(m, cls):
-            return f"conv{nd}d"
-    if isinstance(m, nn.modules.batchnorm._BatchNorm):
-        return "batchnorm"
-    if isinstance(m, nn.LayerNorm):
-        return "layernorm"
-    if isinstance(m, nn.Embedding):
-        return "embedding"
-    if isinstance(m, nn.EmbeddingBag):
-        return "embeddingbag"
-    if isinstance(m, nn.MultiheadAttention):
-        return "mha"
-    if isinstance(m, nn.LSTM):
-        return "lstm"
-    if isinstance(m, nn.GRU):
-        return "gru"
-    if isinstance(m, nn.TransformerEncoderLayer):
-        return "transformer_encoder_layer"
-    return None
+    return _kind_in(m, (
+        (nn.Linear, "linear"), (nn.Conv1d, "conv1d"), (nn.Conv2d, "conv2d"),
+        (nn.Conv3d, "conv3d"), (nn.modules.batchnorm._BatchNorm, "batchnorm"),
+        (nn.LayerNorm, "layernorm"), (nn.Embedding, "embedding"),
+        (nn.EmbeddingBag, "embeddingbag"), (nn.MultiheadAttention, "mha"),
+        (nn.LSTM, "lstm"), (nn.GRU, "gru"),
+        (nn.TransformerEncoderLayer, "transformer_encoder_layer")))
 
 
 def torch_layers(module) -> list[Layer]:
