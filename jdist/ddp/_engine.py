@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from jdist.collectives import prefers_flat
 from jdist.collectives._group import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
@@ -86,7 +87,7 @@ class Engine:
         self.checks = ProcessChecks(group)  # across processes: batch sizes, replicas
         self._user_options = None if compiler_options is None else dict(compiler_options)
         if flat_buckets is None:  # see DistributedDataParallel's flat_buckets
-            flat_buckets = self._platform == "cpu" and group.size() > 1
+            flat_buckets = prefers_flat(self._platform, group.size())
         self.flat_buckets = bool(flat_buckets)
 
     # ----------------------------------------------------------------- hooks
