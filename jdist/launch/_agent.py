@@ -45,7 +45,7 @@ import threading
 import time
 
 from jdist.errors import StoreError, StoreTimeoutError
-from jdist.launch._blame import ERROR_FILE_VAR, candidate, first_failure
+from jdist.launch._blame import candidate, error_file_env, first_failure, reply_to_parent
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import (
     JobInfo,
@@ -249,7 +249,7 @@ class _Agent:
         for lr in range(cfg.nproc_per_node):
             env = worker_env(self.environ, job, lr, cfg.devices_per_proc, columns,
                              compilation_cache=cfg.compilation_cache)
-            env[ERROR_FILE_VAR] = os.path.join(errors, f"rank_{job.rank_offset + lr}.json")
+            env.update(error_file_env(os.path.join(errors, f"rank_{job.rank_offset + lr}.json")))
             cmds.append((job.rank_offset + lr, lr, argv, env))
         log_dir = None
         if cfg.log_dir is not None:
@@ -463,6 +463,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
             if cfg.nnodes > 1 and s.check([f"round/{r}/failed"]):  # another node's may
                 failure = Failure(**json.loads(s.get(f"round/{r}/failed")))  # be earlier
             _say(_summary(failure, r + 1, max_restarts))
+            reply_to_parent(environ, failure,  # the launcher's TORCHELASTIC_ERROR_FILE
+                            agent.error_dir if failure.node_rank == cfg.node_rank else None)
             agent.finish()
             return failure.exit_code or 1
     except _Terminated as t:

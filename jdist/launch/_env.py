@@ -63,7 +63,9 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     Sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
-    TORCHELASTIC_RUN_ID) and jdist's (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS,
+    TORCHELASTIC_RUN_ID, TORCHELASTIC_USE_AGENT_STORE, and TORCH_NCCL_ASYNC_ERROR_HANDLING
+    unless set, as torch's agent sets them; the launcher adds TORCHELASTIC_ERROR_FILE,
+    ``_blame.error_file_env``) and jdist's (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS,
     JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with ``devices_per_proc``, XLA_FLAGS and
     JDIST_DEVICES_PER_PROC); with several processes on the node, OMP_NUM_THREADS=1
     unless set, and then XLA's CPU operations on one thread too
@@ -73,6 +75,12 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     ``compilation_cache`` (jdist-run's default; ``--no-compilation-cache`` or
     ``JDIST_COMPILATION_CACHE=0`` turn it off), JAX's persistent compilation cache is on:
     :func:`default_cache_env`.
+
+    TORCHELASTIC_USE_AGENT_STORE is ``False``: MASTER_PORT is a port of the workers'
+    own (rank 0 hosts the store there, for ``jdist.init_process_group`` and for a torch
+    process group alike), never the launchers' store. TORCH_NCCL_ASYNC_ERROR_HANDLING
+    (torch's default ``1``; a value in the launcher's environment wins) matters only to
+    torch's NCCL process groups that a script may create beside jdist's.
     """
     env = dict(base)
     env.update(
@@ -94,6 +102,8 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
         TORCHELASTIC_RUN_ID=job.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         PYTHONUNBUFFERED="1",
     )
     if columns is not None and columns > 0:
