@@ -23,6 +23,7 @@ from jdist.ddp._buckets import BucketLayout, LeafInfo
 from jdist.ddp._replicas import ProcessChecks
 from jdist.ddp._xla import bucket_compiler_options
 from jdist.ddp.hooks._base import GradBucket
+from jdist.ddp.hooks._contract import check_hook, hook_output, replicated
 from jdist.errors import UnusedParametersError
 
 __all__ = ["Engine", "HOOK_ONCE_MSG", "TRACED_MSG"]
@@ -95,8 +96,7 @@ class Engine:
         """Register ``hook(state, bucket) -> (buffer, new_state)``; once, before stepping."""
         if self.hook is not None:
             raise RuntimeError(HOOK_ONCE_MSG)
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        check_hook(hook)  # torch's checks: callable, (state, bucket), annotations
         if self.steps:
             raise RuntimeError(
                 "register_comm_hook must be called before the first step; this DDP wrapper "
@@ -153,8 +153,9 @@ class Engine:
         hook, static = self.hook, self._hook_static
 
         def run(arrays, bucket):
-            out, new = hook(merge_static(arrays, static), bucket)
-            return out, split_static(new)[0]
+            state = merge_static(arrays, static)
+            out, new = hook_output(hook(state, bucket), state, hook)
+            return replicated(out, bucket, hook), split_static(new)[0]
 
         run.__name__ = getattr(hook, "__name__", "comm_hook")
         return run

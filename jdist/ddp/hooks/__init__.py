@@ -2,8 +2,9 @@
 
 A hook is ``hook(state, bucket) -> (reduced_flat_buffer, new_state)`` (see
 :mod:`jdist.ddp.hooks._base`); the hook-state contract for reducers is in
-:mod:`jdist.ddp.hooks._state`; :func:`comm_report` lists the collectives a compiled
-step asks for.
+:mod:`jdist.ddp.hooks._state`; what DDP checks at registration and about each result
+is in :mod:`jdist.ddp.hooks._contract`; :func:`comm_report` lists the collectives a
+compiled step asks for.
 """
 
 from jdist.ddp.hooks._base import CommHook as CommHook
@@ -18,6 +19,12 @@ from jdist.ddp.hooks._powersgd import PowerSGDState as PowerSGDState
 from jdist.ddp.hooks._powersgd import batched_powerSGD_hook as batched_powerSGD_hook
 from jdist.ddp.hooks._powersgd import powerSGD_hook as powerSGD_hook
 from jdist.ddp.hooks._powersgd import should_compress as should_compress
+from jdist.ddp.hooks._quantization import (
+    quantization_perchannel_hook as quantization_perchannel_hook,
+)
+from jdist.ddp.hooks._quantization import (
+    quantization_pertensor_hook as quantization_pertensor_hook,
+)
 from jdist.ddp.hooks._report import Collective as Collective
 from jdist.ddp.hooks._report import CommReport as CommReport
 from jdist.ddp.hooks._report import comm_report as comm_report
@@ -27,11 +34,14 @@ from jdist.ddp.hooks._state import split_static as split_static
 from jdist.ddp.hooks._state import stack_hook_state as stack_hook_state
 from jdist.ddp.hooks._state import stack_local as stack_local
 from jdist.ddp.hooks._state import unstack_local as unstack_local
+from jdist.ddp.hooks._types import DDPCommHookType as DDPCommHookType
+from jdist.ddp.hooks._types import register_ddp_comm_hook as register_ddp_comm_hook
 
 __all__ = [
     "Collective",
     "CommHook",
     "CommReport",
+    "DDPCommHookType",
     "GradBucket",
     "PowerSGDState",
     "allreduce_hook",
@@ -45,6 +55,9 @@ __all__ = [
     "init_hook_state",
     "merge_static",
     "powerSGD_hook",
+    "quantization_perchannel_hook",
+    "quantization_pertensor_hook",
+    "register_ddp_comm_hook",
     "should_compress",
     "split_static",
     "stack_hook_state",
