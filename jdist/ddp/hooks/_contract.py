@@ -13,7 +13,8 @@ At registration (:func:`check_hook`), with torch's exception classes and texts:
 Per bucket (:func:`hook_output`), inside the traced step:
 
 - the hook returns ``(buffer, new_state)``, or, as a torch hook does, a Future whose
-  ``wait()`` gives the buffer (the state is then kept); anything else raises torch's
+  ``wait()`` gives the buffer or a one-element list of it (the state is then kept,
+  as a torch hook's state is an object it may mutate); anything else raises torch's
   ``RuntimeError: ... callback must return a torch.futures.Future object, but got ...``;
 - the buffer must be the same on every replica. A result typed *invariant* over the
   replica axis (``psum``, ``pmean``, ``jdist.collectives.functional``) is used as is.
@@ -126,7 +127,10 @@ def hook_output(result: Any, state: Any, hook: Any) -> tuple[Any, Any]:
         return result
     wait = getattr(result, "wait", None)
     if callable(wait) and not isinstance(result, jax.Array):
-        return wait(), state
+        value = wait()
+        if isinstance(value, (list, tuple)) and len(value) == 1:  # torch: [tensor] too
+            value = value[0]
+        return value, state
     got = type(result).__name__
     if isinstance(result, tuple):
         got = f"a tuple of {len(result)}"
