@@ -1,28 +1,25 @@
-"""The per-node agent of ``jdist-run``: rendezvous of the launchers, attempts, restarts.
+"""The per-node agent of ``jdist-run``: rounds of workers, failures, restarts.
 
-Launchers agree through a store. With one node it is an in-process
-:class:`~jdist.collectives.HashStore`; with several, node 0 hosts a
-:class:`~jdist.collectives.TCPStore` at ``--master-addr:--master-port`` and the other
-launchers connect to it (it is authenticated when ``JDIST_AUTH_TOKEN`` is set in the
-launchers' environment, and runs without a secret otherwise). Keys, under the prefix
-``jdist-run/``:
+Launchers agree through a store (``_rendezvous``: who hosts it, node slots, the members
+of each round). Keys, under the prefix ``jdist-run/``, besides the rendezvous's:
 
-- ``node/<i>/claim`` (a node rank may be used once), ``node/<i>/nproc``;
-- ``job/token``, ``job/run_id``, ``job/max_restarts`` (node 0's values win);
-- ``round/<r>/port``: the workers' MASTER_PORT of attempt ``r``, a free port that node 0
-  picks for each attempt. It differs from the launchers' store port, so the job's
-  processes run their own rendezvous (``init_process_group``) undisturbed;
+- ``round/<r>/port``: the workers' MASTER_PORT of attempt ``r``, a free port that the
+  leader (the store's host, whose workers are ranks 0...) picks for each attempt. It
+  differs from the launchers' store port, so the job's processes run their own
+  rendezvous (``init_process_group``) undisturbed;
 - ``round/<r>/failed``: the first failure of attempt ``r``: the earliest by its time
   (``_blame``: a rank's recorded exception or fatal signal, not the order in which
   launchers noticed exits), kept by a ``compare_set`` loop, so every node reports the
   same rank; the other nodes poll it, add an earlier failure of their own, and stop
   their workers;
+- ``round/<r>/regroup``: the leader ended attempt ``r`` because a launcher joined (with
+  ``--nnodes MIN:MAX`` and room below MAX): the next attempt has it, no restart spent;
 - ``round/<r>/done`` / ``round/<r>/stopped``: counters of nodes whose workers
   finished / were stopped; a new attempt starts when every node stopped the last one;
-- ``hb/<i>``: a counter each launcher bumps every second from a thread with its own
+- ``hb/<slot>``: a counter each launcher bumps every second from a thread with its own
   connection; a launcher whose counter stands still for ``--heartbeat-timeout`` is
-  declared gone (its workers died with it: they get SIGKILL when their launcher dies),
-  and the job stops without restart;
+  declared gone (``node/<slot>/dead``; its workers died with it: they get SIGKILL when
+  their launcher dies), and the job goes on without it down to MIN nodes, or stops;
 - ``job/abort`` (a launcher got SIGINT/SIGTERM or went silent: no restart),
   ``job/exited``.
 
@@ -36,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import sys
@@ -44,7 +40,7 @@ import tempfile
 import threading
 import time
 
-from jdist.errors import StoreError, StoreTimeoutError
+from jdist.errors import StoreError
 from jdist.launch._blame import candidate, error_file_env, first_failure, reply_to_parent
 from jdist.launch._config import LaunchConfig
 from jdist.launch._env import (
@@ -56,6 +52,8 @@ from jdist.launch._env import (
     worker_env,
 )
 from jdist.launch._forkserver import forkserver_script
+from jdist.launch._lifeline import exec_command
+from jdist.launch._rendezvous import LaunchError, Rendezvous, Terms
 from jdist.launch._stop import signal_group
 from jdist.launch._worker_group import (
     Failure,
@@ -64,18 +62,14 @@ from jdist.launch._worker_group import (
     describe_exit,
     exit_code_of,
 )
-from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
+from jdist.store import Store
 
 __all__ = ["run", "LaunchError"]
 
 _POLL_S = 0.05
 _REMOTE_POLL_S = 0.2
 _BEAT_S = 1.0
-_LAST_CALL_S = 30.0  # --nnodes MIN:MAX: wait this long for more nodes once MIN joined
-
-
-class LaunchError(RuntimeError):
-    """The launchers could not form or run the job (not a worker failure)."""
+_JOIN_POLL_S = 0.5  # the leader looks for launchers that want to join this often
 
 
 class _Terminated(BaseException):
@@ -94,12 +88,11 @@ class _Agent:
         self.cfg = cfg
         self.environ = environ
         self.group: WorkerGroup | None = None
-        env_token = environ.get("JDIST_AUTH_TOKEN") or None
-        self.env_token = env_token
-        self.store: Store = PrefixStore("jdist-run", self._open_store(env_token))
+        self.rdzv = Rendezvous(cfg, environ.get("JDIST_AUTH_TOKEN") or None)
+        self.store: Store = self.rdzv.store
         self.round = 0
         self.silent_node: int | None = None
-        self.members: list[int] = list(range(cfg.nnodes))  # node ranks of this attempt
+        self.members: list[int] = []  # node slots of this attempt
         self.lock = threading.Lock()
         self._stop_beats = threading.Event()
         # the workers' failure records (``_blame``), one folder per attempt
@@ -118,12 +111,12 @@ class _Agent:
         dead: set[int] = set()
         try:
             while not self._stop_beats.wait(_BEAT_S):
-                store.add(f"hb/{cfg.node_rank}", 1)
+                store.add(f"hb/{self.slot}", 1)
                 now = time.monotonic()
                 with self.lock:
                     members = list(self.members)
                 for i in members:
-                    if i == cfg.node_rank or i in dead:
+                    if i == self.slot or i in dead:
                         continue
                     count = store.add(f"hb/{i}", 0)
                     if count != seen.get(i, (-1, now))[0]:
@@ -153,82 +146,10 @@ class _Agent:
     def stop_heartbeats(self) -> None:
         self._stop_beats.set()
 
-    def _open_store(self, token: str | None) -> Store:
-        cfg = self.cfg
-        if cfg.nnodes == 1:
-            return HashStore(timeout=cfg.rdzv_timeout)
-        kw = dict(timeout=cfg.rdzv_timeout, auth_token=token)
-        try:
-            if cfg.node_rank == 0:
-                return TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
-                                wait_for_workers=False, **kw)
-            return TCPStore(cfg.master_addr, cfg.master_port, **kw)
-        except OSError as e:
-            raise LaunchError(f"node {cfg.node_rank} cannot reach the launchers' store at "
-                              f"{cfg.master_addr}:{cfg.master_port}: {e}") from e
-
-    # --- rendezvous ----------------------------------------------------------------------
-    def rendezvous(self) -> tuple[list[int], str, str, int]:
-        cfg, s = self.cfg, self.store
-        if s.add(f"node/{cfg.node_rank}/claim", 1) > 1:
-            raise LaunchError(f"--node-rank {cfg.node_rank} is used by two launchers; give "
-                              f"each launcher its own node rank in [0, {cfg.nnodes})")
-        s.set(f"node/{cfg.node_rank}/nproc", str(cfg.nproc_per_node))
-        if cfg.node_rank == 0:
-            token = self.env_token or secrets.token_hex(16)
-            s.multi_set(["job/token", "job/run_id", "job/max_restarts", "job/nnodes"],
-                        [token, cfg.run_id or secrets.token_hex(8), str(cfg.max_restarts),
-                     str(cfg.nnodes)])
-        if cfg.node_rank == 0:
-            s.set("round/0/members", json.dumps(self._gather()))
-        try:
-            s.wait(["job/token", "round/0/members"], cfg.rdzv_timeout)
-        except StoreTimeoutError:
-            raise LaunchError(f"node 0 did not start the job within --rdzv-timeout "
-                              f"{cfg.rdzv_timeout:g}s") from None
-        nnodes0 = int(s.get("job/nnodes"))
-        if nnodes0 != cfg.nnodes:
-            raise LaunchError(f"node 0 runs --nnodes {nnodes0} but this launcher "
-                              f"--nnodes {cfg.nnodes}; use the same value everywhere")
-        members = json.loads(s.get("round/0/members"))
-        if cfg.node_rank not in members:
-            raise LaunchError(f"node {cfg.node_rank} joined after the job started with nodes "
-                              f"{members} (--nnodes {cfg.min_nodes}:{cfg.nnodes}); start it "
-                              f"within the rendezvous, or restart the job")
-        keys = [f"node/{i}/nproc" for i in range(cfg.nnodes)]
-        nprocs = [int(s.get(k)) if s.check([k]) else 0 for k in keys]
-        token, run_id, max_restarts = (v.decode() for v in
-                                       s.multi_get(["job/token", "job/run_id",
-                                                    "job/max_restarts"]))
-        if int(max_restarts) != cfg.max_restarts:
-            _say(f"node 0 runs --max-restarts {max_restarts}; using it instead of "
-                 f"{cfg.max_restarts}")
-        return nprocs, token, run_id, int(max_restarts)
-
-    def _gather(self) -> list[int]:
-        """Node 0: the node ranks that joined (all of them, or at least ``min_nodes``
-        and whoever else arrives within the last call)."""
-        cfg, s = self.cfg, self.store
-        deadline = time.monotonic() + cfg.rdzv_timeout
-        last_call = None
-        while True:
-            joined = [i for i in range(cfg.nnodes) if s.check([f"node/{i}/nproc"])]
-            now = time.monotonic()
-            if len(joined) == cfg.nnodes:
-                return joined
-            if len(joined) >= cfg.min_nodes:
-                last_call = last_call or now + min(_LAST_CALL_S, cfg.rdzv_timeout)
-                if now > last_call:
-                    _say(f"starting with nodes {joined} of --nnodes "
-                         f"{cfg.min_nodes}:{cfg.nnodes}")
-                    return joined
-            if now > deadline:
-                missing = [i for i in range(cfg.nnodes) if i not in joined]
-                raise LaunchError(
-                    f"node ranks {missing} did not join within --rdzv-timeout "
-                    f"{cfg.rdzv_timeout:g}s; start one launcher per node rank with the same "
-                    f"--nnodes/--master-addr/--master-port")
-            time.sleep(_POLL_S)
+    @property
+    def slot(self) -> int:
+        """This launcher's node slot (``--node-rank``, or its place in the join order)."""
+        return self.rdzv.slot
 
     def live(self) -> list[int]:
         """This attempt's nodes that are not known to be gone."""
@@ -240,6 +161,8 @@ class _Agent:
     def start(self, job: JobInfo) -> WorkerGroup:
         cfg = self.cfg
         argv = worker_command(os.getpid(), cfg.script, cfg.script_args, cfg.module)
+        if cfg.no_python:
+            argv = exec_command(os.getpid(), cfg.script, cfg.script_args)
         columns = None
         if sys.stderr.isatty():
             columns = shutil.get_terminal_size().columns - len(f"[rank {job.world_size}] ")
@@ -255,7 +178,7 @@ class _Agent:
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
         start = None
-        if cfg.start_method == "forkserver":
+        if cfg.start_method == "forkserver" and not cfg.no_python:
             tail = worker_args(cfg.script, cfg.script_args, cfg.module)
 
             def start(_argv, env):
@@ -269,11 +192,11 @@ class _Agent:
         """Wait for the attempt to end; the first failure (local or remote) or None."""
         cfg, s = self.cfg, self.store
         failed_key = f"round/{r}/failed"
-        last_remote = time.monotonic()
+        last_remote = last_join = time.monotonic()
         while True:
             failed, running = group.poll()
             if failed:
-                mine = _first_on_node(group, cfg.node_rank, r)  # before any signal
+                mine = _first_on_node(group, self.slot, r)  # before any signal
                 for other in group.workers:  # end the others at once
                     if other.proc.poll() is None:
                         signal_group(other.proc.pid, signal.SIGTERM)
@@ -285,10 +208,16 @@ class _Agent:
             if cfg.nnodes > 1 and time.monotonic() - last_remote >= _REMOTE_POLL_S:
                 last_remote = time.monotonic()
                 if s.check([failed_key]):  # a rank here may have failed before it
-                    mine = _first_on_node(group, cfg.node_rank, r)
+                    mine = _first_on_node(group, self.slot, r)
                     first = Failure(**json.loads(s.get(failed_key)))
                     if mine is not None:
                         first = _report_earliest(s, failed_key, mine)
+                    group.stop(cfg.shutdown_timeout)
+                    return first
+            if self.rdzv.leader and time.monotonic() - last_join >= _JOIN_POLL_S:
+                last_join = time.monotonic()
+                first = self._regroup_for_newcomers(r)
+                if first is not None:
                     group.stop(cfg.shutdown_timeout)
                     return first
             time.sleep(_POLL_S)
@@ -300,6 +229,22 @@ class _Agent:
             if s.add(f"round/{r}/done", 0) >= len(self.live()):
                 return None
             time.sleep(_REMOTE_POLL_S)
+
+    def _regroup_for_newcomers(self, r: int) -> Failure | None:
+        """Leader: end attempt ``r`` when launchers wait to join and there is room (torch
+        restarts its workers when a node waits, without spending a restart)."""
+        cfg, s = self.cfg, self.store
+        with self.lock:
+            members = list(self.members)
+        if len(members) >= cfg.nnodes or s.add(f"round/{r}/done", 0) > 0:
+            return None
+        new = self.rdzv.newcomers(members)
+        if not new:
+            return None
+        s.set(f"round/{r}/regroup", "1")  # before the failure key: readers see both
+        how = f"stopped: the launcher of node {', '.join(map(str, new))} joined"
+        blob = json.dumps(Failure(-1, -1, new[0], 0, how, "", r)._asdict())
+        return Failure(**json.loads(s.compare_set(f"round/{r}/failed", "", blob)))
 
     def sync_stop(self, r: int) -> None:
         """Wait until every node stopped its workers of attempt ``r``."""
@@ -316,12 +261,13 @@ class _Agent:
             time.sleep(_POLL_S)
 
     def finish(self) -> None:
-        """Say goodbye; node 0 keeps its store up until the others left (or 10 s)."""
+        """Say goodbye; the store's host keeps it up until the others left (or 10 s)."""
         try:
             self.store.add("job/exited", 1)
-            if self.cfg.node_rank == 0 and self.cfg.nnodes > 1:  # (lost nodes are not waited for)
+            if self.rdzv.leader and self.cfg.nnodes > 1:  # (lost nodes are not waited for)
+                self.store.set("job/finished", "1")  # launchers still waiting to join: go
                 deadline = time.monotonic() + 10.0
-                while (self.store.add("job/exited", 0) < len(self.live())
+                while (self.store.add("job/exited", 0) < self.rdzv.expected_exits()
                        and time.monotonic() < deadline):
                     time.sleep(_POLL_S)
         except StoreError:
@@ -390,6 +336,77 @@ def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
     return text.rstrip("\n")
 
 
+def _job(agent: _Agent, terms: Terms, r: int) -> JobInfo:
+    """Round ``r``'s terms for this node (its members, their processes, the port)."""
+    cfg, rdzv = agent.cfg, agent.rdzv
+    if rdzv.leader and r > rdzv.opened:
+        live = agent.live()
+        rdzv.open_round(r, rdzv.choose(live, rdzv.newcomers(live)))
+    members = rdzv.members(r)
+    if agent.slot not in members:
+        raise LaunchError(f"node {agent.slot} was left out of attempt {r + 1} (members "
+                          f"{members}); restart it to join the job again")
+    with agent.lock:
+        agent.members = members
+    agent.round = r
+    nprocs, mine = rdzv.nprocs(members), members.index(agent.slot)
+    return JobInfo(sum(nprocs), sum(nprocs[:mine]), len(members), mine, cfg.nproc_per_node,
+                   cfg.master_addr, rdzv.port(r), terms.token, terms.run_id, r,
+                   terms.max_restarts)
+
+
+def _regroup(agent: _Agent, failure: Failure, r: int) -> bool:
+    """Whether attempt ``r`` ended for a change of members (a launcher lost or joined),
+    which restarts the job without spending a restart; says so."""
+    cfg, s = agent.cfg, agent.store
+    if failure.rank >= 0 or s.check(["job/abort"]):
+        return False
+    with agent.lock:
+        members = list(agent.members)
+    lost = [i for i in members if i not in agent.live()]
+    if lost:
+        _say(f"the launcher of node {', '.join(map(str, lost))} stopped responding; "
+             f"continuing with {len(members) - len(lost)} nodes (--nnodes "
+             f"{cfg.min_nodes}:{cfg.nnodes}), attempt {r + 2}")
+        return True
+    if s.check([f"round/{r}/regroup"]):
+        _say(f"{failure.how.removeprefix('stopped: ')}; restarting the job with it (attempt "
+             f"{r + 2}; --nnodes {cfg.min_nodes}:{cfg.nnodes}, no restart spent)")
+        return True
+    return False
+
+
+def _rounds(agent: _Agent, terms: Terms, r: int, environ: dict[str, str]) -> int:
+    """Run attempts from round ``r`` until the job succeeds or fails for good."""
+    cfg, s = agent.cfg, agent.store
+    used = 0  # restarts spent on failures (a change of members spends none)
+    while True:
+        failure = agent.watch(agent.start(_job(agent, terms, r)), r)
+        agent.group = None
+        if failure is None:
+            agent.finish()
+            return 0
+        if _regroup(agent, failure, r):
+            agent.sync_stop(r)
+            r += 1
+            continue
+        if used < terms.max_restarts and not s.check(["job/abort"]):
+            used += 1
+            who = f"rank {failure.rank}" if failure.rank >= 0 else "a launcher"
+            _say(f"{who} {failure.how}; restarting the job (attempt {r + 2} of "
+                 f"{terms.max_restarts + 1 + r + 1 - used})")
+            agent.sync_stop(r)
+            r += 1
+            continue
+        if cfg.nnodes > 1 and s.check([f"round/{r}/failed"]):  # another node's may
+            failure = Failure(**json.loads(s.get(f"round/{r}/failed")))  # be earlier
+        _say(_summary(failure, r + 1, terms.max_restarts))
+        reply_to_parent(environ, failure,  # the launcher's TORCHELASTIC_ERROR_FILE
+                        agent.error_dir if failure.node_rank == agent.slot else None)
+        agent.finish()
+        return failure.exit_code or 1
+
+
 def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
     """Run the job described by ``cfg`` on this node; return the launcher's exit code."""
     environ = dict(os.environ if environ is None else environ)
@@ -406,8 +423,12 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
             previous[sig] = signal.signal(sig, on_signal)
     agent = None
     cache = None  # the attempts' compilation cache (a restarted attempt reuses it)
-    r = 0
-    if not cfg.module and not os.path.isfile(cfg.script):
+    if cfg.no_python and shutil.which(cfg.script) is None:
+        _say(f"error: --no-python: {cfg.script!r} is not an executable file (working "
+             f"directory {os.getcwd()!r}); give its path, executable (chmod +x), or drop "
+             f"--no-python for a Python script")
+        return 2
+    if not cfg.module and not cfg.no_python and not os.path.isfile(cfg.script):
         _say(f"error: script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
              f"pass a path to a Python file, or -m for a module")
         return 2
@@ -415,76 +436,20 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         _say(cfg.detected)
     try:
         agent = _Agent(cfg, environ)
-        nprocs, token, run_id, max_restarts = agent.rendezvous()
-        if (cfg.compilation_cache and (max_restarts > 0 or cfg.min_nnodes is not None)
-                and not has_user_cache(environ)):
-            cache = tempfile.mkdtemp(prefix=f"jdist-run-{run_id[:16]}-jax-cache-")
-            environ.update(restart_cache_env(environ, cache))  # agent.environ too
-        s = agent.store
+        terms = agent.rdzv.join()
         agent.start_heartbeats()
-        used = 0  # restarts spent on failures (a lost node of MIN:MAX spends none)
-        while True:
-            if cfg.node_rank == 0:
-                if r > 0:
-                    s.set(f"round/{r}/members", json.dumps(agent.live()))
-                s.set(f"round/{r}/port", str(free_port(cfg.master_addr)))
-            port = int(s.get(f"round/{r}/port"))
-            members = json.loads(s.get(f"round/{r}/members"))
-            with agent.lock:
-                agent.members = members
-            agent.round = r
-            mine = members.index(cfg.node_rank)
-            job = JobInfo(sum(nprocs[i] for i in members),
-                          sum(nprocs[i] for i in members[:mine]), len(members), mine,
-                          cfg.nproc_per_node, cfg.master_addr, port, token, run_id, r,
-                          max_restarts)
-            failure = agent.watch(agent.start(job), r)
-            agent.group = None
-            if failure is None:
-                agent.finish()
-                return 0
-            lost = [i for i in members if i not in agent.live()]
-            if lost and failure.rank < 0 and not s.check(["job/abort"]):
-                left = len(members) - len(lost)
-                _say(f"the launcher of node {', '.join(map(str, lost))} stopped responding; "
-                     f"continuing with {left} nodes (--nnodes {cfg.min_nodes}:{cfg.nnodes}), "
-                     f"attempt {r + 2}")
-                agent.sync_stop(r)
-                r += 1
-                continue
-            if used < max_restarts and not s.check(["job/abort"]):
-                used += 1
-                who = f"rank {failure.rank}" if failure.rank >= 0 else "a launcher"
-                _say(f"{who} {failure.how}; restarting the job (attempt {r + 2} of "
-                     f"{max_restarts + 1 + r + 1 - used})")
-                agent.sync_stop(r)
-                r += 1
-                continue
-            if cfg.nnodes > 1 and s.check([f"round/{r}/failed"]):  # another node's may
-                failure = Failure(**json.loads(s.get(f"round/{r}/failed")))  # be earlier
-            _say(_summary(failure, r + 1, max_restarts))
-            reply_to_parent(environ, failure,  # the launcher's TORCHELASTIC_ERROR_FILE
-                            agent.error_dir if failure.node_rank == cfg.node_rank else None)
+        first = agent.rdzv.first_round()
+        if first is None:
+            _say("the job finished before this launcher could join it; nothing to run")
             agent.finish()
-            return failure.exit_code or 1
+            return 0
+        if (cfg.compilation_cache and (terms.max_restarts > 0 or cfg.min_nnodes is not None)
+                and not has_user_cache(environ)):
+            cache = tempfile.mkdtemp(prefix=f"jdist-run-{terms.run_id[:16]}-jax-cache-")
+            environ.update(restart_cache_env(environ, cache))  # agent.environ too
+        return _rounds(agent, terms, first, environ)
     except _Terminated as t:
-        name = signal.Signals(t.signum).name
-        if agent is not None:
-            if agent.group is not None:  # the same signal (SIGINT: KeyboardInterrupt)
-                agent.group.stop(cfg.shutdown_timeout, t.signum)
-            try:
-                agent.store.set("job/abort", "1")
-                how = f"stopped: the launcher of node {cfg.node_rank} got {name}"
-                blob = json.dumps(Failure(-1, -1, cfg.node_rank, 128 + t.signum, how, "",
-                                          r)._asdict())
-                agent.store.compare_set(f"round/{r}/failed", "", blob)
-            except (StoreError, OSError):
-                pass
-            _say(f"got {name}; stopped every worker")
-            agent.finish()
-        else:
-            _say(f"got {name} while starting; no worker was running")
-        return 128 + t.signum
+        return _terminated(agent, t.signum)
     except (LaunchError, StoreError) as e:
         if agent is not None and agent.group is not None:
             agent.group.stop(cfg.shutdown_timeout)
@@ -502,3 +467,23 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+
+def _terminated(agent: _Agent | None, signum: int) -> int:
+    """SIGINT/SIGTERM/SIGHUP to the launcher: stop the workers and the job."""
+    name = signal.Signals(signum).name
+    if agent is None:
+        _say(f"got {name} while starting; no worker was running")
+        return 128 + signum
+    if agent.group is not None:  # the same signal (SIGINT: KeyboardInterrupt)
+        agent.group.stop(agent.cfg.shutdown_timeout, signum)
+    try:
+        agent.store.set("job/abort", "1")
+        how = f"stopped: the launcher of node {agent.slot} got {name}"
+        blob = json.dumps(Failure(-1, -1, agent.slot, 128 + signum, how, "",
+                                  agent.round)._asdict())
+        agent.store.compare_set(f"round/{agent.round}/failed", "", blob)
+    except (StoreError, OSError):
+        pass
+    _say(f"got {name}; stopped every worker")
+    agent.finish()
+    return 128 + signum

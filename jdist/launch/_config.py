@@ -18,7 +18,7 @@ class LaunchConfig(NamedTuple):
     """Everything the launcher needs, validated."""
 
     nnodes: int
-    node_rank: int
+    node_rank: int | None  # None: ranks follow the order in which launchers join
     nproc_per_node: int
     master_addr: str
     master_port: int | None  # None: a free port (single-node only)
@@ -41,6 +41,9 @@ class LaunchConfig(NamedTuple):
     start_method: str = "spawn"  # "spawn" (fresh interpreters) or "forkserver"
     preload: tuple[str, ...] = DEFAULT_PRELOAD  # what a fork server imports
     compilation_cache: bool = True  # attempts share a JAX compilation cache (restarts)
+    last_call_timeout: float = 30.0  # MIN:MAX: wait this long for more once MIN joined
+    is_host: bool | None = None  # without --node-rank: host the store (None: if free)
+    no_python: bool = False  # run SCRIPT as an executable, not with Python
 
     @property
     def min_nodes(self) -> int:
@@ -91,10 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "once MIN nodes joined (waiting 30 s more for the others) and goes "
                         "on with the nodes left when a node's launcher is lost, down to MIN")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                   help="this node's rank in [0, nnodes) (default 0; under srun, "
-                        "SLURM_NODEID)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                   help="processes to start on this node (default 1)")
+                   help="this node's rank in [0, nnodes) (under srun, SLURM_NODEID). "
+                        "Without it on several nodes, ranks follow the order in which "
+                        "the launchers join, and the first launcher to bind "
+                        "--rdzv-endpoint hosts the store (torchrun's c10d rendezvous)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
+                   help="processes to start on this node: a number (default 1), cpu (one "
+                        "per CPU core), gpu (one per NVIDIA GPU) or auto (gpu where there "
+                        "are GPUs, else cpu)")
     p.add_argument("--master-addr", "--master_addr", default=None,
                    help="address of node 0, which hosts the launchers' store (default "
                         "127.0.0.1; under srun, the first host of the step)")
@@ -108,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
                    choices=["static", "c10d"],
                    help="accepted for torchrun compatibility: both use jdist's store")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="torchrun's KEY=VALUE,... rendezvous settings: join_timeout (or "
+                        "timeout; as --rdzv-timeout), last_call_timeout (seconds to wait for "
+                        "more nodes once MIN joined, default 30), keep_alive_interval x "
+                        "keep_alive_max_attempt (as --heartbeat-timeout), is_host "
+                        "(true/false: whether this launcher hosts the store); close_timeout "
+                        "and read_timeout are accepted and have no effect")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+                   help="accepted for torchrun compatibility (must be > 0): jdist-run "
+                        "checks its workers every 50 ms")
+    p.add_argument("--no-python", "--no_python", action="store_true",
+                   help="run SCRIPT as an executable (a shell script, a binary) instead "
+                        "of with Python; not with -m")
+    p.add_argument("--run-path", "--run_path", action="store_true",
+                   help="accepted for torchrun compatibility: workers always run SCRIPT "
+                        "with runpy.run_path in their interpreter")
     p.add_argument("--rdzv-id", "--rdzv_id", default=None,
                    help="job id given to the workers (JDIST_RUN_ID, TORCHELASTIC_RUN_ID; "
                         "default: a random id per job)")
@@ -187,7 +210,8 @@ _VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--nproc-per-node",
                 "--devices_per_proc", "--max-restarts", "--max_restarts",
                 "--shutdown-timeout", "--grace", "--rdzv-timeout", "--heartbeat-timeout",
                 "--log-dir", "--log_dir", "-r", "--redirects", "--tee", "-t",
-                "--start-method", "--start_method", "--forkserver-preload"}
+                "--start-method", "--start_method", "--forkserver-preload", "--rdzv-conf",
+                "--rdzv_conf", "--monitor-interval", "--monitor_interval"}
 
 
 def _from_slurm(a, p, environ: Mapping[str, str]) -> str:
@@ -223,6 +247,129 @@ def _from_slurm(a, p, environ: Mapping[str, str]) -> str:
     return f"from SLURM job {job.job_id}: {' '.join(taken)}" if taken else ""
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_defaults(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """torchrun's ``PET_<FLAG>`` variables (``PET_NPROC_PER_NODE=4``, ``PET_MODULE=1``):
+    a flag's value where the command line does not give it."""
+    for action in p._actions:
+        name = "PET_" + action.dest.upper()
+        if not action.option_strings or action.dest == "help" or name not in environ:
+            continue
+        value = environ[name]
+        if action.nargs == 0:  # an on/off flag: 1 means given
+            word = value.strip().lower()
+            if word not in _TRUE + _FALSE:
+                p.error(f"{name}={value!r}: expected 1 (as if {action.option_strings[0]} "
+                        f"were given) or 0")
+            p.set_defaults(**{action.dest: action.const if word in _TRUE else action.default})
+        else:  # argparse converts a string default with the flag's type
+            p.set_defaults(**{action.dest: value})
+
+
+RDZV_CONF_KEYS = ("join_timeout", "timeout", "last_call_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt", "is_host", "close_timeout", "read_timeout")
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """torchrun's ``--rdzv-conf`` (``KEY=VALUE,...``, quotes around it or a value
+    dropped) as a dict; a key jdist-run does not know raises ``ValueError``."""
+    out: dict[str, str] = {}
+    body = text.strip().strip("'\"").strip()
+    for item in body.split(",") if body else []:
+        key, sep, value = item.partition("=")
+        key, value = key.strip().strip("'\""), value.strip().strip("'\"")
+        if not key or not sep:
+            raise ValueError(f"--rdzv-conf {text!r}: expected KEY=VALUE,... like "
+                             f"join_timeout=600,last_call_timeout=30")
+        if key not in RDZV_CONF_KEYS:
+            raise ValueError(f"--rdzv-conf key {key!r} is not one jdist-run knows; use "
+                             f"{', '.join(RDZV_CONF_KEYS)}")
+        out[key] = value
+    return out
+
+
+def _seconds(conf: dict[str, str], key: str) -> float | None:
+    if key not in conf:
+        return None
+    try:
+        value = float(conf[key])
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"--rdzv-conf {key}={conf[key]!r}: expected a number of seconds > 0")
+    return value
+
+
+def _apply_rdzv_conf(a, conf: dict[str, str]) -> None:
+    """Fold ``--rdzv-conf``'s keys into the flags they stand for."""
+    join = _seconds(conf, "join_timeout") or _seconds(conf, "timeout")
+    if join is not None:
+        a.rdzv_timeout = join
+    a.last_call_timeout = _seconds(conf, "last_call_timeout") or 30.0
+    interval = _seconds(conf, "keep_alive_interval")
+    attempts = _seconds(conf, "keep_alive_max_attempt")
+    if interval is not None or attempts is not None:
+        a.heartbeat_timeout = (interval or 5.0) * (attempts or 3.0)  # torch's 5 s x 3
+    for key in ("close_timeout", "read_timeout"):
+        _seconds(conf, key)  # checked; jdist-run has no such phase
+    a.is_host = None
+    if "is_host" in conf:
+        word = conf["is_host"].lower()
+        if word not in _TRUE + _FALSE or not word:
+            raise ValueError(f"--rdzv-conf is_host={conf['is_host']!r}: expected true or "
+                             f"false")
+        a.is_host = word in _TRUE
+
+
+def local_gpu_count(environ: Mapping[str, str]) -> int:
+    """NVIDIA GPUs this node's processes may use (``/dev/nvidiaN``, narrowed by
+    ``CUDA_VISIBLE_DEVICES``), found without importing JAX."""
+    import glob
+
+    found = len([d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)])
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    ids = []
+    for word in visible.split(","):
+        if not word.strip() or word.strip() == "-1":
+            break  # CUDA stops at the first invalid entry
+        ids.append(word)
+    return min(len(ids), found)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def resolve_nproc(value: str, environ: Mapping[str, str]) -> int:
+    """``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto`` (torchrun's values);
+    ``ValueError`` with torch's words for one that cannot be met."""
+    text = str(value).strip()
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    if text == "cpu":
+        return _cpu_count()
+    if text in ("gpu", "cuda"):
+        n = local_gpu_count(environ)
+        if n == 0:
+            raise ValueError("Cuda is not available.: --nproc-per-node gpu found no NVIDIA "
+                             "GPU (/dev/nvidiaN, CUDA_VISIBLE_DEVICES); give a number")
+        return n
+    if text == "xpu":
+        raise ValueError("Xpu is not available.: jdist runs on JAX, which has no XPU "
+                         "backend; give a number")
+    if text == "auto":
+        return local_gpu_count(environ) or _cpu_count()
+    raise ValueError(f"Unsupported nproc_per_node value: {value}; give a number, cpu, gpu "
+                     f"or auto")
+
+
 def parse_args(argv: list[str] | None = None,
                environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Parse and validate ``argv`` (``sys.argv[1:]`` when None).
@@ -233,8 +380,22 @@ def parse_args(argv: list[str] | None = None,
     """
     import sys
 
+    env = os.environ if environ is None else environ
     p = build_parser()
+    _env_defaults(p, env)
     a = p.parse_args(_tee_value(sys.argv[1:] if argv is None else argv))
+    try:
+        a.nproc_per_node = resolve_nproc(a.nproc_per_node, env)
+        _apply_rdzv_conf(a, parse_rdzv_conf(a.rdzv_conf))
+    except ValueError as e:
+        p.error(str(e))
+    if a.no_python and a.module:
+        p.error("Don't use both the '--no-python' flag and the '--module' flag at the same "
+                "time: --no-python runs SCRIPT as an executable, -m as a Python module")
+    if a.run_path:  # torchrun: --run-path wins over --no-python
+        a.no_python = False
+    if a.monitor_interval <= 0:
+        p.error(f"--monitor-interval must be > 0 seconds, got {a.monitor_interval}")
     if a.rdzv_endpoint is not None:
         host, _, port = a.rdzv_endpoint.rpartition(":") if ":" in a.rdzv_endpoint else (
             a.rdzv_endpoint, "", "29400")
@@ -254,10 +415,10 @@ def parse_args(argv: list[str] | None = None,
             if not 1 <= min_nnodes <= a.nnodes:
                 p.error(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got "
                         f"{min_nnodes}:{a.nnodes}")
-    detected = "" if a.standalone else _from_slurm(
-        a, p, os.environ if environ is None else environ)
+    detected = "" if a.standalone else _from_slurm(a, p, env)
     a.nnodes = 1 if a.nnodes is None else a.nnodes
-    a.node_rank = 0 if a.node_rank is None else a.node_rank
+    if a.node_rank is None and (a.nnodes == 1 or a.standalone):
+        a.node_rank = 0  # several nodes without ranks: the rendezvous hands them out
     a.master_addr = "127.0.0.1" if a.master_addr is None else a.master_addr
     redirects = tee = None
     try:
@@ -274,7 +435,7 @@ def parse_args(argv: list[str] | None = None,
         a.master_port = None
     if a.nnodes < 1:
         p.error(f"--nnodes must be >= 1, got {a.nnodes}")
-    if not 0 <= a.node_rank < a.nnodes:
+    if a.node_rank is not None and not 0 <= a.node_rank < a.nnodes:
         p.error(f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}")
     if a.nproc_per_node < 1:
         p.error(f"--nproc-per-node must be >= 1, got {a.nproc_per_node}")
@@ -297,7 +458,6 @@ def parse_args(argv: list[str] | None = None,
         p.error("--tee needs --log-dir (without it the output goes to the console anyway)")
     if redirects is not None and a.log_dir is None:
         p.error("--redirects needs --log-dir DIR (where the redirected streams go)")
-    env = os.environ if environ is None else environ
     start_method = a.start_method or env.get("JDIST_START_METHOD") or "spawn"
     if start_method not in ("spawn", "fork", "forkserver"):
         p.error(f"JDIST_START_METHOD must be spawn, fork or forkserver, got "
@@ -319,5 +479,6 @@ def parse_args(argv: list[str] | None = None,
         script=a.script, script_args=tuple(a.script_args), redirects=redirects,
         tee_std=tee, verbose=a.verbose, run_id=a.rdzv_id, detected=detected,
         min_nnodes=min_nnodes, start_method=start_method, preload=preload,
-        compilation_cache=a.compilation_cache,
+        compilation_cache=a.compilation_cache, last_call_timeout=a.last_call_timeout,
+        is_host=a.is_host, no_python=a.no_python,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -43,3 +44,17 @@ def die_with_parent(parent: int) -> None:
                     os._exit(137)
 
     threading.Thread(target=watch, daemon=True, name="jdist-parent-watch").start()
+
+
+# A ``--no-python`` worker: arm the parent-death signal (it survives ``exec``), then
+# become the program.
+_EXEC = ("import os, sys\nfrom jdist.launch._lifeline import die_with_parent\n"
+         "die_with_parent(int(sys.argv[1]))\nos.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def exec_command(parent: int, program: str, args: tuple[str, ...] | list[str],
+                 python: str | None = None) -> list[str]:
+    """The command line of a worker that runs ``program`` (an executable, found as the
+    shell would) with ``args`` and dies with process ``parent`` (``jdist-run
+    --no-python``)."""
+    return [python or sys.executable, "-c", _EXEC, str(parent), program, *args]
