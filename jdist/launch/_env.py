@@ -51,8 +51,11 @@ class JobInfo(NamedTuple):
     master_port: int  # the workers' rendezvous port (not the launchers' store port)
     token: str
     run_id: str
-    restart_count: int
+    restart_count: int  # the attempt's index: 0, then +1 per new round of workers
     max_restarts: int
+    # restarts of the --max-restarts budget spent so far (None: ``restart_count``): a
+    # round that only changes the members spends none, as in torch's agent
+    restarts_spent: int | None = None
 
 
 def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
@@ -75,6 +78,11 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     ``compilation_cache`` (jdist-run's default; ``--no-compilation-cache`` or
     ``JDIST_COMPILATION_CACHE=0`` turn it off), JAX's persistent compilation cache is on:
     :func:`default_cache_env`.
+
+    TORCHELASTIC_RESTART_COUNT is, as in torch's agent, the restarts spent of the
+    budget (``job.restarts_spent``): a new round for a change of members (a launcher
+    joined or was lost) leaves it as it was; JDIST_RESTART_COUNT is the attempt's index
+    (``job.restart_count``), which every new round increments.
 
     TORCHELASTIC_USE_AGENT_STORE is ``False``: MASTER_PORT is a port of the workers'
     own (rank 0 hosts the store there, for ``jdist.init_process_group`` and for a torch
@@ -99,7 +107,8 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         JDIST_MAX_RESTARTS=str(job.max_restarts),
         JDIST_AUTH_TOKEN=job.token,
         JDIST_RUN_ID=job.run_id,
-        TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
+        TORCHELASTIC_RESTART_COUNT=str(job.restart_count if job.restarts_spent is None
+                                       else job.restarts_spent),
         TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
         TORCHELASTIC_RUN_ID=job.run_id,
         TORCHELASTIC_USE_AGENT_STORE="False",

@@ -24,7 +24,7 @@ KEYS = ["RANK", "LOCAL_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_RANK", "LOCAL_WOR
         "TORCHELASTIC_HEALTH_CHECK_PORT"]
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
-ATTEMPT = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ATTEMPT = int(os.environ["JDIST_RESTART_COUNT"])  # the attempt (torch's count: restarts spent)
 
 
 def _write(path: str, data: dict) -> None:
@@ -113,7 +113,7 @@ def main(case: str, out: str, arg: str = "") -> None:
             _sad_function()
         time.sleep(float(arg))
     elif case == "fail_rank_one_once":
-        if RANK == 1 and ATTEMPT == 0:
+        if RANK == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)
         report(out, value=[[RANK] * 3] * 2)
     elif case == "sleep":
