@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["dumps", "loads", "load_hook", "rebuild_jax", "describe_callable",
-           "check_callable_picklable"]
+           "check_callable_picklable", "register_rpc_reducer"]
 
 Reducers = dict  # type -> reduce function, consulted by pickle's C dispatch table
 _LOAD = threading.local()  # the agent decoding in this thread (for RRefs)
@@ -133,6 +133,15 @@ def load_hook(pid: Any) -> Any:
     return hook(pid)
 
 
+_RPC_REDUCERS: Reducers = {}
+
+
+def register_rpc_reducer(cls: type, reduce: Callable[[Any], tuple]) -> None:
+    """Pickle ``cls`` (exact type) with ``reduce`` in RPC messages only: a class whose
+    plain ``__reduce__`` refuses (``RemoteModule``) can still travel by RPC."""
+    _RPC_REDUCERS[cls] = reduce
+
+
 def dumps(obj: Any, reducers: Reducers | None = None) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj``; return ``(payload, buffers)`` with array memory out of band.
 
@@ -146,6 +155,7 @@ def dumps(obj: Any, reducers: Reducers | None = None) -> tuple[bytes, list[memor
     table[np.ndarray] = _reduce_ndarray
     for t in _jax_array_types():
         table[t] = _reduce_jax
+    table.update(_RPC_REDUCERS)
     if reducers:
         table.update(reducers)
     p.dispatch_table = table

@@ -143,7 +143,7 @@ def test_bad_inputs(agents):
         DistributedOptimizer(optax.sgd, [nnx.Param(jnp.ones(()))], learning_rate=0.1)
     with pytest.raises(ValueError, match="empty"):
         DistributedOptimizer(optax.sgd, [], learning_rate=0.1)
-    with pytest.raises(TypeError, match="nnx.Module class"):
+    with pytest.raises(ValueError, match="nnx.Module class"):
         RemoteModule("w1", NotAModule, agent=a0)
     with pytest.raises(ValueError, match="unknown worker name 'nope'"):
         RemoteModule("nope/cpu", Lin, (1, 1, 0), agent=a0)
