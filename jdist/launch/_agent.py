@@ -381,7 +381,8 @@ def _rounds(agent: _Agent, terms: Terms, r: int, environ: dict[str, str]) -> int
     cfg, s = agent.cfg, agent.store
     used = 0  # restarts spent on failures (a change of members spends none)
     while True:
-        failure = agent.watch(agent.start(_job(agent, terms, r)), r)
+        job = _job(agent, terms, r)._replace(restarts_spent=used)  # torch's RESTART_COUNT
+        failure = agent.watch(agent.start(job), r)
         agent.group = None
         if failure is None:
             agent.finish()

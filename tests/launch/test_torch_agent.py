@@ -57,24 +57,30 @@ class Launch:
                  env=None, script=None):
         self.out = out
         out.mkdir()
-        nodes = nodes or [(None, None, arg)]
-        port = str(free_port())
+        self.case, self.flags, self.env, self.script = case, flags, env, script
+        self.port = str(free_port())
         self.t0 = time.time()
-        self.procs, self.ends = [], []
-        for node_rank, nproc, node_arg in nodes:
-            node_flags = [] if node_rank is None else [
-                "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-                "--master-port", port]
-            tail = [script] if script else [WORKER, case, str(out), node_arg]
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jdist.launch", *flags, *node_flags, *tail],
-                env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, start_new_session=True))
-        self.threads = [threading.Thread(target=self._wait, args=(p,), daemon=True)
-                        for p in self.procs]
+        self.procs, self.threads = [], []
         self.results: dict[int, tuple[int, str, str, float]] = {}
-        for t in self.threads:
-            t.start()
+        for node in nodes or [(None, None, arg)]:
+            self.add(*node)
+
+    def add(self, node_rank, nproc, arg):
+        """Start one more launcher (``node_rank`` None: the case's flags alone)."""
+        node_flags = [] if node_rank is None else [
+            "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
+            "--master-port", self.port]
+        if node_rank == "joined":  # torchrun's c10d style: ranks in the order of joining
+            node_flags = ["--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                          "--nproc-per-node", str(nproc)]
+        tail = [self.script] if self.script else [WORKER, self.case, str(self.out), arg]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jdist.launch", *self.flags, *node_flags, *tail],
+            env=_env(**(self.env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        self.procs.append(proc)
+        self.threads.append(threading.Thread(target=self._wait, args=(proc,), daemon=True))
+        self.threads[-1].start()
 
     def _wait(self, proc):
         try:
@@ -85,8 +91,8 @@ class Launch:
         self.results[proc.pid] = (proc.returncode, out, err, time.time())
 
     def result(self, node: int = 0):
-        """``(returncode, stdout, stderr, exit time)`` of the launcher of ``node``."""
-        for t in self.threads:
+        """``(returncode, stdout, stderr, exit time)`` of the ``node``-th launcher."""
+        for t in list(self.threads):
             t.join(160)
         return self.results[self.procs[node].pid]
 
@@ -141,6 +147,9 @@ def jobs(tmp_path_factory):
         "elastic": Launch(tmp / "elastic", "sleep_first_attempt", [
             "--nnodes", "1:2", "--heartbeat-timeout", "2"],
             nodes=[(0, 2, "60"), (1, 2, "60")]),
+        "scale_up": Launch(tmp / "scale_up", "scaled_work", [
+            "--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "0"],
+            nodes=[("joined", 1, "1")]),
         "missing": Launch(tmp / "missing", "", ["--nproc-per-node", "2"],
                           script=str(tmp / "no_such_script.py")),
     }
@@ -150,6 +159,8 @@ def jobs(tmp_path_factory):
     el = j["elastic"]  # node 1's launcher dies once its workers run
     _when_files([el.out / "a0_r2.json", el.out / "a0_r3.json"],
                 lambda: el.procs[1].send_signal(signal.SIGKILL))
+    up = j["scale_up"]  # a second launcher once the first one's job runs
+    _when_files([up.out / "a0_r0.json"], lambda: up.add("joined", 1, "1"))
     yield j
     for launch in j.values():
         for p in launch.procs:
@@ -301,11 +312,10 @@ def test_run_bipolar_function(jobs):
 
 def test_restart_workers(jobs):
     """``test_restart_workers``: each attempt starts every worker anew (new processes,
-    the attempt's restart count). (The failing odd ranks report on every attempt; an
-    even rank may be stopped before it got to write.)"""
+    the attempt's restart count). (A rank may be stopped by its peer's failure before it
+    got to write its report.)"""
     jobs["bipolar"].result()
     reports = jobs["bipolar"].reports()
-    assert {(a, r) for a in range(3) for r in (1, 3)} <= set(reports)
     assert {a for a, _ in reports} == {0, 1, 2} and {r for _, r in reports} <= set(range(4))
     assert len({r["pid"] for r in reports.values()}) == len(reports)
     for (a, _), r in reports.items():
@@ -431,6 +441,27 @@ def test_double_agent_elastic(jobs):
     later = {rank: r["env"] for (a, rank), r in launch.reports().items() if a > 0}
     assert sorted(later) == [0, 1]
     assert {e["WORLD_SIZE"] for e in later.values()} == {"2"}
+
+
+def test_dynamic_rdzv_scale_up(jobs):
+    """``test_dynamic_rdzv_scale_up`` / ``test_run_membership_change``: a --nnodes 1:2 job
+    runs on one launcher (world size 1, waiting for the scale event); a second launcher
+    joins; the job restarts with both (world size 2, whose ranks sum through the
+    rendezvous endpoint), spending no restart (--max-restarts 0): torch's
+    TORCHELASTIC_RESTART_COUNT stays 0, the attempt (JDIST_RESTART_COUNT) is 1."""
+    launch = jobs["scale_up"]
+    code0, _, err0, _ = launch.result(0)
+    assert code0 == 0, err0
+    assert launch.result(1)[0] == 0, launch.result(1)
+    assert "joined; restarting the job with it" in err0 and "no restart spent" in err0
+    reports = launch.reports()
+    assert reports[0, 0]["env"]["WORLD_SIZE"] == "1"
+    later = {rank: r for (a, rank), r in reports.items() if a == 1}
+    assert sorted(later) == [0, 1]
+    for r in later.values():
+        assert r["env"]["WORLD_SIZE"] == "2" and r["sum"] == 1
+        assert r["env"]["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert r["env"]["JDIST_RESTART_COUNT"] == "1"
 
 
 # --- functions and their return values (spawn) ---------------------------------------------

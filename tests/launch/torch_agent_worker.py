@@ -19,6 +19,7 @@ import time
 KEYS = ["RANK", "LOCAL_RANK", "ROLE_RANK", "ROLE_NAME", "GROUP_RANK", "LOCAL_WORLD_SIZE",
         "ROLE_WORLD_SIZE", "WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+        "JDIST_RESTART_COUNT",
         "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
         "TORCHELASTIC_ERROR_FILE", "JDIST_ERROR_FILE", "TORCHELASTIC_TIMER_FILE",
         "TORCHELASTIC_HEALTH_CHECK_PORT"]
@@ -98,6 +99,11 @@ def main(case: str, out: str, arg: str = "") -> None:
     if case == "dist_sum":
         return dist_sum(out, arg)
     if case == "store_sum":
+        return store_sum(out)
+    if case == "scaled_work":  # torch's scaled_work: wait for the scale event, then sum
+        if WORLD == int(arg):
+            report(out)
+            time.sleep(60)
         return store_sum(out)
     report(out)
     if case == "env":  # and leave a grandchild behind: the launcher must end it
