@@ -53,6 +53,7 @@ from jdist.launch._env import (
 )
 from jdist.launch._forkserver import forkserver_script
 from jdist.launch._lifeline import exec_command
+from jdist.launch._relay import binary_stream
 from jdist.launch._rendezvous import LaunchError, Rendezvous, Terms
 from jdist.launch._stop import signal_group
 from jdist.launch._worker_group import (
@@ -95,6 +96,7 @@ class _Agent:
         self.members: list[int] = []  # node slots of this attempt
         self.lock = threading.Lock()
         self._stop_beats = threading.Event()
+        self._beats: threading.Thread | None = None
         # the workers' failure records (``_blame``), one folder per attempt
         self.error_dir = tempfile.mkdtemp(prefix="jdist-run-errors-")
 
@@ -102,8 +104,9 @@ class _Agent:
     def start_heartbeats(self) -> None:
         """Beat, and watch the other launchers' beats, from a daemon thread."""
         if self.cfg.nnodes > 1:
-            threading.Thread(target=self._beat_loop, args=(self.store.clone(),), daemon=True,
-                             name="jdist-run-heartbeat").start()
+            self._beats = threading.Thread(target=self._beat_loop, args=(self.store.clone(),),
+                                           daemon=True, name="jdist-run-heartbeat")
+            self._beats.start()
 
     def _beat_loop(self, store: Store) -> None:
         cfg = self.cfg
@@ -143,8 +146,12 @@ class _Agent:
             if close is not None:
                 close()
 
-    def stop_heartbeats(self) -> None:
+    def close(self) -> None:
+        """Stop beating and close the store connections (the host's store stops)."""
         self._stop_beats.set()
+        if self._beats is not None:
+            self._beats.join(2 * _BEAT_S)
+        self.rdzv.close()
 
     @property
     def slot(self) -> int:
@@ -184,7 +191,8 @@ class _Agent:
             def start(_argv, env):
                 return forkserver_script(tail, env, cfg.preload)
 
-        self.group = WorkerGroup(cmds, sys.stdout.buffer, sys.stderr.buffer, log_dir,
+        self.group = WorkerGroup(cmds, binary_stream(sys.stdout), binary_stream(sys.stderr),
+                                 log_dir,
                                  cfg.hidden, cfg.verbose, start)
         return self.group
 
@@ -458,7 +466,7 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         return 1
     finally:
         if agent is not None:
-            agent.stop_heartbeats()
+            agent.close()
             if agent.group is not None:
                 agent.group.stop(0.0)
         if cache is not None:

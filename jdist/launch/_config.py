@@ -11,7 +11,33 @@ from typing import NamedTuple
 from jdist.launch._cluster import detect_job
 from jdist.launch._forkserver import DEFAULT_PRELOAD
 
-__all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec"]
+__all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec", "UsageError"]
+
+
+class UsageError(SystemExit, ValueError):
+    """A bad ``jdist-run`` command line (the message names the flag and its value).
+
+    It ends the program with status 2 after the usage line, as argparse's errors do,
+    and it is a ``ValueError`` (what ``torch.distributed.run.main`` raises for a bad
+    configuration) for code that calls ``jdist.launch.__main__.main`` itself. Fix the
+    flag the message names.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's, raising UsageError
+        import sys
+
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise UsageError(message)
 
 
 class LaunchConfig(NamedTuple):
@@ -81,7 +107,7 @@ def parse_std_spec(value: str, flag: str) -> dict[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="jdist-run",
         description="Start a jdist job: N processes per node with RANK, WORLD_SIZE, "
                     "MASTER_ADDR/PORT and a per-job JDIST_AUTH_TOKEN set; restart or stop "
@@ -106,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of node 0, which hosts the launchers' store (default "
                         "127.0.0.1; under srun, the first host of the step)")
     p.add_argument("--master-port", "--master_port", type=int, default=None,
-                   help="port of the launchers' store on node 0 (default: a free port on "
-                        "one node, 29500 with several). The workers get another port as "
-                        "MASTER_PORT, chosen by node 0")
+                   help="with several nodes, port of the launchers' store (default 29500); "
+                        "the workers get another port as MASTER_PORT, chosen by the store's "
+                        "host. On one node, the workers' MASTER_PORT (default: a free port)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                    help="HOST[:PORT] of the launchers' store, as torchrun spells "
                         "--master-addr/--master-port (port default 29400)")
@@ -154,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="write each rank's stdout/stderr to LOG_DIR/attempt_K/rank_N/"
                         "{stdout,stderr}.log (the console then shows them only with --tee)")
-    p.add_argument("-r", "--redirects", default=None,
+    p.add_argument("-r", "--redirects", "--redirect", default=None,
                    help="with --log-dir, streams kept off the console: 0 none, 1 stdout, "
                         "2 stderr, 3 both (the default with --log-dir), or per local rank "
                         "like 0:1,1:2 (torchrun's spelling)")
@@ -209,7 +235,7 @@ _VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--nproc-per-node",
                 "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--devices-per-proc",
                 "--devices_per_proc", "--max-restarts", "--max_restarts",
                 "--shutdown-timeout", "--grace", "--rdzv-timeout", "--heartbeat-timeout",
-                "--log-dir", "--log_dir", "-r", "--redirects", "--tee", "-t",
+                "--log-dir", "--log_dir", "-r", "--redirects", "--redirect", "--tee", "-t",
                 "--start-method", "--start_method", "--forkserver-preload", "--rdzv-conf",
                 "--rdzv_conf", "--monitor-interval", "--monitor_interval"}
 
@@ -376,7 +402,9 @@ def parse_args(argv: list[str] | None = None,
 
     Under an ``srun`` step (``environ``, default ``os.environ``), ``--nnodes``,
     ``--node-rank``, ``--master-addr`` and ``--master-port`` that are not given come
-    from SLURM. Exits with a usage message (status 2) on bad flags, as argparse does.
+    from SLURM. torchrun's ``PET_<FLAG>`` variables (``PET_NPROC_PER_NODE=4``,
+    ``PET_NO_PYTHON=1``) stand for flags the command line does not give.
+    Exits with a usage message (status 2) on bad flags, as argparse does.
     """
     import sys
 

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-__all__ = ["Console", "Relay", "NOISE", "start_relay"]
+__all__ = ["Console", "Relay", "NOISE", "start_relay", "binary_stream"]
 
 # gloo prints "[Gloo] Rank N is connected to N peer ranks. Expected number of connected
 # peer ranks is : N" to stdout as eight writes, one per token, and a process's threads
@@ -62,6 +62,30 @@ def _noise_start(line: bytes, after_gloo: bool = False) -> int | None:
 
 
 _PIECE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|)")
+
+
+class _TextSink:
+    """Bytes written to a text stream that has no binary buffer (``io.StringIO``, as
+    ``contextlib.redirect_stdout`` installs), decoded as UTF-8."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        self.stream.write(data.decode("utf-8", "replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def binary_stream(stream) -> IO[bytes] | None:
+    """Where to write bytes for the text stream ``stream`` (``sys.stdout``): its
+    ``buffer``, or ``stream`` itself through a decoding adapter when it has none."""
+    if stream is None:
+        return None
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else _TextSink(stream)
 
 
 class Console:

@@ -95,12 +95,19 @@ class Rendezvous:
 
     def __init__(self, cfg: LaunchConfig, token: str | None):
         self.cfg = cfg
-        store, self.leader = open_store(cfg, token)
-        self.store: Store = PrefixStore("jdist-run", store)
+        self._base, self.leader = open_store(cfg, token)
+        self.store: Store = PrefixStore("jdist-run", self._base)
         self.env_token = token
         self.fixed = cfg.node_rank is not None
         self.slot = cfg.node_rank if self.fixed else -1
         self.opened = -1  # leader: the last round it opened
+
+    def close(self) -> None:
+        """Close this launcher's connection (the host: its store stops once the
+        heartbeat thread's connection is closed too)."""
+        close = getattr(self._base, "close", None)
+        if close is not None:
+            close()
 
     # --- joining ---------------------------------------------------------------------
     def join(self) -> Terms:
@@ -201,8 +208,12 @@ class Rendezvous:
     # --- rounds ----------------------------------------------------------------------
     def open_round(self, r: int, members: list[int]) -> None:
         """Leader: publish round ``r``'s members and its workers' port."""
+        cfg = self.cfg
+        port = cfg.master_port  # one node: the launcher holds no port; --master-port is
+        if cfg.nnodes > 1 or port is None:  # the workers' (as torchrun's MASTER_PORT)
+            port = free_port(cfg.master_addr)
         self.store.multi_set([f"round/{r}/members", f"round/{r}/port"],
-                             [json.dumps(members), str(free_port(self.cfg.master_addr))])
+                             [json.dumps(members), str(port)])
         self.store.set("job/round", str(r))
         self.opened = r
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import string
 import subprocess
 import threading
 import time
@@ -21,7 +22,8 @@ from jdist.launch._blame import ERROR_FILE_VAR
 from jdist.launch._relay import Console, Relay, start_relay
 from jdist.launch._stop import stop_processes
 
-__all__ = ["Worker", "WorkerGroup", "start_process", "Failure", "exit_code_of", "describe_exit"]
+__all__ = ["Worker", "WorkerGroup", "start_process", "Failure", "exit_code_of", "describe_exit",
+           "line_prefix", "PREFIX_TEMPLATE_VAR"]
 
 _TAIL_LINES = 20
 
@@ -73,6 +75,20 @@ class Worker:
         return b"".join(self.tail).decode("utf-8", "replace")
 
 
+PREFIX_TEMPLATE_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
+def line_prefix(env: dict[str, str], rank: int, local_rank: int) -> bytes:
+    """What starts each console line of a worker: ``[rank N] ``, or torchrun's
+    ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${rank}``, ``${local_rank}``,
+    ``${role_name}``) where the worker's environment sets it."""
+    template = env.get(PREFIX_TEMPLATE_VAR)
+    if template is None:
+        return f"[rank {rank}] ".encode()
+    return string.Template(template).safe_substitute(
+        rank=rank, local_rank=local_rank, role_name=env.get("ROLE_NAME", "default")).encode()
+
+
 def start_process(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     """``argv`` in a fresh process of its own session, stdout and stderr piped."""
     return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -109,7 +125,7 @@ class WorkerGroup:
                     files[1].append(open(os.path.join(d, "stdout.log"), "wb"))
                     files[2].append(open(os.path.join(d, "stderr.log"), "wb"))
                 tail: deque = deque(maxlen=_TAIL_LINES)
-                prefix = f"[rank {rank}] ".encode()
+                prefix = line_prefix(env, rank, local_rank)
                 off = hidden(local_rank)
                 relays = [
                     (proc.stdout, Relay(prefix, None if off & 1 else console, 1, files[1],
