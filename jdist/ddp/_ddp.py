@@ -231,6 +231,17 @@ class DistributedDataParallel(EngineShell):
         st = self._engine.buf_stacked
         return None if st is None else local_rows(st)
 
+    def _model_trees(self) -> tuple[Any, Any]:
+        """The parameters and buffers (``nnx.State``), for the join post-hook."""
+        _, params, buffers = _split(self.module)
+        return params, buffers
+
+    def _load_model_trees(self, params: Any, buffers: Any) -> None:
+        """Write the join post-hook's values back (``buffers`` ``None``: kept)."""
+        nnx.update(self.module, params)
+        if buffers is not None:
+            nnx.update(self.module, buffers)
+
     # ------------------------------------------------------------------ pure pieces
     def _loss(self, gdef, loss_fn: Callable, has_aux: bool, nodes: tuple = ()) -> Callable:
         """The pure loss of one replica. ``nodes``: the graphdefs of the NNX objects

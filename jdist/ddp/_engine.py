@@ -273,7 +273,8 @@ class Engine:
         sync = self.require_backward_grad_sync
         _check_concrete("ddp.value_and_grad / ddp.train_step", params, batch, extra)
         module_params, params = params, _placement.replicated(params, g)
-        self.checks.replicas(module_params, params)
+        if self.join_state is None:  # under join, joined processes could not pair it
+            self.checks.replicas(module_params, params)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
@@ -385,9 +386,10 @@ class Engine:
         wait_ready(out, self.group, f"{what} #{self.steps + 1}", watchdog=watchdog)
 
     def remember(self, step: Callable, batch: Any, args: tuple) -> None:
-        """Under ``join()``: the last step call, replayed by processes out of inputs."""
-        if self.join_state is not None and self.join_state.active:
-            self.join_state.last = (step, batch, args)
+        """At the start of every DDP step: inside a join context, notify it and keep the
+        step, which a process out of inputs replays (:mod:`jdist.ddp._join`)."""
+        if self.join_state is not None:  # notifies the join context (jdist.ddp._join)
+            self.join_state.before_step(step, batch, args)
 
     @contextlib.contextmanager
     def no_sync(self):

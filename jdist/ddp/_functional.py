@@ -55,6 +55,16 @@ class FunctionalDDP(EngineShell):
             forward_sync_buffers=forward_sync_buffers)
         self.opt_state: Any = None
 
+    def _model_trees(self) -> tuple[Any, Any]:
+        """The parameters and buffers, for the join post-hook."""
+        return self.params, self.buffers
+
+    def _load_model_trees(self, params: Any, buffers: Any) -> None:
+        """Write the join post-hook's values back (``buffers`` ``None``: kept)."""
+        self.params = params
+        if buffers is not None:
+            self.buffers = buffers
+
     def _pure(self, loss_fn: Callable, has_aux: bool) -> Callable:
         with_buffers = self._has_buffers
 

@@ -1,92 +1,201 @@
-"""``ddp.join()``: training with uneven numbers of batches per process (torch's Join).
+"""DDP as a :class:`~jdist.algorithms.join.Joinable`: uneven inputs across processes.
 
-Inside ``with ddp.join():`` each step also counts the replicas that still have inputs
-(one scalar all-reduce, torch's ``notify_join_context``). A process that runs out of
-batches leaves its loop and enters ``__exit__``, where it keeps *replaying* its last step
-with its replicas marked inactive: the same compiled SPMD program, so every collective of
-the processes still training has a partner. Inactive replicas contribute zero gradients
-(``divide_by_initial_world_size=True`` keeps dividing by the full replica count, torch's
-default; ``False`` divides by the number of active replicas), keep their buffers, and
-apply the same reduced update, so parameters stay identical everywhere (torch instead
-broadcasts them from the last joiner at the end). When a replay step reports no active
-replica, every process leaves the context together: nothing hangs.
+``with Join([ddp]):`` (or ``with ddp.join():``, the same thing) runs torch's generic
+join algorithm (:mod:`jdist.algorithms._join`) with DDP's hook:
 
-``throw_on_early_termination=True``: the first process out of inputs raises
-``JoinError("Rank r exhausted all inputs.")`` after one paired step, and the others raise
-``JoinError("Detected at least one rank that exhausted inputs. Throwing across all
-ranks.")`` from that same step, whose update is skipped.
+- Each DDP step of a process that still has inputs first calls
+  ``Join.notify_join_context(ddp)`` (one all-reduce of a 1 when DDP is the context's
+  first joinable), then all-reduces its sync flags (MAX of ``[sync, sync_buffers]``:
+  whether this step reduces gradients, i.e. is not under ``no_sync()``, and whether it
+  broadcasts buffers first; torch all-reduces the same flag), then runs its compiled
+  step in join mode, which also counts the replicas that still have inputs.
+- :meth:`DDPJoinHook.main_hook` (a process out of inputs, once per iteration of the
+  others) answers the flags all-reduce with zeros and *replays* its last step with
+  those flags and its replicas marked inactive: the same compiled SPMD program, so
+  every collective of the processes still training has a partner. Inactive replicas
+  contribute zero gradients (``divide_by_initial_world_size=True``, torch's default,
+  keeps dividing by the full replica count; ``False`` divides by the number of active
+  replicas) and keep their buffers.
+- :meth:`DDPJoinHook.post_hook` takes the final model from the highest-ranked of the
+  last processes to join (torch's ``_sync_final_model``): parameters always, buffers
+  when DDP broadcasts buffers. With ``train_step`` the replays applied the same update
+  everywhere and this changes nothing; with ``value_and_grad`` and an optimizer
+  applied by hand, the processes that joined early get the trained parameters.
+
+A process with no step at all inside the context has nothing to replay: it answers the
+flags all-reduce with a "cannot replay" flag, and every process raises
+:class:`~jdist.errors.JoinError` naming it instead of hanging.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from jdist.ddp._program import JoinMode
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jdist import collectives
+from jdist.algorithms.join import Join, Joinable, JoinConfig, JoinHook
+from jdist.ddp._program import JoinMode, _broadcast_from
 from jdist.errors import JoinError
 
-__all__ = ["Join", "JoinState", "EXHAUSTED_MSG", "DETECTED_MSG"]
+__all__ = ["Join", "JoinState", "DDPJoinHook", "JoinableDDP", "NO_STEP_MSG"]
 
-EXHAUSTED_MSG = "Rank {rank} exhausted all inputs."
-DETECTED_MSG = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+NO_STEP_MSG = (
+    "rank(s) {ranks} ran no DDP step inside the join context, so they have no step to "
+    "replay while the other processes finish: run at least one step per process inside "
+    "the context (every process needs one batch), e.g. start the context before the "
+    "first batch of an epoch whose inputs may be uneven")
+
+_DISABLED = JoinConfig.construct_disabled_join_config()
 
 
 class JoinState:
-    """Per-context state: the mode, whether this process still has inputs, its last step."""
+    """The engine's view of an enabled join context (``engine.join_state``)."""
 
-    def __init__(self, mode: JoinMode, rank: int):
+    def __init__(self, engine: Any, mode: JoinMode, notify: Any):
+        self.engine = engine
         self.mode = mode
-        self.rank = rank
-        self.active = True
-        self.last: Any = None
+        self.rank = engine.group.rank
+        self.notify = notify
+        self.active = True  # False once this process shadows the others' steps
+        self.last: Any = None  # (step, batch, args) of this process's last step
         self.n_active: int | None = None
 
+    def before_step(self, step: Any, batch: Any, args: tuple) -> None:
+        """Called by the engine at the start of every DDP step inside the context."""
+        if not self.active:  # a replay: the hook already exchanged the flags
+            return
+        self.notify()
+        e = self.engine
+        flags = [float(e.require_backward_grad_sync), float(e.sync_buffers), 0.0]
+        self._exchange(flags)
+        self.last = (step, batch, args)
+
+    def _exchange(self, flags: list[float]) -> np.ndarray:
+        """MAX all-reduce of ``[sync, sync_buffers, rank + 1 of a process with no step]``
+        over the processes; raises :class:`JoinError` on every process when one of them
+        has no step to replay."""
+        out = np.asarray(collectives.all_reduce(
+            np.asarray(flags, np.float32), op=collectives.ReduceOp.MAX,
+            group=self.engine.group))
+        if out[2] > 0:
+            raise JoinError(NO_STEP_MSG.format(ranks=int(out[2]) - 1))
+        return out
+
     def after_step(self, n_active: int, num_replicas: int) -> None:
+        """Called by the engine after every join-mode step: the active replica count."""
+        del num_replicas
         self.n_active = n_active
-        if (self.mode.throw_on_early_termination and self.active
-                and n_active < num_replicas):
-            raise JoinError(DETECTED_MSG)
 
 
-class Join:
-    """Context manager returned by ``ddp.join(...)`` (see the module docstring)."""
+class DDPJoinHook(JoinHook):
+    """DDP's join hook: replay the last step inactive; at the end, take the final model
+    from a last joiner."""
 
-    def __init__(self, ddp: Any, *, divide_by_initial_world_size: bool = True,
-                 enable: bool = True, throw_on_early_termination: bool = False,
-                 max_replays: int = 1_000_000):
-        self._engine = ddp._engine
-        self._enable = bool(enable)
-        self._mode = JoinMode(bool(divide_by_initial_world_size),
-                              bool(throw_on_early_termination))
-        self._max_replays = int(max_replays)
+    def __init__(self, ddp: Any, state: JoinState):
+        self.ddp = ddp
+        self.state = state
 
-    def __enter__(self) -> Join:
-        if self._enable:
-            if self._engine.join_state is not None:
-                raise JoinError("ddp.join() contexts cannot be nested")
-            self._engine.join_state = JoinState(self._mode, self._engine.group.rank)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        state = self._engine.join_state
-        if not self._enable or state is None:
-            return False
+    def main_hook(self) -> None:
+        state, engine = self.state, self.ddp._engine
+        state.active = False
+        missing = float(state.rank + 1) if state.last is None else 0.0
+        flags = state._exchange([0.0, 0.0, missing])
+        step, batch, args = state.last
+        old = engine.require_backward_grad_sync
+        engine.require_backward_grad_sync = bool(flags[0])
+        engine.last_synced = bool(flags[1]) or not engine.broadcast_buffers
         try:
-            if exc_type is not None:
-                return False
-            state.active = False
-            if state.last is None:
-                raise JoinError(
-                    f"rank {state.rank} ran no step inside ddp.join(), so it has no step to "
-                    "replay while the other processes finish; run at least one step per "
-                    "process inside the context (every process needs one batch)")
-            step, batch, args = state.last
-            for _ in range(self._max_replays):
-                step(batch, *args)
-                if self._mode.throw_on_early_termination:
-                    raise JoinError(EXHAUSTED_MSG.format(rank=state.rank))
-                if state.n_active == 0:
-                    return False
-            raise JoinError(f"join(): other processes still had inputs after "
-                            f"{self._max_replays} replayed steps")
+            step(batch, *args)
         finally:
-            self._engine.join_state = None
+            engine.require_backward_grad_sync = old
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        group = ddp._engine.group
+        mine = np.asarray([group.rank if is_last_joiner else -1], np.int32)
+        src = int(np.asarray(collectives.all_reduce(
+            mine, op=collectives.ReduceOp.MAX, group=group))[0])
+        ddp._authoritative_rank = src
+        params, buffers = ddp._model_trees()
+        params = sync_from(group, params, src)
+        if ddp._engine.broadcast_buffers and jax.tree.leaves(buffers):
+            buffers = sync_from(group, buffers, src)
+        else:
+            buffers = None
+        ddp._load_model_trees(params, buffers)
+        ddp._engine.checks.seen(params)  # DDP's own values: no drift check for them
+
+
+@functools.lru_cache(maxsize=16)
+def _from_program(mesh: Any, axis: str):
+    def body(tree, src):
+        return _broadcast_from(tree, axis, src)
+
+    # without type checks: the replicas of a "replicated" input may differ here, which
+    # is what this program repairs
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                                 check_vma=False))
+
+
+def sync_from(group: Any, tree: Any, src: int) -> Any:
+    """Every process gets process ``src``'s values of ``tree`` (global arrays replicated
+    over ``group``'s devices, as DDP steps leave them)."""
+    if group.size() == 1 or not jax.tree.leaves(tree):
+        return tree
+    from jdist.ddp._placement import replicated
+
+    first = group.devices_per_rank[src][0]
+    index = list(group.mesh.devices.flat).index(first)
+    return _from_program(group.mesh, group.axis_name)(replicated(tree, group),
+                                                      np.int32(index))
+
+
+class JoinableDDP(Joinable):
+    """The :class:`Joinable` side of the DDP wrappers (mixed into ``EngineShell``).
+
+    The wrappers implement ``_model_trees()`` / ``_load_model_trees(params, buffers)``
+    (their parameters and buffers as DDP steps leave them) for the post-hook.
+    """
+
+    _engine: Any
+    process_group: Any
+
+    @property
+    def _join_config(self) -> JoinConfig:
+        return self.__dict__.get("_jdist_join_config", _DISABLED)
+
+    @_join_config.setter
+    def _join_config(self, config: JoinConfig) -> None:
+        engine = self._engine
+        if config.enable:
+            state = self.__dict__.pop("_jdist_join_pending", None) or self._join_state(True)
+            if engine.join_state is not None and engine.join_state is not state:
+                raise JoinError("this DDP module is already inside a join context; join "
+                                "contexts cannot be nested")
+            engine.join_state = state
+        else:
+            self.__dict__.pop("_jdist_join_pending", None)
+            engine.join_state = None
+        self.__dict__["_jdist_join_config"] = config
+
+    def _join_state(self, divide_by_initial_world_size: bool) -> JoinState:
+        mode = JoinMode(bool(divide_by_initial_world_size), False)
+        return JoinState(self._engine, mode, lambda: Join.notify_join_context(self))
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """DDP's hook; reads ``divide_by_initial_world_size`` (default ``True``)."""
+        state = self._join_state(kwargs.get("divide_by_initial_world_size", True))
+        self.__dict__["_jdist_join_pending"] = state
+        return DDPJoinHook(self, state)
+
+    @property
+    def join_device(self) -> Any:
+        return self.process_group.local_devices[0]
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group

@@ -14,6 +14,7 @@ from jdist.collectives._group import ProcessGroup, resolve_group
 from jdist.ddp import _sync
 from jdist.ddp._buckets import BucketLayout
 from jdist.ddp._engine import Engine
+from jdist.ddp._join import Join, JoinableDDP
 
 __all__ = ["EngineShell", "NO_PARAMS_MSG"]
 
@@ -21,8 +22,9 @@ NO_PARAMS_MSG = ("DistributedDataParallel is not needed when a module doesn't ha
                  "parameter that requires a gradient.")
 
 
-class EngineShell:
-    """Base of the DDP wrappers: holds ``process_group`` and the step ``_engine``."""
+class EngineShell(JoinableDDP):
+    """Base of the DDP wrappers: holds ``process_group`` and the step ``_engine``; a
+    :class:`~jdist.algorithms.join.Joinable` (see :mod:`jdist.ddp._join`)."""
 
     process_group: ProcessGroup
     _engine: Engine
@@ -133,9 +135,9 @@ class EngineShell:
         return self._engine.no_sync()
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """Context manager for uneven inputs across processes (see :mod:`jdist.ddp._join`)."""
-        from jdist.ddp._join import Join
-
-        return Join(self, divide_by_initial_world_size=divide_by_initial_world_size,
-                    enable=enable, throw_on_early_termination=throw_on_early_termination)
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across processes: ``Join([self], ...)``
+        (torch's ``DistributedDataParallel.join``; see :mod:`jdist.ddp._join`)."""
+        return Join([self], enable=enable,
+                    throw_on_early_termination=throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
