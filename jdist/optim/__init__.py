@@ -16,6 +16,9 @@ from jdist.optim._distributed import AllReduceOptimizer as AllReduceOptimizer
 from jdist.optim._distributed import DistributedOptimizer as DistributedOptimizer
 from jdist.optim._distributed import DistributedOptimizerState as DistributedOptimizerState
 from jdist.optim._distributed import fused_allreduce as fused_allreduce
+from jdist.optim._param_groups import ParamGroups as ParamGroups
+from jdist.optim._param_groups import ParamGroupsState as ParamGroupsState
+from jdist.optim._param_groups import param_groups as param_groups
 from jdist.optim._zero import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
 from jdist.optim._zero import ZeroState as ZeroState
 from jdist.optim._zero import flat_partition as flat_partition
@@ -28,10 +31,13 @@ __all__ = [
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "NonSeparableTransformError",
+    "ParamGroups",
+    "ParamGroupsState",
     "ZeroRedundancyOptimizer",
     "ZeroState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "flat_partition",
     "fused_allreduce",
+    "param_groups",
 ]

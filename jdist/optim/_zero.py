@@ -53,12 +53,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdist.algorithms.join import Join, Joinable
 from jdist.collectives._axis import bound_size, is_bound
 from jdist.collectives._group import ProcessGroup, resolve_group
-from jdist.collectives._types import ReduceOp
-from jdist.collectives.functional import all_reduce_flat
+from jdist.optim._param_groups import ParamGroupsState, check_param_group, groups_of
+from jdist.optim._zero_comm import gather_shards, grad_shards
+from jdist.optim._zero_comm import length as _length
+from jdist.optim._zero_join import ZeroJoinHook
 from jdist.optim._zero_replay import NonSeparableTransformError, ShardReplayer
-from jdist.optim._zero_state import full_state, sharded_state
+from jdist.optim._zero_state import full_state, full_state_like, resize_leaf, sharded_state
 
 __all__ = ["NonSeparableTransformError", "ZeroRedundancyOptimizer", "ZeroState",
            "flat_partition"]
@@ -107,26 +110,13 @@ def flat_partition(params, num_replicas: int) -> _Layout:
     return _Layout(treedef, shapes, dtypes, paths, tuple(groups))
 
 
-def _length(shape, n: int) -> int:
-    return max(1, -(-math.prod(shape) // n))
-
-
-def _by_dtype(xs) -> dict:
-    """``{dtype: [indices of rank >= 1 entries]}`` of a list of arrays/avals."""
-    out: dict = {}
-    for i, x in enumerate(xs):
-        if len(x.shape):
-            out.setdefault(jnp.dtype(x.dtype), []).append(i)
-    return out
-
-
 def _describe(tx) -> str:
     fn = getattr(tx, "update", None)
     name = getattr(fn, "__qualname__", type(tx).__name__).split(".<locals>")[0]
     return f"{getattr(fn, '__module__', '')}.{name}".lstrip(".")
 
 
-class ZeroRedundancyOptimizer:
+class ZeroRedundancyOptimizer(Joinable):
     """ZeRO-1 wrapper of an optax transformation (``init``/``update`` like optax).
 
     Args:
@@ -134,6 +124,12 @@ class ZeroRedundancyOptimizer:
       group: ProcessGroup (or None: the default/embedded group); its mesh and axis.
       average_gradients: reduce-scatter (mean) the gradients; ``False`` when they are
         already averaged (DDP).
+
+    torch's surface around the pure pair: :meth:`step` / :meth:`closure_step` (eager),
+    ``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict``, and, with a
+    :class:`~jdist.optim.ParamGroups` ``tx``, :meth:`param_groups` and
+    :meth:`add_param_group`. It is a :class:`~jdist.algorithms.join.Joinable`
+    (:mod:`jdist.optim._zero_join`).
     """
 
     def __init__(self, tx, *, group: ProcessGroup | None = None, average_gradients=True):
@@ -148,6 +144,9 @@ class ZeroRedundancyOptimizer:
         self.layout: _Layout | None = None
         self._consolidated: dict | None = None
         self._steps: dict = {}
+        super().__init__()
+        self.latest = None  # (params, state) of the last eager step (the join hook's)
+        self.join_grads = None  # what a joined process steps with (a tree or a callable)
 
     # ---- the pure transformation -------------------------------------------------
     def _layout_for(self, params) -> _Layout:
@@ -201,28 +200,50 @@ class ZeroRedundancyOptimizer:
             average_gradients)
         return self._update(grads, state, params, average, **extra)
 
-    def step(self, params, grads, state: ZeroState):
+    def step(self, params, grads, state: ZeroState, **extra):
         """Outside ``shard_map``: one ZeRO step with *already averaged* gradients.
 
         The torch pattern with DDP: DDP all-reduces the gradients, then each replica
         updates its shard and the shards are all-gathered. ``params`` and ``grads`` are
         replicated trees (e.g. ``nnx.state(model, nnx.Param)`` and the grads from
-        ``ddp.value_and_grad``); returns ``(new_params, new_state)``.
+        ``ddp.value_and_grad``); returns ``(new_params, new_state)``. ``extra``: keyword
+        arguments of ``tx.update`` (torch's ``step(**kwargs)``; optax's extra args).
+        Inside a :class:`~jdist.algorithms.join.Join` it first notifies the context.
         """
+        Join.notify_join_context(self)
+        return self._eager_step(params, grads, state, extra)
+
+    def closure_step(self, closure, params, state: ZeroState, **extra):
+        """torch's ``step(closure)``: ``closure(params)`` returns ``(loss, grads)``
+        (gradients averaged over the replicas, as DDP's), then :meth:`step`.
+
+        Returns ``(new_params, new_state, loss)``.
+        """
+        out = closure(params)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("closure_step's closure must return (loss, grads), e.g. "
+                            f"jax.value_and_grad(loss_fn)(params); got {type(out).__name__}")
+        loss, grads = out
+        return (*self.step(params, grads, state, **extra), loss)
+
+    def _eager_step(self, params, grads, state, extra: dict):
         self.layout = self._layout_for(params)
         mesh = self.group.mesh
         specs = self.state_partition_specs(state)
-        key = (jax.tree.structure(params), jax.tree.structure(state))
+        key = (jax.tree.structure(params), jax.tree.structure(state),
+               jax.tree.structure(extra))
         fn = self._steps.get(key)
         if fn is None:
-            def body(p, g, s):
-                u, s = self._update(g, s, p, False)
+            def body(p, g, s, e):
+                u, s = self._update(g, s, p, False, **e)
                 return jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u), s
 
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs),
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs, P()),
                                        out_specs=(P(), specs), check_vma=False))
             self._steps[key] = fn
-        return fn(_on_mesh(params, mesh), _on_mesh(grads, mesh), state)
+        self.latest = fn(_on_mesh(params, mesh), _on_mesh(grads, mesh), state,
+                         _on_mesh(extra, mesh))
+        return self.latest
 
     def _update(self, grads, state, params, average, **extra):
         if params is None:
@@ -242,12 +263,12 @@ class ZeroRedundancyOptimizer:
             grads, full, params, extra)
         g, st, p = (jax.tree.leaves(t) for t in (grads, state.inner, params))
         e = jax.tree.leaves(extra)
-        args = self._grad_shards(g, average, rep) + st + [rep.shard(x) for x in p] + e
+        args = grad_shards(g, average, rep, self.axis) + st + [rep.shard(x) for x in p] + e
         sharded = [np.ndim(x) > 0 for x in g + st + p] + [False] * len(e)
         outs = rep.run(closed, args, sharded)
         avals = jax.tree.leaves(shape)
         k = len(jax.tree.leaves(shape[0]))
-        updates = self._gather(outs[:k], avals[:k])
+        updates = gather_shards(outs[:k], avals[:k], self.axis, self.num_replicas)
         new = [rep.zero_padding(rep.local(o), a.shape)
                for o, a in zip(outs[k:], avals[k:], strict=True)]
         return (jax.tree.unflatten(jax.tree.structure(shape[0]), updates),
@@ -255,59 +276,8 @@ class ZeroRedundancyOptimizer:
 
     def _full_state_like(self, params, inner):
         """Abstract full-shaped state with the structure of ``inner`` (for tracing)."""
-        ref = jax.tree.leaves(jax.eval_shape(self.tx.init, params))
-        got = jax.tree.leaves(inner)
-        if len(ref) != len(got) or any(
-                np.shape(x) != ((_length(r.shape, self.num_replicas),) if r.shape else ())
-                for r, x in zip(ref, got, strict=True)):
-            raise ValueError(
-                "the state passed to ZeroRedundancyOptimizer.update does not match "
-                f"tx.init(params) sharded over {self.num_replicas} replicas: "
-                f"{[np.shape(x) for x in got]}; pass the state from this optimizer's init "
-                "(or load_state_dict)")
-        return jax.tree.unflatten(jax.tree.structure(inner), ref)
-
-    # ---- collectives ---------------------------------------------------------------
-    def _grad_shards(self, leaves, average: bool, rep: ShardReplayer) -> list:
-        """This replica's pieces of the (averaged) gradients; rank 0 leaves whole."""
-        n, out = self.num_replicas, list(leaves)
-        scalars = [i for i, x in enumerate(leaves) if not x.shape]
-        if average and scalars:  # one all-reduce per dtype where gloo would run one each
-            means = all_reduce_flat([leaves[i] for i in scalars], ReduceOp.AVG, self.axis)
-            for i, m in zip(scalars, means, strict=True):
-                out[i] = m
-        for idxs in _by_dtype(leaves).values():
-            lens = [_length(leaves[i].shape, n) for i in idxs]
-            if average:
-                rows = [jnp.pad(leaves[i].reshape(-1), (0, ln * n - leaves[i].size))
-                        .reshape(n, ln) for i, ln in zip(idxs, lens, strict=True)]
-                buf = jnp.concatenate(rows, axis=1).reshape(-1)
-                mine = jax.lax.psum_scatter(buf, self.axis, scatter_dimension=0, tiled=True)
-                mine = mine / jnp.asarray(n, mine.dtype)
-                pieces = jnp.split(mine, np.cumsum(lens)[:-1])
-            else:
-                pieces = [rep.shard(leaves[i]) for i in idxs]
-            for i, piece in zip(idxs, pieces, strict=True):
-                out[i] = piece
-        return out
-
-    def _gather(self, outs, avals) -> list:
-        """Full values from every replica's shards (one all-gather per dtype); values
-        that stayed replicated are full already."""
-        n = self.num_replicas
-        out = [o.x for o in outs]
-        shards = [i for i, o in enumerate(outs) if o.sharded]
-        for idxs in _by_dtype([avals[i] for i in shards]).values():
-            idxs = [shards[j] for j in idxs]
-            lens = [_length(avals[i].shape, n) for i in idxs]
-            buf = jnp.concatenate([out[i] for i in idxs])
-            # invariant result: the same update on every replica (checked under check_vma)
-            full = jax.lax.all_gather(buf, self.axis, axis=0, tiled=True, to="invarying")
-            cols = jnp.split(full.reshape(n, -1), np.cumsum(lens)[:-1], axis=1)
-            for i, col in zip(idxs, cols, strict=True):
-                size = math.prod(avals[i].shape)
-                out[i] = col.reshape(-1)[:size].reshape(avals[i].shape)
-        return out
+        return full_state_like(jax.eval_shape(self.tx.init, params), inner,
+                               self.num_replicas)
 
     # ---- sharding helpers ----------------------------------------------------------
     def _params_struct(self):
@@ -352,7 +322,8 @@ class ZeroRedundancyOptimizer:
         self._need_layout("consolidate_state_dict")
         host = [_to_host(x) for x in jax.tree.leaves(state)]
         full = full_state(jax.eval_shape(self.tx.init, self._params_struct()), host)
-        self._consolidated = ({"state": full, "num_replicas": self.num_replicas}
+        self._consolidated = ({"state": full, "param_groups": self.param_groups(full),
+                               "num_replicas": self.num_replicas}
                               if self.group.rank == to else None)
 
     def state_dict(self) -> dict:
@@ -389,25 +360,53 @@ class ZeroRedundancyOptimizer:
         return ZeroState(jax.tree.map(
             lambda x, s: _global(x, NamedSharding(self.group.mesh, s)), flat, specs))
 
+    # ---- torch's param groups and Joinable ------------------------------------------
+    def param_groups(self, state) -> list[dict]:
+        """torch's ``param_groups`` (without ``"params"``): the hyperparameters in
+        ``state`` (see :func:`jdist.optim.param_groups`; all settings of each group
+        with a :class:`~jdist.optim.ParamGroups` ``tx``)."""
+        return groups_of(self.tx, state.inner if isinstance(state, ZeroState) else state)
+
+    def add_param_group(self, param_group: dict, state: ZeroState) -> ZeroState:
+        """torch's ``add_param_group``: ``{"params": pytree, **hyperparameters}``.
+
+        ``tx`` must be a :class:`~jdist.optim.ParamGroups`; the new group's state is
+        initialized sharded and appended (the others are kept). Returns the new state;
+        the parameters passed to later steps are the old list plus
+        ``param_group["params"]``.
+        """
+        check_param_group(self.tx, param_group, _describe(self.tx))
+        self._need_layout("add_param_group")
+        tx = self.tx.add_param_group({k: v for k, v in param_group.items() if k != "params"})
+        group_params = param_group["params"]
+        piece = ZeroRedundancyOptimizer(tx.transformation(-1), group=self.group,
+                                        average_gradients=self.average_gradients)
+        inner = piece.init_global(group_params).inner
+        params = list(self._params_struct()) + [group_params]
+        self.tx, self._steps, self.layout = tx, {}, flat_partition(params, self.num_replicas)
+        state = state.inner if isinstance(state, ZeroState) else state
+        return ZeroState(ParamGroupsState(tuple(state.groups) + (inner,)))
+
+    def join_hook(self, **kwargs) -> ZeroJoinHook:
+        """The hook a joined process runs: one :meth:`step` per iteration of the others
+        (with ``self.join_grads``; see :mod:`jdist.optim._zero_join`)."""
+        del kwargs
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self):
+        return next(d for d in self.group.mesh.devices.flat
+                    if d.process_index == jax.process_index())
+
+    @property
+    def join_process_group(self):
+        return self.group
+
     @staticmethod
     def resize_state_leaf(saved, length: int) -> np.ndarray:
-        """A stored flat state leaf (``(N * L,)``, data first) re-split for another
-        replica count: ``length`` elements (for checkpoint restores on another world size).
-
-        Exact because the data come first and the padding is zero (ZeRO zeroes it at
-        every init and update); refuses, naming the fix, a leaf whose cut-off tail holds
-        non-zero values.
-        """
-        saved = np.asarray(saved)
-        keep = min(saved.shape[0], int(length))
-        if saved.ndim != 1 or np.any(saved[keep:] != 0):
-            raise ValueError(
-                f"cannot re-split a ZeRO state leaf of shape {saved.shape} into {length} "
-                "elements: it is not a flat shard whose tail past the data is zero padding; "
-                "restore on the saving world size")
-        out = np.zeros((int(length),), saved.dtype)
-        out[:keep] = saved[:keep]
-        return out
+        """A stored flat state leaf re-split for another replica count (see
+        :func:`jdist.optim._zero_state.resize_leaf`)."""
+        return resize_leaf(saved, length)
 
     def _need_layout(self, what: str) -> None:
         if self.layout is None:

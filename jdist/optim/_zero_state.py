@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey, keystr
 
-__all__ = ["full_state", "sharded_state"]
+__all__ = ["full_state", "full_state_like", "resize_leaf", "sharded_state"]
 
 
 def full_state(ref, host_leaves: list):
@@ -84,3 +84,39 @@ def sharded_state(ref, tree, num_replicas: int):
             x = np.pad(x.reshape(-1), (0, n - x.size))
         out.append(x)
     return jax.tree.unflatten(jax.tree.structure(ref), out)
+
+
+def full_state_like(ref, inner, num_replicas: int):
+    """``ref`` (abstract full state) with the structure of ``inner``, after checking
+    that ``inner`` holds ``ref`` sharded over ``num_replicas`` (for tracing)."""
+    refs, got = jax.tree.leaves(ref), jax.tree.leaves(inner)
+    if len(refs) != len(got) or any(
+            np.shape(x) != ((max(1, -(-math.prod(r.shape) // num_replicas)),)
+                            if r.shape else ())
+            for r, x in zip(refs, got, strict=True)):
+        raise ValueError(
+            "the state passed to ZeroRedundancyOptimizer.update does not match "
+            f"tx.init(params) sharded over {num_replicas} replicas: "
+            f"{[np.shape(x) for x in got]}; pass the state from this optimizer's init "
+            "(or load_state_dict)")
+    return jax.tree.unflatten(jax.tree.structure(inner), refs)
+
+
+def resize_leaf(saved, length: int) -> np.ndarray:
+    """A stored flat state leaf (``(N * L,)``, data first) re-split for another
+    replica count: ``length`` elements (for checkpoint restores on another world size).
+
+    Exact because the data come first and the padding is zero (ZeRO zeroes it at
+    every init and update); refuses, naming the fix, a leaf whose cut-off tail holds
+    non-zero values.
+    """
+    saved = np.asarray(saved)
+    keep = min(saved.shape[0], int(length))
+    if saved.ndim != 1 or np.any(saved[keep:] != 0):
+        raise ValueError(
+            f"cannot re-split a ZeRO state leaf of shape {saved.shape} into {length} "
+            "elements: it is not a flat shard whose tail past the data is zero padding; "
+            "restore on the saving world size")
+    out = np.zeros((int(length),), saved.dtype)
+    out[:keep] = saved[:keep]
+    return out
