@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedOpError",
     "PeerFailedError",
     "BucketLayoutError",
+    "NoParametersError",
     "UnusedParametersError",
     "ModelMismatchError",
     "ReplicaDivergenceError",
@@ -189,6 +190,14 @@ class BucketLayoutError(JdistError, ValueError, RuntimeError):
 
     torch's reducer raises ``RuntimeError`` when buckets and parameters disagree; this
     error is a ``RuntimeError`` and a ``ValueError``.
+    """
+
+
+class NoParametersError(JdistError, ValueError, RuntimeError):
+    """DDP was given a module with no parameter to train.
+
+    torch raises ``RuntimeError`` here; this error is also a ``ValueError``. Fix: there
+    is nothing to average; run the module without DDP.
     """
 
 

@@ -56,6 +56,8 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "PeerFailedError": (RuntimeError,),
     # DDP's reducer when buckets and parameters disagree: RuntimeError
     "BucketLayoutError": (RuntimeError,),
+    # DDP(nn.Module()): RuntimeError("DistributedDataParallel is not needed when ...")
+    "NoParametersError": (RuntimeError,),
     # "Expected to have finished reduction in the prior iteration": RuntimeError
     "UnusedParametersError": (RuntimeError,),
     # "DDP expects same model across all ranks": RuntimeError

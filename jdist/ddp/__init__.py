@@ -5,7 +5,11 @@ Gradients are reduced bucket by bucket from inside the backward pass of one jitt
 """
 
 from jdist.ddp import hooks as hooks
+from jdist.ddp._buckets import DEFAULT_BUCKET_CAP_MB as DEFAULT_BUCKET_CAP_MB
+from jdist.ddp._buckets import DEFAULT_FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
+from jdist.ddp._buckets import MB_TO_BYTES as MB_TO_BYTES
 from jdist.ddp._buckets import Bucket as Bucket
+from jdist.ddp._buckets import BucketCapacityConfig as BucketCapacityConfig
 from jdist.ddp._buckets import BucketLayout as BucketLayout
 from jdist.ddp._buckets import (
     compute_bucket_assignment_by_size as compute_bucket_assignment_by_size,
@@ -19,7 +23,11 @@ from jdist.ddp.hooks._base import CommHook as CommHook
 from jdist.ddp.hooks._base import GradBucket as GradBucket
 
 __all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "MB_TO_BYTES",
     "Bucket",
+    "BucketCapacityConfig",
     "BucketLayout",
     "CommHook",
     "DistributedDataParallel",

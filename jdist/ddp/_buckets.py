@@ -14,8 +14,11 @@ bucket rebuild):
 - after the first backward, buckets are rebuilt once in **gradient-ready order** with
   limits ``[first_cap, cap]`` and kept in that order.
 
-Sizes: ``bucket_cap_mb=None`` means a 25 MiB cap with a 1 MiB first bucket; an explicit
-``bucket_cap_mb`` uses that cap for every bucket, the first one included.
+Sizes (:class:`BucketCapacityConfig`, torch's ``_BucketCapacityConfig``):
+``bucket_cap_mb=None`` means a 25 MiB cap with a 1 MiB first bucket; an explicit
+``bucket_cap_mb`` uses that cap for every bucket, the first one included; a
+``bucket_cap_mb_list`` gives bucket ``k`` the ``k``-th cap (the last one repeating) and
+takes precedence over ``bucket_cap_mb``.
 
 Everything here is pure: no JAX tracing, only shapes, dtypes and paths.
 """
@@ -32,7 +35,9 @@ import numpy as np
 from jdist.errors import BucketLayoutError
 
 __all__ = [
+    "BucketCapacityConfig",
     "DEFAULT_BUCKET_CAP_MB",
+    "MB_TO_BYTES",
     "DEFAULT_FIRST_BUCKET_BYTES",
     "LeafInfo",
     "Bucket",
@@ -46,6 +51,7 @@ __all__ = [
 
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+MB_TO_BYTES = 1024 * 1024
 
 
 class LeafInfo(NamedTuple):
@@ -122,23 +128,98 @@ class BucketLayout:
         return f"BucketLayout(rebuilt={self.rebuilt}, buckets=[\n  {body}])"
 
 
-def bucket_cap_bytes(bucket_cap_mb: float | None) -> tuple[int, int]:
+def _check_mb(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise BucketLayoutError(
+            f"{name} must be a positive number of MiB, got {value!r}; pass None for "
+            f"torch's default ({DEFAULT_BUCKET_CAP_MB} MiB with a 1 MiB first bucket)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketCapacityConfig:
+    """The byte limits of DDP's gradient buckets, from ``bucket_cap_mb`` and
+    ``bucket_cap_mb_list`` (torch's ``_BucketCapacityConfig``; immutable).
+
+    Attributes:
+      bucket_bytes_cap: the cap of every bucket (the largest of a list).
+      per_bucket_bytes_caps: one cap per bucket from ``bucket_cap_mb_list``, in bytes
+        (empty: every bucket uses ``bucket_bytes_cap``).
+      first_bucket_bytes_cap: the first bucket's cap (1 MiB with the defaults, so the
+        first all-reduce starts early; else ``bucket_bytes_cap``).
+    """
+
+    bucket_bytes_cap: int
+    per_bucket_bytes_caps: tuple[int, ...]
+    first_bucket_bytes_cap: int
+
+    @classmethod
+    def create(cls, bucket_cap_mb: float | None = None,
+               bucket_cap_mb_list: Sequence[float] | None = None) -> BucketCapacityConfig:
+        """The config of a DDP built with these arguments (a non-empty list wins).
+
+        Raises:
+          BucketLayoutError: a cap is not a positive number.
+        """
+        if bucket_cap_mb is not None:
+            _check_mb("bucket_cap_mb", bucket_cap_mb)
+        caps: tuple[int, ...] = ()
+        if bucket_cap_mb_list:
+            for c in bucket_cap_mb_list:
+                _check_mb("every entry of bucket_cap_mb_list", c)
+            caps = tuple(int(c * MB_TO_BYTES) for c in bucket_cap_mb_list)
+            cap = max(caps)
+        else:
+            cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+                      * MB_TO_BYTES)
+        default = bucket_cap_mb is None and not caps
+        return cls(cap, caps, DEFAULT_FIRST_BUCKET_BYTES if default else cap)
+
+    @property
+    def bucket_cap_mb(self) -> int:
+        """``bucket_bytes_cap`` in whole MiB."""
+        return self.bucket_bytes_cap // MB_TO_BYTES
+
+    @property
+    def has_custom_per_bucket_caps(self) -> bool:
+        """Whether a ``bucket_cap_mb_list`` gives each bucket its own cap."""
+        return bool(self.per_bucket_bytes_caps)
+
+    def rebuild_limits(self) -> list[int]:
+        """The limits of the layout rebuilt in gradient-ready order."""
+        if self.has_custom_per_bucket_caps:
+            return list(self.per_bucket_bytes_caps)
+        return [self.first_bucket_bytes_cap, self.bucket_bytes_cap]
+
+    def compute_bucket_size_limits(self, static_graph: bool, find_unused_parameters: bool
+                                   ) -> tuple[list[int], list[int]]:
+        """``(construction limits, rebuild limits)`` as torch's reducer receives them.
+
+        The construction layout (torch's iteration 0) is one bucket (``sys.maxsize``)
+        unless parameters may go unused; the rebuild list is empty when the default rule
+        (:meth:`rebuild_limits`) applies, and the custom caps otherwise.
+        """
+        if self.has_custom_per_bucket_caps:
+            caps = list(self.per_bucket_bytes_caps)
+            return caps, list(caps)
+        if static_graph or not find_unused_parameters:
+            return [sys.maxsize], []
+        if self.first_bucket_bytes_cap < self.bucket_bytes_cap:
+            return [self.first_bucket_bytes_cap, self.bucket_bytes_cap], []
+        return [self.bucket_bytes_cap], []
+
+
+def _config(caps) -> BucketCapacityConfig:
+    return caps if isinstance(caps, BucketCapacityConfig) else BucketCapacityConfig.create(caps)
+
+
+def bucket_cap_bytes(bucket_cap_mb: float | BucketCapacityConfig | None) -> tuple[int, int]:
     """``(first_bucket_bytes, bucket_bytes)`` for a ``bucket_cap_mb`` argument, as torch.
 
     Raises:
       BucketLayoutError: ``bucket_cap_mb`` is not a positive number.
     """
-    if bucket_cap_mb is None:
-        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * 1024 * 1024
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
-        bucket_cap_mb > 0
-    ):
-        raise BucketLayoutError(
-            f"bucket_cap_mb must be a positive number of MiB or None (25 MiB), "
-            f"got {bucket_cap_mb!r}"
-        )
-    cap = int(bucket_cap_mb * 1024 * 1024)
-    return cap, cap
+    c = _config(bucket_cap_mb)
+    return c.first_bucket_bytes_cap, c.bucket_bytes_cap
 
 
 def compute_bucket_assignment_by_size(
@@ -208,22 +289,19 @@ def make_layout(
 
 
 def initial_layout(
-    leaves: Sequence[LeafInfo], bucket_cap_mb: float | None, find_unused_parameters: bool
+    leaves: Sequence[LeafInfo], bucket_cap_mb: float | BucketCapacityConfig | None,
+    find_unused_parameters: bool
 ) -> BucketLayout:
     """torch's construction-time layout (its iteration 0).
 
-    Without ``find_unused_parameters`` this is one bucket of everything (torch delays all
-    reduction of the first iteration to its end); with it, ``[first_cap, cap]`` limits in
-    registration order, sorted and reversed. jdist replaces the single bucket by the
-    rebuilt layout before the first step is compiled, so no step runs with it.
+    Without ``find_unused_parameters`` (and without per-bucket caps) this is one bucket
+    of everything (torch delays all reduction of the first iteration to its end);
+    otherwise the config's limits in registration order, sorted and reversed. jdist
+    replaces the single bucket by the rebuilt layout before the first step is compiled,
+    so no step runs with it. ``bucket_cap_mb`` may be a :class:`BucketCapacityConfig`.
     """
-    first, cap = bucket_cap_bytes(bucket_cap_mb)
-    if not find_unused_parameters:
-        limits = [sys.maxsize]
-    elif bucket_cap_mb is None:
-        limits = [first, cap]
-    else:
-        limits = [cap]
+    limits, _ = _config(bucket_cap_mb).compute_bucket_size_limits(
+        False, find_unused_parameters)
     groups = compute_bucket_assignment_by_size(
         [x.nbytes for x in leaves], [x.dtype for x in leaves], limits
     )
@@ -232,11 +310,12 @@ def initial_layout(
 
 
 def rebuilt_layout(
-    leaves: Sequence[LeafInfo], ready_order: Sequence[int], bucket_cap_mb: float | None
+    leaves: Sequence[LeafInfo], ready_order: Sequence[int],
+    bucket_cap_mb: float | BucketCapacityConfig | None
 ) -> BucketLayout:
     """The layout rebuilt in gradient-ready order (``ready_order[0]`` ready first)."""
-    first, cap = bucket_cap_bytes(bucket_cap_mb)
     groups = compute_bucket_assignment_by_size(
-        [x.nbytes for x in leaves], [x.dtype for x in leaves], [first, cap], order=ready_order
+        [x.nbytes for x in leaves], [x.dtype for x in leaves],
+        _config(bucket_cap_mb).rebuild_limits(), order=ready_order
     )
     return make_layout(leaves, groups, rebuilt=True)

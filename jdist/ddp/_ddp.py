@@ -165,6 +165,8 @@ class DistributedDataParallel(EngineShell):
       process_group: the group to reduce over (default: the default group, or this
         process's local devices when ``init_process_group`` was not called).
       bucket_cap_mb: bucket size cap in MiB (default 25, with a 1 MiB first bucket).
+      bucket_cap_mb_list: one cap per bucket in MiB, bucket 0 (reduced first) first, the
+        last one repeating; takes precedence over ``bucket_cap_mb`` (torch 2.13).
       find_unused_parameters: reduce zeros for parameters that get no gradient instead
         of raising :class:`~jdist.errors.UnusedParametersError`.
       broadcast_buffers: take buffers from replica 0 at every forward (skipped right
@@ -175,6 +177,9 @@ class DistributedDataParallel(EngineShell):
         ``(state, hook)`` pair; the same as calling :meth:`register_comm_hook`.
       compiler_options: XLA options for the step programs; ``None`` derives them from
         ``bucket_cap_mb`` (see :mod:`jdist.ddp._xla`), ``{}`` uses XLA's defaults.
+      forward_sync_buffers: torch 2.13's name for ``broadcast_buffers`` (wins when both
+        are given); unlike ``broadcast_buffers=False``, ``False`` here still broadcasts
+        process 0's buffers at init, as torch.
       flat_buckets: whether to copy each bucket's gradients into one flat buffer when no
         comm hook is registered (torch's contiguous bucket; hooks always get flat
         buffers). Either way each bucket is reduced by one all-reduce fired from the
@@ -201,7 +206,8 @@ class DistributedDataParallel(EngineShell):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, init_sync: bool = True,
                  comm_hook: Any = None, compiler_options: dict | None = None,
-                 flat_buckets: bool | None = None, forward_sync_buffers: bool | None = None):
+                 flat_buckets: bool | None = None, forward_sync_buffers: bool | None = None,
+                 bucket_cap_mb_list: list[float] | None = None):
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a flax.nnx.Module, got {type(module).__name__}; "
@@ -214,7 +220,7 @@ class DistributedDataParallel(EngineShell):
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
             compiler_options=compiler_options, flat_buckets=flat_buckets,
-            forward_sync_buffers=forward_sync_buffers)
+            forward_sync_buffers=forward_sync_buffers, bucket_cap_mb_list=bucket_cap_mb_list)
         if synced:  # rank 0's values, uncommitted (see _sync.init_sync)
             nnx.update(module, params)
             nnx.update(module, buffers)

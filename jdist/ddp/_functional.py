@@ -45,14 +45,15 @@ class FunctionalDDP(EngineShell):
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  init_sync: bool = True, comm_hook: Any = None,
                  compiler_options: dict | None = None, flat_buckets: bool | None = None,
-                 forward_sync_buffers: bool | None = None):
+                 forward_sync_buffers: bool | None = None,
+                 bucket_cap_mb_list: list[float] | None = None):
         self._has_buffers = buffers is not None
         self.params, self.buffers, _ = self._start(
             leaf_infos(params), params, buffers, process_group=process_group,
             bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             broadcast_buffers=broadcast_buffers, init_sync=init_sync, comm_hook=comm_hook,
             compiler_options=compiler_options, flat_buckets=flat_buckets,
-            forward_sync_buffers=forward_sync_buffers)
+            forward_sync_buffers=forward_sync_buffers, bucket_cap_mb_list=bucket_cap_mb_list)
         self.opt_state: Any = None
 
     def _model_trees(self) -> tuple[Any, Any]:

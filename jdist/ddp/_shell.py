@@ -12,9 +12,10 @@ from typing import Any
 
 from jdist.collectives._group import ProcessGroup, resolve_group
 from jdist.ddp import _sync
-from jdist.ddp._buckets import BucketLayout
+from jdist.ddp._buckets import BucketCapacityConfig, BucketLayout
 from jdist.ddp._engine import Engine
 from jdist.ddp._join import Join, JoinableDDP
+from jdist.errors import NoParametersError
 
 __all__ = ["EngineShell", "NO_PARAMS_MSG"]
 
@@ -33,24 +34,29 @@ class EngineShell(JoinableDDP):
                process_group: ProcessGroup | None, bucket_cap_mb: float | None,
                find_unused_parameters: bool, broadcast_buffers: bool, init_sync: bool,
                comm_hook: Any, compiler_options: dict | None, flat_buckets: bool | None,
-               forward_sync_buffers: bool | None) -> tuple[Any, Any, bool]:
+               forward_sync_buffers: bool | None,
+               bucket_cap_mb_list: Any = None) -> tuple[Any, Any, bool]:
         """Resolve the group, sync from rank 0, build the engine, register ``comm_hook``.
 
         Returns ``(params, buffers, synced)``: rank 0's values when ``synced`` (buffers
-        only when ``broadcast_buffers``), else the arguments unchanged.
+        too unless ``broadcast_buffers=False`` was the only buffer argument: torch 2.13's
+        ``forward_sync_buffers=False`` still syncs buffers at init), else the arguments
+        unchanged.
         """
+        init_buffers = broadcast_buffers
         if forward_sync_buffers is not None:  # torch 2.13's name for broadcast_buffers
-            broadcast_buffers = bool(forward_sync_buffers)
+            broadcast_buffers, init_buffers = bool(forward_sync_buffers), True
         self.process_group = resolve_group(process_group)
         if not infos:
-            raise ValueError(NO_PARAMS_MSG)
+            raise NoParametersError(NO_PARAMS_MSG)
+        self.bucket_config = BucketCapacityConfig.create(bucket_cap_mb, bucket_cap_mb_list)
         synced = init_sync and self.process_group.size() > 1
         if synced:
             params, synced_buffers = _sync.init_sync(self.process_group, infos, params,
-                                                     buffers if broadcast_buffers else None)
-            if broadcast_buffers:
+                                                     buffers if init_buffers else None)
+            if init_buffers:
                 buffers = synced_buffers
-        self._engine = Engine(self.process_group, infos, bucket_cap_mb=bucket_cap_mb,
+        self._engine = Engine(self.process_group, infos, bucket_cap_mb=self.bucket_config,
                               find_unused_parameters=find_unused_parameters,
                               broadcast_buffers=broadcast_buffers,
                               compiler_options=compiler_options,
@@ -65,6 +71,21 @@ class EngineShell(JoinableDDP):
         """The bucket layout: paths and bytes per bucket (rebuilt in gradient-ready order
         at the first step)."""
         return self._engine.layout
+
+    @property
+    def bucket_bytes_cap_list(self) -> list[int]:
+        """The per-bucket caps from ``bucket_cap_mb_list`` in bytes (``[]`` without)."""
+        return list(self.bucket_config.per_bucket_bytes_caps)
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """Whether each forward takes replica 0's buffers (torch 2.13's name)."""
+        return self._engine.broadcast_buffers
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """The same as :attr:`forward_sync_buffers` (torch's older name)."""
+        return self._engine.broadcast_buffers
 
     @property
     def require_backward_grad_sync(self) -> bool:
