@@ -344,12 +344,13 @@ def _summary(f: Failure, attempts: int, max_restarts: int) -> str:
     return text.rstrip("\n")
 
 
-def _job(agent: _Agent, terms: Terms, r: int) -> JobInfo:
-    """Round ``r``'s terms for this node (its members, their processes, the port)."""
+def _job(agent: _Agent, terms: Terms, r: int, spent: int) -> JobInfo:
+    """Round ``r``'s terms for this node (its members, their processes, the port, the
+    restarts spent so far: the leader's ``spent``, so a node that joined late agrees)."""
     cfg, rdzv = agent.cfg, agent.rdzv
     if rdzv.leader and r > rdzv.opened:
         live = agent.live()
-        rdzv.open_round(r, rdzv.choose(live, rdzv.newcomers(live)))
+        rdzv.open_round(r, rdzv.choose(live, rdzv.newcomers(live)), spent)
     members = rdzv.members(r)
     if agent.slot not in members:
         raise LaunchError(f"node {agent.slot} was left out of attempt {r + 1} (members "
@@ -360,7 +361,7 @@ def _job(agent: _Agent, terms: Terms, r: int) -> JobInfo:
     nprocs, mine = rdzv.nprocs(members), members.index(agent.slot)
     return JobInfo(sum(nprocs), sum(nprocs[:mine]), len(members), mine, cfg.nproc_per_node,
                    cfg.master_addr, rdzv.port(r), terms.token, terms.run_id, r,
-                   terms.max_restarts)
+                   terms.max_restarts, restarts_spent=rdzv.spent(r))
 
 
 def _regroup(agent: _Agent, failure: Failure, r: int) -> bool:
@@ -389,7 +390,8 @@ def _rounds(agent: _Agent, terms: Terms, r: int, environ: dict[str, str]) -> int
     cfg, s = agent.cfg, agent.store
     used = 0  # restarts spent on failures (a change of members spends none)
     while True:
-        job = _job(agent, terms, r)._replace(restarts_spent=used)  # torch's RESTART_COUNT
+        job = _job(agent, terms, r, used)
+        used = job.restarts_spent  # (torch's TORCHELASTIC_RESTART_COUNT)
         failure = agent.watch(agent.start(job), r)
         agent.group = None
         if failure is None:

@@ -120,10 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "once MIN nodes joined (waiting 30 s more for the others) and goes "
                         "on with the nodes left when a node's launcher is lost, down to MIN")
     p.add_argument("--node-rank", "--node_rank", type=int, default=None,
-                   help="this node's rank in [0, nnodes) (under srun, SLURM_NODEID). "
-                        "Without it on several nodes, ranks follow the order in which "
-                        "the launchers join, and the first launcher to bind "
-                        "--rdzv-endpoint hosts the store (torchrun's c10d rendezvous)")
+                   help="this node's rank in [0, nnodes) (under srun, SLURM_NODEID; "
+                        "else 0). Not given with --nnodes MIN:MAX or --rdzv-backend c10d: "
+                        "ranks follow the order in which the launchers join, and the "
+                        "first launcher to bind --rdzv-endpoint hosts the store "
+                        "(torchrun's c10d rendezvous)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", default="1",
                    help="processes to start on this node: a number (default 1), cpu (one "
                         "per CPU core), gpu (one per NVIDIA GPU) or auto (gpu where there "
@@ -140,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--master-addr/--master-port (port default 29400)")
     p.add_argument("--rdzv-backend", "--rdzv_backend", default="static",
                    choices=["static", "c10d"],
-                   help="accepted for torchrun compatibility: both use jdist's store")
+                   help="both use jdist's store; without --node-rank, c10d (like "
+                        "--nnodes MIN:MAX) hands node ranks out in join order, static "
+                        "means node 0 (torchrun's defaults)")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
                    help="torchrun's KEY=VALUE,... rendezvous settings: join_timeout (or "
                         "timeout; as --rdzv-timeout), last_call_timeout (seconds to wait for "
@@ -445,8 +448,9 @@ def parse_args(argv: list[str] | None = None,
                         f"{min_nnodes}:{a.nnodes}")
     detected = "" if a.standalone else _from_slurm(a, p, env)
     a.nnodes = 1 if a.nnodes is None else a.nnodes
-    if a.node_rank is None and (a.nnodes == 1 or a.standalone):
-        a.node_rank = 0  # several nodes without ranks: the rendezvous hands them out
+    if a.node_rank is None and (a.nnodes == 1 or a.standalone or (
+            a.rdzv_backend == "static" and min_nnodes is None)):
+        a.node_rank = 0  # (torchrun's static default); else the rendezvous hands them out
     a.master_addr = "127.0.0.1" if a.master_addr is None else a.master_addr
     redirects = tee = None
     try:

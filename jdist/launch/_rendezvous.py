@@ -15,8 +15,9 @@ or none), ``rdzv/slots`` (the join counter), ``node/<slot>/nproc`` (a launcher t
 registered), ``node/<slot>/claim`` (a fixed rank is used once), ``node/<slot>/left``
 (gave up waiting), ``job/token``, ``job/run_id``, ``job/max_restarts``, ``job/nnodes``
 (the leader's values; ``--nnodes`` must agree), ``round/<r>/members`` (JSON list of the
-round's slots, the leader first: a node's ``GROUP_RANK`` is its index there), ``job/round``
-(the last round opened) and ``job/finished``.
+round's slots, the leader first: a node's ``GROUP_RANK`` is its index there),
+``round/<r>/port`` (its workers' MASTER_PORT), ``round/<r>/spent`` (restarts spent
+before it), ``job/round`` (the last round opened) and ``job/finished``.
 
 Rounds follow torch's elastic rules: round 0 starts when ``MAX`` nodes joined, or when
 ``MIN`` did and the last call (``--rdzv-conf last_call_timeout``, 30 s) passed without
@@ -206,14 +207,15 @@ class Rendezvous:
         return [self.slot, *sorted(keep + [i for i in rest if i not in live][:max(room, 0)])]
 
     # --- rounds ----------------------------------------------------------------------
-    def open_round(self, r: int, members: list[int]) -> None:
-        """Leader: publish round ``r``'s members and its workers' port."""
+    def open_round(self, r: int, members: list[int], spent: int = 0) -> None:
+        """Leader: publish round ``r``'s members, its workers' port and the restarts the
+        job spent before it."""
         cfg = self.cfg
         port = cfg.master_port  # one node: the launcher holds no port; --master-port is
         if cfg.nnodes > 1 or port is None:  # the workers' (as torchrun's MASTER_PORT)
             port = free_port(cfg.master_addr)
-        self.store.multi_set([f"round/{r}/members", f"round/{r}/port"],
-                             [json.dumps(members), str(port)])
+        self.store.multi_set([f"round/{r}/members", f"round/{r}/port", f"round/{r}/spent"],
+                             [json.dumps(members), str(port), str(spent)])
         self.store.set("job/round", str(r))
         self.opened = r
 
@@ -222,6 +224,9 @@ class Rendezvous:
 
     def port(self, r: int) -> int:
         return int(self.store.get(f"round/{r}/port"))
+
+    def spent(self, r: int) -> int:
+        return int(self.store.get(f"round/{r}/spent"))
 
     def nprocs(self, members: list[int]) -> list[int]:
         """Processes of each member (in the order of ``members``)."""

@@ -107,6 +107,7 @@ def test_a_late_launcher_joins_a_new_round_without_spending_a_restart(tmp_path):
     assert sorted((e["RANK"], e["GROUP_RANK"]) for e in joined) == [("0", "0"), ("1", "1")]
     assert {(e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in joined} == {("2", "2")}
     assert len({e["MASTER_PORT"] for e in joined}) == 1
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in joined} == {"0"}  # none spent
 
 
 def test_too_few_launchers_time_out_naming_what_was_awaited(capsys):
