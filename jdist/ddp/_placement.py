@@ -155,9 +155,14 @@ def shard_batch(tree: Any, group: ProcessGroup, what: str = "batch") -> Any:
     leaves, tdef = jax.tree.flatten(tree)
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
     if None in sizes:
+        bad = next(x for x in leaves if not np.ndim(x))
+        kind = ("a scalar" if isinstance(bad, (int, float, complex, np.generic))
+                or hasattr(bad, "shape") else
+                f"a {type(bad).__name__} object, which is not a JAX pytree (register it "
+                "with jax.tree_util.register_pytree_node or pass its arrays)")
         raise ValueError(
             f"every {what} leaf needs a leading batch dimension to split over this process's "
-            f"{n} devices, got a scalar; pass scalars as extra arguments instead"
+            f"{n} devices, got {kind}; pass scalars as extra arguments instead"
         )
     if len(sizes) > 1:
         raise ValueError(
