@@ -378,8 +378,9 @@ def test_simple_dist_sum_and_torch_rpc(jobs):
 
 def test_run_distributed_sum_heterogeneous(jobs):
     """``run_distributed_sum_heterogeneous`` / ``multiple_agent_dist_sum``: two launchers
-    of 1 and 2 workers form one job of ranks 0..2 whose all-reduce sums every rank;
-    each launcher's workers hold consecutive ranks."""
+    of 1 and 2 workers form one job of ranks 0..2 whose all-reduce (jdist's process
+    group) sums every rank; each launcher's workers hold consecutive ranks. (torch runs
+    3 agents of 1, 2, 3 and 2 of 4 workers; 3 JAX processes keep the suite's budget.)"""
     launch = jobs["hetero"]
     _ok(launch, 0)
     _ok(launch, 1)
@@ -396,7 +397,9 @@ def test_run_distributed_sum_heterogeneous(jobs):
 
 def test_run_distributed_sum_homogeneous(jobs):
     """``run_distributed_sum_homogeneous``: two launchers of 4 workers: ranks 0..7, node 0
-    holding 0..3, and the ranks' sum through the job's rendezvous endpoint."""
+    holding 0..3, and the ranks' sum through a store at the job's MASTER_ADDR:MASTER_PORT
+    (rank 0 hosts it, as a process group's rendezvous does; 8 JAX processes would cost
+    the suite too much: the all-reduce across launchers is the heterogeneous test's)."""
     launch = jobs["homo"]
     _ok(launch, 0)
     _ok(launch, 1)
