@@ -173,7 +173,7 @@ class ParamGroups:
             raise TypeError(f"param_groups needs a ParamGroupsState, got {_count(state)}")
         out = []
         for i, inner in enumerate(state.groups):
-            group = {**self.defaults, **self.groups[i]}
+            group = {**_signature_defaults(self.optimizer), **self.defaults, **self.groups[i]}
             out.append({**{k: v for k, v in group.items() if not callable(v)},
                         **param_groups(inner)[0]})
         return out
@@ -195,6 +195,15 @@ def check_param_group(tx, param_group, what: str) -> None:
     if not isinstance(param_group, Mapping) or "params" not in param_group:
         raise ValueError(f"param_group must be a dict with a 'params' entry, got "
                          f"{param_group!r}")
+
+
+def _signature_defaults(fn) -> dict:
+    """The factory's own defaults (torch shows every setting in ``param_groups``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not p.empty}
 
 
 def _keywords(fn) -> tuple:
