@@ -38,6 +38,7 @@ TORCH_ENV_VARS = [  # torch's _check_env_function
     "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 ]
 _TIMER_FILE = f"/tmp/watchdog_timer_{uuid.uuid4()}"
+_PREFIX = "[${role_name}-${local_rank}:${rank}]:"  # torch's test_run_with_custom_log_lines
 _DROP = ("JDIST_AUTH_TOKEN", "JDIST_START_METHOD", "JDIST_FORKSERVER_PRELOAD",
          "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
          "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_HEALTH_CHECK_PORT")
@@ -140,7 +141,8 @@ def jobs(tmp_path_factory):
         "dist_sum": Launch(tmp / "dist_sum", "dist_sum", ["--nproc-per-node", "2"],
                            arg="rpc"),
         "hetero": Launch(tmp / "hetero", "dist_sum", two, nodes=[(0, 1, ""), (1, 2, "")]),
-        "homo": Launch(tmp / "homo", "store_sum", two, nodes=[(0, 4, ""), (1, 4, "")]),
+        "homo": Launch(tmp / "homo", "store_sum", two, nodes=[(0, 4, ""), (1, 4, "")],
+                       env={"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": _PREFIX}),
         "no_barrier": Launch(tmp / "no_barrier", "bipolar_sleep", two,
                              nodes=[(0, 2, "20"), (1, 2, "20")]),
         "drift": Launch(tmp / "drift", "sleep", two, nodes=[(0, 1, "0"), (1, 1, "2")]),
@@ -411,6 +413,19 @@ def test_run_distributed_sum_homogeneous(jobs):
         assert r["env"]["LOCAL_RANK"] == str(rank % 4)
 
 
+def test_run_with_custom_log_lines(jobs):
+    """``test_run_with_custom_log_lines``: the homogeneous job with torch's
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: each launcher's console lines carry the
+    template's role name, local rank and rank instead of ``[rank N]``."""
+    launch = jobs["homo"]
+    for node in (0, 1):
+        code, out, err, _ = launch.result(node)
+        assert code == 0, err
+        lines = sorted(line for line in out.splitlines() if "sum" in line)
+        assert lines == [f"[default-{lr}:{4 * node + lr}]:sum 28" for lr in range(4)], out
+        assert "[rank " not in out
+
+
 def test_no_exit_barrier_on_failure(jobs):
     """``test_no_exit_barrier_on_failure``: odd ranks fail at once on both nodes while
     even ranks would sleep 20 s: both launchers exit non-zero at once, close together."""
@@ -520,9 +535,8 @@ def test_launch_config_default_shutdown_timeout():
 
 
 def test_shutdown_timeout_validation_negative(capsys):
-    """Departure: a negative value is a usage error of jdist-run (exit 2, message naming
-    the flag), not a ValueError of a LaunchConfig."""
-    with pytest.raises(SystemExit) as e:
+    """Departure: a negative value is a usage error of jdist-run (a ValueError that
+    exits 2), worded for the flag: not torch's "shutdown_timeout must be non-negative"."""
+    with pytest.raises(ValueError, match="--shutdown-timeout must be >= 0 seconds, got -5"):
         parse_args(["--shutdown-timeout", "-5", "x.py"])
-    assert e.value.code == 2
-    assert "--shutdown-timeout must be >= 0 seconds, got -5" in capsys.readouterr().err
+    assert "--shutdown-timeout must be >= 0 seconds" in capsys.readouterr().err
