@@ -200,3 +200,33 @@ def test_invalid_powerSGD_state():
             H.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                             start_powerSGD_iter=start_powerSGD_iter,
                             use_error_feedback=use_error_feedback, warm_start=warm_start)
+
+
+# ------------------------------------------ issue 39: results equal on every replica
+def gather_mean_hook(state, bucket):
+    """The mean from a plain ``jax.lax.all_gather``: equal on every replica, but typed
+    per-replica (varying) by JAX."""
+    return jnp.mean(jax.lax.all_gather(bucket.buffer, bucket.axis_name), axis=0), state
+
+
+def ring_sum_hook(state, bucket):
+    """A ring all-reduce of ``ppermute`` steps (varying-typed, equal values)."""
+    n, total, cur = bucket.num_replicas, bucket.buffer, bucket.buffer
+    for _ in range(n - 1):
+        cur = jax.lax.ppermute(cur, bucket.axis_name, [(i, (i + 1) % n) for i in range(n)])
+        total = total + cur
+    return total / n, state
+
+
+@pytest.mark.parametrize("hook", [gather_mean_hook, ring_sum_hook])
+def test_hook_result_equal_on_every_replica_is_accepted(hook):
+    rng = np.random.RandomState(3)
+    batch = {"x": rng.randn(WORLD * 3, 10, 2).astype(np.float32)}
+    module = lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0))  # noqa: E731
+    loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)  # noqa: E731
+    plain = DDP(module(), process_group=group())
+    _, want = plain.value_and_grad(loss)(batch)
+    ddp = DDP(module(), process_group=group(), comm_hook=hook)
+    _, got = ddp.value_and_grad(loss)(batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
