@@ -170,7 +170,10 @@ class Join:
                 device = joinable.join_device
         self._process_group = group
         self._device = device
-        self._rank = _collectives().get_rank(group)
+        c = _collectives()
+        # a group object knows this process's rank in it (also DDP's embedded group over
+        # local devices, which works without init_process_group)
+        self._rank = group.rank if isinstance(group, c.ProcessGroup) else c.get_rank(group)
 
     def __enter__(self) -> Join:
         return self
