@@ -57,12 +57,13 @@ from typing import Any
 from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._context import DistAutogradContext as DistAutogradContext
+from jdist.rpc.autograd._ddp_stage import ddp_layer as ddp_layer
 from jdist.rpc.autograd._ddp_stage import ddp_stage as ddp_stage
 from jdist.rpc.autograd._gradients import GradientMap as GradientMap
 from jdist.rpc.autograd._gradients import ParamKey as ParamKey
 
 __all__ = ["DistAutogradContext", "GradientMap", "ParamKey", "backward", "context", "pure",
-           "ddp_stage", "get_gradients"]
+           "ddp_layer", "ddp_stage", "get_gradients"]
 
 log = logging.getLogger("jdist.rpc")
 

@@ -12,6 +12,7 @@ pass's last stage); ``nn.Linear`` / ``nn.EmbeddingBag`` are NNX modules.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import traceback
@@ -25,6 +26,7 @@ from flax import nnx
 
 import jdist
 from jdist import rpc
+from jdist.algorithms.join import Join
 from jdist.ddp import DistributedDataParallel
 from jdist.rpc import RemoteModule, dist_autograd
 from tests.helpers import run_procs
@@ -126,26 +128,40 @@ def fc2_loss(module, x, values):
 
 
 class Trainer:
-    """torch's Trainer. Modes: "none" (no DDP), "inside" (fc2 is a DDP stage)."""
+    """torch's Trainer. Modes: "none" (no DDP), "inside" (fc2 is a DDP stage),
+    "outside" (the whole local model under DDP: fc1 a DDP layer, fc2 a DDP stage)."""
 
     def __init__(self, remote_em_rref, remote_net_rref, ddp_mode, rank):
         self.rank, self.ddp_mode = rank, ddp_mode
         self.remote_em_rref, self.remote_net_rref = remote_em_rref, remote_net_rref
         self.fc1, self.fc2 = get_linear(D_DENSE, D_DENSE), get_linear(D_HID, D_OUT)
         self.stage = None
-        if ddp_mode == "inside":
-            self.ddp = DistributedDataParallel(self.fc2, process_group=GROUPS["trainers"])
-            self.fc2 = self.ddp.module
-            self.stage = dist_autograd.ddp_stage(self.ddp, fc2_loss)
+        self.ddps, self.layer = [], None
+        if ddp_mode in ("inside", "outside"):
+            ddp = DistributedDataParallel(self.fc2, process_group=GROUPS["trainers"])
+            self.fc2 = ddp.module
+            self.stage = dist_autograd.ddp_stage(ddp, fc2_loss)
             self.ddp_params, self.non_ddp_params = [self.fc2.weight], [self.fc1.weight]
-        else:
+            self.ddps.append(ddp)  # its DDP step comes first in a pass (the loss)
+        if ddp_mode == "outside":
+            ddp = DistributedDataParallel(self.fc1, process_group=GROUPS["trainers"])
+            self.fc1 = ddp.module
+            self.layer = dist_autograd.ddp_layer(ddp)
+            self.ddp_params, self.non_ddp_params = [self.fc2.weight, self.fc1.weight], []
+            self.ddps.append(ddp)  # its DDP step: in the backward pass
+        if ddp_mode == "none":
             self.ddp_params, self.non_ddp_params = [], [self.fc1.weight, self.fc2.weight]
 
     def forward_loss(self, fc1, fc2, b, values):
         sparse = _remote_method(RemoteEM.forward, self.remote_em_rref, b.sparse_features)
         assert sparse.shape[0] == b.dense_features.shape[0]
-        x = jnp.concatenate((fc1(b.dense_features), sparse), 1)
+        dense = fc1(b.dense_features) if self.layer is None else \
+            self.layer(b.dense_features)
+        x = jnp.concatenate((dense, sparse), 1)
         x = _remote_method(RemoteNet.forward, self.remote_net_rref, x)
+        # torch's (output * mini_batch.values): output (b, 1) times all n values; the
+        # values as (b, n) rows (the same sum) give DDP a batch of b rows
+        values = np.broadcast_to(values, (x.shape[0], values.shape[0]))
         if self.stage is not None:
             return self.stage(x, values)
         return fc2_loss(fc2, x, values)
@@ -158,14 +174,16 @@ class Trainer:
                        for i in range(0, len(mini_batch.values), 2)]
             if trainer_has_less_inputs:
                 batches = batches[:len(batches) // 2]
-        for b in batches:
-            with dist_autograd.context() as context_id:
-                fc2 = self.fc2 if self.stage is None else None
-                dist_autograd.backward(context_id, self.forward_loss, self.fc1, fc2, b,
-                                       mini_batch.values)
-                grads_dict = dist_autograd.get_gradients(context_id)
-                out = ([np.asarray(grads_dict[p]) for p in self.ddp_params],
-                       [np.asarray(grads_dict[p]) for p in self.non_ddp_params])
+        with Join(self.ddps) if simulate_uneven_inputs else contextlib.nullcontext():
+            for b in batches:
+                with dist_autograd.context() as context_id:
+                    fc1 = self.fc1 if self.layer is None else None
+                    fc2 = self.fc2 if self.stage is None else None
+                    dist_autograd.backward(context_id, self.forward_loss, fc1, fc2, b,
+                                           mini_batch.values)
+                    grads_dict = dist_autograd.get_gradients(context_id)
+                    out = ([np.asarray(grads_dict[p]) for p in self.ddp_params],
+                           [np.asarray(grads_dict[p]) for p in self.non_ddp_params])
         return out
 
 
@@ -218,6 +236,16 @@ class HybridCases:
     def test_backward_no_ddp(env):
         if env.rank == MASTER_RANK:
             _do_test_on_master("none")
+
+    @staticmethod
+    def test_backward_ddp_outside(env):
+        if env.rank == MASTER_RANK:
+            _do_test_on_master("outside")
+
+    @staticmethod
+    def test_backward_ddp_outside_uneven_inputs(env):
+        if env.rank == MASTER_RANK:
+            _do_test_on_master("outside", simulate_uneven_inputs=True)
 
     @staticmethod
     def test_backward_ddp_inside(env):
@@ -308,8 +336,44 @@ def _local_vs_remote(env, rs, remote_device):
                                           args=(remote_layer1.module_rref, context_id)))
 
 
-# ------------------------------------------------------------ the launch
-CASES = [getattr(c, n) for c in (HybridCases, ComparisonCases) for n in vars(c)
+class CudaComparisonCases:
+    """CudaDdpComparisonTest, on CPU devices: remote, DDP, remote, DDP layers."""
+
+    @staticmethod
+    def test_ddp_dist_autograd_local_vs_remote_gpu(env):
+        rs = np.random.RandomState(env.rank)
+        remote_layer1 = RemoteModule("worker0/cpu", Linear, (10, 7, False, env.rank))
+        layer1 = remote_layer1.module_rref.to_here()
+        ddp_layer2 = DistributedDataParallel(Linear(7, 5, seed=100 + env.rank))
+        remote_layer3 = RemoteModule("worker0/cpu", Linear, (5, 3, False, 200 + env.rank))
+        layer3 = remote_layer3.module_rref.to_here()
+        ddp_layer4 = DistributedDataParallel(Linear(3, 1, seed=300 + env.rank))
+        inputs = rs.rand(10, 10).astype(np.float32)
+        # local case: torch's loss.backward() through the DDP layers: every layer's local
+        # gradient, DDP's layers' averaged over the ranks
+        l2, l4 = ddp_layer2.module, ddp_layer4.module
+
+        def chain(l1, l2, l3, l4):
+            return jnp.sum(l4(l3(l2(l1(inputs)))))
+
+        g1, g2, g3, g4 = nnx.grad(chain, argnums=(0, 1, 2, 3))(layer1, l2, layer3, l4)
+        avg2, avg4 = (np.asarray(jdist.all_reduce(_arr(g["weight"]), op=jdist.ReduceOp.AVG))
+                      for g in (g2, g4))
+        layer2 = dist_autograd.ddp_layer(ddp_layer2)
+        stage4 = dist_autograd.ddp_stage(ddp_layer4, sum_loss)
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, lambda: stage4(
+                remote_layer3(layer2(remote_layer1(inputs)))))
+            grads_dict = dist_autograd.get_gradients(context_id)
+            jdist.barrier()
+            for rl, g in ((remote_layer1, g1), (remote_layer3, g3)):
+                _close(g["weight"], rpc.rpc_sync("worker0", get_remote_grads,
+                                                 args=(rl.module_rref, context_id)))
+            _close(grads_dict[l2.weight], avg2)
+            _close(grads_dict[l4.weight], avg4)
+
+CASES = [getattr(c, n) for c in (HybridCases, ComparisonCases, CudaComparisonCases)
+         for n in vars(c)
          if n.startswith("test_")]
 
 

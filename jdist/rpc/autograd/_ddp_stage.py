@@ -34,7 +34,7 @@ from jdist.rpc.autograd._params import param_variables
 from jdist.rpc.autograd._slots import to_array
 from jdist.rpc.autograd._vjp_ops import custom_vjp_of
 
-__all__ = ["ddp_stage"]
+__all__ = ["ddp_layer", "ddp_stage"]
 
 
 def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -> Callable:
@@ -166,3 +166,80 @@ def _local(x: Any) -> Any:
     if len(shards) == 1 or all(s.index == shards[0].index for s in shards):
         return jnp.asarray(shards[0].data)  # replicated: any local copy
     return jnp.concatenate([jnp.asarray(s.data) for s in shards])
+
+
+def ddp_layer(ddp: Any, fn: Callable | None = None) -> Callable:
+    """``layer(x, *rest) -> fn(module, x, *rest)``: a DDP module in the middle of a pass.
+
+    torch's DDP module anywhere in a distributed autograd pass (a HybridModel wrapped
+    in DDP as a whole, whose RPCs sit between its local layers): the forward runs the
+    module on this process's batch (no collective); the backward, given the cotangent
+    of the output, runs one DDP step (``ddp.value_and_grad``) of ``<fn(module, x),
+    cotangent>``, so the parameter gradients are reduced over the DDP group (each
+    process's gradient averaged over the processes, as torch's), added to the context
+    on this worker, and the gradient of ``x`` (this process's, not reduced) goes on to
+    whatever produced ``x``. Use :func:`ddp_stage` for the last stage (the loss).
+
+    Every process of the DDP group must run its layers' backward passes in the same
+    order (each one is a collective), as in torch. ``rest`` is not differentiated.
+
+    Args:
+      ddp: a :class:`jdist.ddp.DistributedDataParallel`.
+      fn: ``fn(module, x, *rest)`` -> array with ``x``'s leading size; default
+        ``module(x)``.
+    """
+    from jdist.ddp import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"ddp_layer needs a jdist.ddp.DistributedDataParallel, got "
+                        f"{type(ddp).__name__}")
+    call = _module_call if fn is None else fn
+    k = len(ddp.process_group.local_devices)
+
+    def inner(module, batch):
+        def local(x):  # k times this shard's share: DDP divides by every replica
+            return jnp.sum(call(module, x, *batch["rest"]) * batch["ct"]) * k
+
+        value, gx = jax.value_and_grad(local)(batch["x"])
+        return value, gx
+
+    vg = ddp.value_and_grad(inner, has_aux=True)
+    variables = param_variables(ddp.module)
+
+    def layer(x: Any, *rest: Any) -> Any:
+        ctx = C.current()
+        token = C.tracing()
+        if ctx is None or token is None:
+            raise DistAutogradError("a ddp_layer is differentiable only inside a "
+                                    "dist_autograd.backward loss function")
+        C.spoil_capture("a ddp_layer")
+        rest_c = tuple(jax.lax.stop_gradient(r) for r in rest)
+        box: dict = {}
+
+        def run(tok, xv):
+            del tok
+            return call(ddp.module, jnp.asarray(xv), *rest_c)
+
+        def fwd(tok, xv):
+            box["x"] = xv
+            return run(tok, xv), None
+
+        def bwd(_, ct):
+            (_, gx), grads = vg({"x": jnp.asarray(box.pop("x")), "ct": jnp.asarray(ct),
+                                 "rest": rest_c})
+            grads = [_local(g) for g in jax.tree_util.tree_leaves(grads)]
+            if len(grads) != len(variables):  # pragma: no cover - NNX layout
+                raise RuntimeError("DDP gradients and module parameters disagree")
+            for var, g in zip(variables, grads, strict=True):
+                ctx.accumulate(var, g)
+            gx = np.asarray(_local(gx))
+            gx = gx.reshape((-1,) + gx.shape[2:]) / np.asarray(k, gx.dtype)
+            return np.zeros((), token.dtype), to_array(gx.astype(x.dtype))
+
+        return custom_vjp_of(run, fwd, bwd)(token, x)
+
+    return layer
+
+
+def _module_call(module: Any, x: Any, *rest: Any) -> Any:
+    return module(x, *rest)
