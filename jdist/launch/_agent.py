@@ -487,6 +487,13 @@ def _terminated(agent: _Agent | None, signum: int) -> int:
         return 128 + signum
     if agent.group is not None:  # the same signal (SIGINT: KeyboardInterrupt)
         agent.group.stop(agent.cfg.shutdown_timeout, signum)
+    if agent.slot not in agent.members:  # still waiting to join: the job goes on
+        try:
+            agent.store.set(f"node/{agent.slot}/left", "1")
+        except (StoreError, OSError):
+            pass
+        _say(f"got {name} while waiting to join the job; leaving it")
+        return 128 + signum
     try:
         agent.store.set("job/abort", "1")
         how = f"stopped: the launcher of node {agent.slot} got {name}"

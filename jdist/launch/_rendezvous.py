@@ -160,10 +160,11 @@ class Rendezvous:
         return Terms(token, run_id, int(max_restarts))
 
     def registered(self) -> list[int]:
-        """Slots of every launcher that registered so far."""
+        """Slots of every launcher that registered so far and did not leave."""
         s = self.store
         count = self.cfg.nnodes if self.fixed else s.add("rdzv/slots", 0)
-        return [i for i in range(count) if s.check([f"node/{i}/nproc"])]
+        return [i for i in range(count) if s.check([f"node/{i}/nproc"])
+                and not s.check([f"node/{i}/left"])]
 
     def _gather(self) -> list[int]:
         """Leader: round 0's slots (``MAX`` of them, or at least ``MIN`` once the last
@@ -237,7 +238,7 @@ class Rendezvous:
         """Launchers that registered, are not in ``members`` and still wait."""
         s = self.store
         return [i for i in self.registered() if i not in members
-                and not s.check([f"node/{i}/left"]) and not s.check([f"node/{i}/dead"])]
+                and not s.check([f"node/{i}/dead"])]
 
     def first_round(self) -> int | None:
         """The first round that has this launcher as a member (the leader: 0); None when
@@ -271,5 +272,4 @@ class Rendezvous:
     def expected_exits(self) -> int:
         """Leader: how many launchers will say goodbye (registered, not lost or gone)."""
         s = self.store
-        return len([i for i in self.registered() if not s.check([f"node/{i}/left"])
-                    and not s.check([f"node/{i}/dead"])])
+        return len([i for i in self.registered() if not s.check([f"node/{i}/dead"])])
