@@ -251,8 +251,11 @@ def reply_to_parent(environ: Mapping[str, str], failure: Any, error_dir: str | N
         record = _read_json(os.path.join(error_dir, f"attempt_{failure.attempt}",
                                          f"rank_{failure.rank}.json"))
     message = record.get("message") if record else None
-    message = dict(message) if isinstance(message, dict) else _parent_message(failure)
-    if failure.exit_code:
+    if isinstance(message, dict):
+        message = dict(message)
+    elif not isinstance(message, str):  # (a str: torch's newer format, copied as it is)
+        message = _parent_message(failure)
+    if failure.exit_code and isinstance(message, dict):
         message["errorCode"] = int(failure.exit_code)
     try:
         tmp = f"{dest}.{os.getpid()}.tmp"

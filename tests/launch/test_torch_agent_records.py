@@ -110,3 +110,15 @@ def test_reply_to_parent_without_a_record(tmp_path):
 def test_no_reply_without_the_variable(tmp_path):
     reply_to_parent({}, Failure(0, 0, 0, 1, "exited with code 1", "", 0), str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_reply_to_parent_copies_a_string_message_as_it_is(tmp_path):
+    """torch's newer error-file format (``message`` a string) is copied unchanged, as
+    torch's dump_error_file does (no errorCode to set in it)."""
+    attempt = tmp_path / "attempt_0"
+    attempt.mkdir()
+    (attempt / "rank_0.json").write_text(json.dumps({"message": "custom text"}))
+    reply = tmp_path / "reply.json"
+    reply_to_parent({"TORCHELASTIC_ERROR_FILE": str(reply)},
+                    Failure(0, 0, 0, 1, "exited with code 1", "", 0, 1.0), str(tmp_path))
+    assert json.loads(reply.read_text()) == {"message": "custom text"}
