@@ -262,6 +262,28 @@ def sum_loss(module, x):
     return jnp.sum(module(x))
 
 
+class EmbeddingBag(nnx.Module):
+    """torch's ``nn.EmbeddingBag(num, dim)`` (mode "mean"), bags given per index."""
+
+    def __init__(self, num, dim, seed=0):
+        self.weight = nnx.Param(jnp.asarray(np.random.RandomState(seed).randn(num, dim),
+                                            jnp.float32))
+
+    def __call__(self, indices, bags, num_bags=2):
+        rows = self.weight[...][indices]
+        sums = jax.ops.segment_sum(rows, bags, num_segments=num_bags)
+        counts = jax.ops.segment_sum(jnp.ones(indices.shape[0]), bags, num_segments=num_bags)
+        return sums / counts[:, None]
+
+
+def bag_loss(module, indices, bags):
+    return jnp.sum(module(indices, bags))
+
+
+def bag_loss_batch(module, batch):
+    return bag_loss(module, *batch)
+
+
 def get_remote_grads(rref, context_id):
     return np.asarray(dist_autograd.get_gradients(context_id)[rref.local_value().weight])
 
@@ -309,6 +331,23 @@ class ComparisonCases:
     @staticmethod
     def test_ddp_comparison_uneven_inputs(env):
         _run_test_ddp_comparison(env, simulate_uneven_inputs=True)
+
+    @staticmethod
+    def test_ddp_dist_autograd_sparse_grads(env):
+        # torch: EmbeddingBag(10, 3, sparse=True) (mean of 2 bags, offsets [0, 4]); JAX's
+        # gradient of the table is dense: the same values, zeros where no index points
+        rs = np.random.RandomState(env.rank)
+        model = EmbeddingBag(10, 3, seed=env.rank)
+        ddp_model = DistributedDataParallel(model)
+        indices = rs.randint(0, 10, size=10).astype(np.int32)
+        bags = np.searchsorted(np.array([0, 4])[1:], np.arange(10), side="right")
+        _, local = ddp_model.value_and_grad(bag_loss_batch)((indices, bags))
+        stage = dist_autograd.ddp_stage(ddp_model, bag_loss)
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, stage, indices, bags)
+            grads_dict = dist_autograd.get_gradients(context_id)
+            assert len(grads_dict) == 1
+            _close(local["weight"], grads_dict[ddp_model.module.weight])
 
     @staticmethod
     def test_ddp_dist_autograd_local_vs_remote(env):

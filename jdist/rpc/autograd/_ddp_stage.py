@@ -12,7 +12,10 @@ the context, while the gradient of the module's input travels on by RPC. Here
   gradient of ``x`` is computed in the same program (per replica, not reduced);
 - backward: the parameter gradients (times the incoming cotangent) are added to the
   context on this worker, keyed by the DDP module's ``nnx.Param`` s, and the gradient
-  of ``x`` is returned to whatever produced ``x`` (for example a remote embedding).
+  of ``x`` is returned to whatever produced ``x`` (for example a remote embedding); an
+  integer ``x`` (indices into an embedding held by the DDP module) has none.
+
+:func:`ddp_layer` is a DDP module anywhere else in the pass (its output not a loss).
 
 The value is this process's loss (the mean over its replicas), as torch's local loss;
 DDP's own returned loss is the mean over all replicas. ``rest`` (targets) is not
@@ -89,6 +92,9 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             k = jax.lax.axis_size(ddp.process_group.axis_name) / count[1]
             return jnp.sum(per * mask.astype(per.dtype)) * (k / count[0])
 
+        if not jnp.issubdtype(batch["x"].dtype, jnp.inexact):  # indices: no gradient
+            value = local(batch["x"])
+            return value, (value, jnp.zeros((), value.dtype))
         value, gx = jax.value_and_grad(local)(batch["x"])
         return value, (value, gx)
 
@@ -140,6 +146,8 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
             for var, g in zip(variables, grads, strict=True):
                 ctx.accumulate(var, g * _beside(ct, g))
             gx = box.pop("gx")
+            if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer input: float0 cotangent
+                return np.zeros((), token.dtype), np.zeros(np.shape(x), jax.dtypes.float0)
             return np.zeros((), token.dtype), to_array(
                 (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
 
