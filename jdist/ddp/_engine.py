@@ -23,7 +23,7 @@ from jdist.ddp._buckets import BucketLayout, LeafInfo
 from jdist.ddp._replicas import ProcessChecks
 from jdist.ddp._xla import bucket_compiler_options
 from jdist.ddp.hooks._base import GradBucket
-from jdist.ddp.hooks._contract import check_hook, hook_output, replicated
+from jdist.ddp.hooks._contract import check_hook, hook_output, raise_hook_failure, replicated
 from jdist.errors import UnusedParametersError
 
 __all__ = ["Engine", "HOOK_ONCE_MSG", "TRACED_MSG"]
@@ -346,10 +346,12 @@ class Engine:
 
     def _run(self, prog: Callable, what: str, *args: Any) -> Any:
         """Run ``prog(*args)`` and wait for it (:meth:`_wait`); across processes a runtime
-        failure raised when the program is launched names the dead peer too."""
+        failure raised when the program is launched names the dead peer too; a comm
+        hook's result found to differ across replicas raises ReplicaDivergenceError."""
         try:
             out = prog(*args)
         except Exception as exc:
+            raise_hook_failure(exc)
             if self.group.size() == 1:
                 raise
             from jdist.ddp._wait import runtime_failure
@@ -358,7 +360,11 @@ class Engine:
             if err is exc:
                 raise
             raise err from exc
-        self._wait(out, what)
+        try:
+            self._wait(out, what)
+        except Exception as exc:
+            raise_hook_failure(exc)
+            raise
         return out
 
     def _wait(self, out: Any, what: str) -> None:

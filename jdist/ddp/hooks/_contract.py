@@ -21,10 +21,10 @@ Per bucket (:func:`hook_output`), inside the traced step:
   A result typed *varying* may still hold equal values (``jnp.ones_like(buffer)``,
   ``jax.lax.all_gather`` then a sum, a ring of ``ppermute``): :func:`replicated` takes
   replica 0's value (one extra all-reduce of the bucket, only for such hooks) and
-  compares it with every replica's; if any differs the step raises
-  :class:`~jdist.errors.ReplicaDivergenceError` (through the runtime, as a
-  ``JaxRuntimeError`` quoting it) instead of letting the replicas drift apart, which
-  torch's DDP does silently.
+  compares it with every replica's; if any differs a host callback raises
+  :class:`~jdist.errors.ReplicaDivergenceError` in the runtime, which the engine turns
+  back into that error (:func:`raise_hook_failure`) on every process, instead of letting
+  the replicas drift apart as torch's DDP does silently.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jdist.ddp.hooks._base import GradBucket
 from jdist.errors import ReplicaDivergenceError
 
-__all__ = ["NOT_CALLABLE_MSG", "check_hook", "hook_output", "replicated", "is_varying"]
+__all__ = ["NOT_CALLABLE_MSG", "check_hook", "hook_output", "replicated", "is_varying",
+           "raise_hook_failure"]
 
 NOT_CALLABLE_MSG = "Communication hook must be callable."
 BUCKET_ANNOTATION_MSG = "Communication hook: bucket annotation should be dist.GradBucket."
@@ -180,3 +181,39 @@ def replicated(out: jax.Array, bucket: GradBucket, hook: Any) -> jax.Array:
     ok = jax.lax.cond(bad > 0, lambda: jax.pure_callback(cb, _OK, bad),
                       lambda: jnp.zeros((), jnp.int32))
     return jnp.where(ok == 0, settled, jnp.zeros_like(settled))
+
+
+_MARKER = "ReplicaDivergenceError: "
+
+
+def _diverged_message(exc: BaseException) -> str | None:
+    """The :data:`DIVERGED_MSG` text a runtime error (or its causes) carries, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for line in reversed(str(exc).splitlines()):
+            i = line.find(_MARKER)
+            if i >= 0 and line[i + len(_MARKER):].startswith("comm hook "):
+                return line[i + len(_MARKER):]
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def raise_hook_failure(exc: BaseException) -> None:
+    """Raise :class:`~jdist.errors.ReplicaDivergenceError` from ``exc`` when the step
+    failed because :func:`replicated` found a hook result differing across replicas
+    (the runtime reports the callback's error as a ``JaxRuntimeError``); else return.
+
+    JAX keeps the failed callback's runtime token, which would make every later
+    ``jax.effects_barrier()`` (and ``jax.clear_backends()``) raise the error again; it
+    is dropped here, once the error is reported.
+    """
+    if isinstance(exc, ReplicaDivergenceError):
+        return
+    msg = _diverged_message(exc)
+    if msg is None:
+        return
+    from jax._src import dispatch  # no public way to drop a failed token
+
+    dispatch.runtime_tokens.clear()
+    raise ReplicaDivergenceError(msg) from exc
