@@ -310,7 +310,7 @@ class DistributedDataParallel(EngineShell):
             value = (out["loss"], aux) if has_aux else out["loss"]
             return value, out["grads"]
 
-        return f
+        return self._joinable_step(f)  # numbered for join
 
     def train_step(self, loss_fn: Callable, optimizer: nnx.Optimizer,
                    has_aux: bool = False, pad_batch_to: Any = None) -> Callable:
@@ -369,7 +369,7 @@ class DistributedDataParallel(EngineShell):
             aux = nodes.write_back(out["aux"])
             return (out["loss"], aux) if has_aux else out["loss"]
 
-        return step
+        return self._joinable_step(step)  # numbered for join
 
     def _padded_step(self, loss_fn: Callable, optimizer: nnx.Optimizer, has_aux: bool,
                      pad_batch_to: Any) -> Callable:

@@ -91,7 +91,7 @@ class FunctionalDDP(EngineShell):
             value = (out["loss"], out["aux"]) if has_aux else out["loss"]
             return value, out["grads"]
 
-        return f
+        return self._joinable_step(f)  # numbered for join
 
     def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation,
                    has_aux: bool = False) -> Callable:
@@ -116,7 +116,7 @@ class FunctionalDDP(EngineShell):
                 self.params, self.opt_state = out["params"], out["opt_state"]
             return (out["loss"], out["aux"]) if has_aux else out["loss"]
 
-        return step
+        return self._joinable_step(step)  # numbered for join
 
     def apply(self, apply_fn: Callable) -> Callable:
         """``f(*inputs) -> outputs``: ``apply_fn(params, *inputs)`` over the split batch."""

@@ -22,14 +22,20 @@ join algorithm (:mod:`jdist.algorithms._join`) with DDP's hook:
   everywhere and this changes nothing; with ``value_and_grad`` and an optimizer
   applied by hand, the processes that joined early get the trained parameters.
 
-A process with no step at all inside the context has nothing to replay: it answers the
-flags all-reduce with a "cannot replay" flag, and every process raises
-:class:`~jdist.errors.JoinError` naming it instead of hanging.
+A process with no step at all inside the context (torch's mapping where a rank has no
+input) has nothing of its own to replay: it answers the flags all-reduce with a "no
+step" flag, and then the highest-ranked process still training broadcasts its current
+call (the step's number, batch and extra arguments; steps are numbered as the wrappers
+make them, in the same order on every process) to it. That costs one object broadcast,
+once, and only then. A step this process never made raises
+:class:`~jdist.errors.JoinError` instead.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from typing import Any
 
 import jax
@@ -41,13 +47,39 @@ from jdist.algorithms.join import Join, Joinable, JoinConfig, JoinHook
 from jdist.ddp._program import JoinMode, _broadcast_from
 from jdist.errors import JoinError
 
-__all__ = ["Join", "JoinState", "DDPJoinHook", "JoinableDDP", "NO_STEP_MSG"]
+__all__ = ["Join", "JoinState", "DDPJoinHook", "JoinableDDP", "StepNumbers", "NO_STEP_MSG",
+           "MISSING_STEP_MSG"]
 
 NO_STEP_MSG = (
-    "rank(s) {ranks} ran no DDP step inside the join context, so they have no step to "
-    "replay while the other processes finish: run at least one step per process inside "
-    "the context (every process needs one batch), e.g. start the context before the "
-    "first batch of an epoch whose inputs may be uneven")
+    "rank {src} runs a DDP step that was not made by ddp.train_step / ddp.value_and_grad "
+    "of this wrapper, so the processes without inputs cannot replay it; make the step "
+    "with those methods on every process")
+MISSING_STEP_MSG = (
+    "rank {rank} ran no DDP step inside the join context and has not made step #{number} "
+    "that the other processes run (steps are numbered in the order ddp.train_step / "
+    "ddp.value_and_grad make them): make the same steps, in the same order, on every "
+    "process before the join context")
+
+
+class StepNumbers:
+    """The step callables a DDP wrapper made, numbered in making order (weakly held)."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count()
+        self._by_number: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def add(self, step: Any) -> None:
+        k = next(self._count)
+        self._by_number[k] = step
+        self._numbers[step] = k
+
+    def number(self, step: Any) -> int | None:
+        return self._numbers.get(step)
+
+    def get(self, number: int) -> Any:
+        return self._by_number.get(number)
+
 
 _DISABLED = JoinConfig.construct_disabled_join_config()
 
@@ -55,11 +87,12 @@ _DISABLED = JoinConfig.construct_disabled_join_config()
 class JoinState:
     """The engine's view of an enabled join context (``engine.join_state``)."""
 
-    def __init__(self, engine: Any, mode: JoinMode, notify: Any):
+    def __init__(self, engine: Any, mode: JoinMode, notify: Any, steps: StepNumbers):
         self.engine = engine
         self.mode = mode
         self.rank = engine.group.rank
         self.notify = notify
+        self.steps = steps
         self.active = True  # False once this process shadows the others' steps
         self.last: Any = None  # (step, batch, args) of this process's last step
         self.n_active: int | None = None
@@ -70,20 +103,37 @@ class JoinState:
             return
         self.notify()
         e = self.engine
-        flags = [float(e.require_backward_grad_sync), float(e.sync_buffers), 0.0]
-        self._exchange(flags)
+        self.exchange(e.require_backward_grad_sync, e.sync_buffers, (step, batch, args))
         self.last = (step, batch, args)
 
-    def _exchange(self, flags: list[float]) -> np.ndarray:
-        """MAX all-reduce of ``[sync, sync_buffers, rank + 1 of a process with no step]``
-        over the processes; raises :class:`JoinError` on every process when one of them
-        has no step to replay."""
+    def exchange(self, sync: bool, sync_buffers: bool, call: Any = None) -> np.ndarray:
+        """MAX all-reduce of ``[sync, sync_buffers, rank + 1 of a process without a step,
+        rank of a process still training]``; when some process has no step, the highest
+        training one then broadcasts ``call`` (its current step call) to it."""
+        missing = not self.active and self.last is None
+        flags = [float(sync), float(sync_buffers), float(self.rank + 1) if missing else 0.0,
+                 float(self.rank) if self.active else -1.0]
         out = np.asarray(collectives.all_reduce(
             np.asarray(flags, np.float32), op=collectives.ReduceOp.MAX,
             group=self.engine.group))
         if out[2] > 0:
-            raise JoinError(NO_STEP_MSG.format(ranks=int(out[2]) - 1))
+            self._share_step(int(out[3]), call)
         return out
+
+    def _share_step(self, src: int, call: Any) -> None:
+        payload = [None]
+        if self.rank == src:
+            step, batch, args = call
+            payload = [(self.steps.number(step), batch, args)]
+        collectives.broadcast_object_list(payload, group_src=src, group=self.engine.group)
+        number, batch, args = payload[0]
+        if number is None:  # on every process: nobody can replay it
+            raise JoinError(NO_STEP_MSG.format(src=src))
+        if not self.active and self.last is None:
+            step = self.steps.get(number)
+            if step is None:
+                raise JoinError(MISSING_STEP_MSG.format(rank=self.rank, number=number))
+            self.last = (step, batch, args)
 
     def after_step(self, n_active: int, num_replicas: int) -> None:
         """Called by the engine after every join-mode step: the active replica count."""
@@ -102,8 +152,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         state, engine = self.state, self.ddp._engine
         state.active = False
-        missing = float(state.rank + 1) if state.last is None else 0.0
-        flags = state._exchange([0.0, 0.0, missing])
+        flags = state.exchange(False, False)
         step, batch, args = state.last
         old = engine.require_backward_grad_sync
         engine.require_backward_grad_sync = bool(flags[0])
@@ -184,7 +233,18 @@ class JoinableDDP(Joinable):
 
     def _join_state(self, divide_by_initial_world_size: bool) -> JoinState:
         mode = JoinMode(bool(divide_by_initial_world_size), False)
-        return JoinState(self._engine, mode, lambda: Join.notify_join_context(self))
+        return JoinState(self._engine, mode, lambda: Join.notify_join_context(self),
+                         self._join_steps)
+
+    @property
+    def _join_steps(self) -> StepNumbers:
+        return self.__dict__.setdefault("_jdist_join_steps", StepNumbers())
+
+    def _joinable_step(self, step: Any) -> Any:
+        """Number a step callable as the wrapper makes it (see :class:`StepNumbers`);
+        returns it."""
+        self._join_steps.add(step)
+        return step
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """DDP's hook; reads ``divide_by_initial_world_size`` (default ``True``)."""
