@@ -230,3 +230,41 @@ def test_hook_result_equal_on_every_replica_is_accepted(hook):
     _, got = ddp.value_and_grad(loss)(batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------- registration: what is accepted
+class CallableHook:
+    def __call__(self, state, bucket: H.GradBucket) -> tuple:
+        return jax.lax.pmean(bucket.buffer, bucket.axis_name), state
+
+
+def test_builtin_and_wrapped_hooks_pass_registration_checks():
+    import functools
+
+    from jdist.ddp.hooks._contract import check_hook
+
+    for hook in (H.allreduce_hook, H.fp16_compress_hook, H.bf16_compress_hook,
+                 H.powerSGD_hook, H.batched_powerSGD_hook, H.quantization_pertensor_hook,
+                 H.quantization_perchannel_hook, H.fp16_compress_wrapper(H.powerSGD_hook),
+                 functools.partial(H.quantization_perchannel_hook, bucket_size=4),
+                 CallableHook(), simple_hook):
+        check_hook(hook)
+
+
+def test_register_ddp_comm_hook_wraps_powersgd_state():
+    pg = group()
+    ddp = DDP(Task(), process_group=pg)
+    H.register_ddp_comm_hook(H.DDPCommHookType.POWER_SGD_RANK2, ddp, state=None)
+    st = ddp.comm_hook_state
+    assert isinstance(st, H.PowerSGDState)
+    assert (st.matrix_approximation_rank, st.start_powerSGD_iter) == (2, 1_000)
+    with pytest.raises(TypeError, match="expects a DDPCommHookType"):
+        H.register_ddp_comm_hook("allreduce", DDP(Task(), process_group=pg))
+
+
+def test_hook_returning_wrong_tuple_names_the_rule():
+    model = DDP(Task(), process_group=group())
+    model.register_comm_hook(None, lambda s, b: (b.buffer, s, 1))
+    with pytest.raises(RuntimeError, match=r"but got a tuple of 3\. A jdist hook returns "
+                                           r"\(reduced_buffer, new_state\)"):
+        model.value_and_grad(output_mean)(ranked_input(8))
