@@ -391,7 +391,7 @@ class ZeroRedundancyOptimizer(Joinable):
         """The hook a joined process runs: one :meth:`step` per iteration of the others
         (with ``self.join_grads``; see :mod:`jdist.optim._zero_join`)."""
         del kwargs
-        return ZeroJoinHook(self)
+        return ZeroJoinHook(self, self._eager_step)
 
     @property
     def join_device(self):

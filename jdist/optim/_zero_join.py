@@ -20,8 +20,10 @@ __all__ = ["ZeroJoinHook"]
 class ZeroJoinHook(JoinHook):
     """Runs one ZeRO step per iteration the processes still training run."""
 
-    def __init__(self, zero):
+    def __init__(self, zero, step):
         self.zero = zero
+        self._step = step  # zero's step without the join notification (torch notifies
+        # again from its hook, which pairs wrongly when ZeRO is the first joinable)
 
     def main_hook(self) -> None:
         zero = self.zero
@@ -36,4 +38,4 @@ class ZeroJoinHook(JoinHook):
                 "is None: set it (a gradient pytree, or a function returning one) before "
                 "the hook runs, e.g. in the hook of a joinable listed before the optimizer")
         params, state = zero.latest
-        zero._eager_step(params, grads, state, {})
+        self._step(params, grads, state, {})
