@@ -1,9 +1,10 @@
 """Membership of ``jdist-run``'s launchers: the store, node slots and the job's rounds.
 
 Every launcher of a job meets the others through one store (under the prefix
-``jdist-run/``). One node is a :class:`~jdist.store.HashStore` in the launcher. With
-several, one launcher hosts a :class:`~jdist.store.TCPStore` at ``--master-addr:
---master-port`` (``--rdzv-endpoint``) and is the job's **leader**; the others connect:
+``jdist-run/``, or ``jdist-run/<--rdzv-id>/``). One node is a
+:class:`~jdist.store.HashStore` in the launcher. With several, one launcher hosts a
+:class:`~jdist.store.TCPStore` at ``--master-addr:--master-port`` (``--rdzv-endpoint``)
+and is the job's **leader**; the others connect:
 
 - with ``--node-rank`` (or SLURM's), node 0 hosts, and a node's **slot** is its rank;
 - without it (torchrun's c10d rendezvous), every launcher tries to host on the endpoint
@@ -97,7 +98,9 @@ class Rendezvous:
     def __init__(self, cfg: LaunchConfig, token: str | None):
         self.cfg = cfg
         self._base, self.leader = open_store(cfg, token)
-        self.store: Store = PrefixStore("jdist-run", self._base)
+        # jobs with their own --rdzv-id may share an endpoint (as torch's rendezvous ids)
+        prefix = "jdist-run" if cfg.run_id is None else f"jdist-run/{cfg.run_id}"
+        self.store: Store = PrefixStore(prefix, self._base)
         self.env_token = token
         self.fixed = cfg.node_rank is not None
         self.slot = cfg.node_rank if self.fixed else -1
