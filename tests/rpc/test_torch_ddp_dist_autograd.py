@@ -5,7 +5,7 @@ One launch of 4 real processes runs every case (each named after the torch test 
 translates). torch's DdpUnderDistAutogradTest has 4 trainers, a remote worker and a
 master (6 processes); here ranks 0-1 are the trainers, 2 the remote worker, 3 the
 master: torch's training examples split over 2 trainers cancel in DDP's all-reduce in
-the same way. DdpComparisonTest runs on all 4 ranks as torch's 4 trainers. A DDP
+the same way. DdpComparisonTest runs on ranks 0-1 as torch's 4 trainers. A DDP
 module inside a pass is :func:`jdist.rpc.dist_autograd.ddp_stage` (its loss as the
 pass's last stage); ``nn.Linear`` / ``nn.EmbeddingBag`` are NNX modules.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 import traceback
 from typing import NamedTuple
 
@@ -304,7 +305,7 @@ def _params(m):
 def _run_test_ddp_comparison(env, simulate_uneven_inputs=False):
     rs = np.random.RandomState(env.rank)  # each trainer its own seed (torch.manual_seed)
     net = Linear(2, 3, seed=env.rank)
-    ddp_net = DistributedDataParallel(net)
+    ddp_net = DistributedDataParallel(net, process_group=GROUPS["trainers"])
     stage = dist_autograd.ddp_stage(ddp_net, norm_loss)
     local = ddp_net.value_and_grad(norm_loss)
     num_inputs = 1 + (2 if simulate_uneven_inputs and env.rank % 2 == 0 else 0)
@@ -321,24 +322,33 @@ def _run_test_ddp_comparison(env, simulate_uneven_inputs=False):
                 _close(grads_dict[param], g, f"grads under local and dist autograd, it {i}")
 
 
-class ComparisonCases:
-    """DdpComparisonTest: every rank a trainer."""
+def _trainers_only(fn):
+    def run(env):
+        if env.rank in TRAINER_RANKS:
+            fn(env)
 
-    @staticmethod
+    run.__name__ = fn.__name__
+    return staticmethod(run)
+
+
+class ComparisonCases:
+    """DdpComparisonTest: torch's 4 trainers are ranks 0-1 here."""
+
+    @_trainers_only
     def test_ddp_comparison(env):
         _run_test_ddp_comparison(env)
 
-    @staticmethod
+    @_trainers_only
     def test_ddp_comparison_uneven_inputs(env):
         _run_test_ddp_comparison(env, simulate_uneven_inputs=True)
 
-    @staticmethod
+    @_trainers_only
     def test_ddp_dist_autograd_sparse_grads(env):
         # torch: EmbeddingBag(10, 3, sparse=True) (mean of 2 bags, offsets [0, 4]); JAX's
         # gradient of the table is dense: the same values, zeros where no index points
         rs = np.random.RandomState(env.rank)
         model = EmbeddingBag(10, 3, seed=env.rank)
-        ddp_model = DistributedDataParallel(model)
+        ddp_model = DistributedDataParallel(model, process_group=GROUPS["trainers"])
         indices = rs.randint(0, 10, size=10).astype(np.int32)
         bags = np.searchsorted(np.array([0, 4])[1:], np.arange(10), side="right")
         _, local = ddp_model.value_and_grad(bag_loss_batch)((indices, bags))
@@ -349,7 +359,7 @@ class ComparisonCases:
             assert len(grads_dict) == 1
             _close(local["weight"], grads_dict[ddp_model.module.weight])
 
-    @staticmethod
+    @_trainers_only
     def test_ddp_dist_autograd_local_vs_remote(env):
         rs = np.random.RandomState(env.rank)
         for remote_device in ("worker0/cpu", "worker0"):
@@ -361,7 +371,7 @@ def _local_vs_remote(env, rs, remote_device):
     layer1 = remote_layer1.module_rref.to_here()  # the same parameters
     layer2 = Linear(5, 1, seed=100 + env.rank)
     inputs = rs.rand(10, 10).astype(np.float32)
-    ddp_model = DistributedDataParallel(layer2)
+    ddp_model = DistributedDataParallel(layer2, process_group=GROUPS["trainers"])
     # local case: DDP's averaged layer2 gradient; layer1's through this replica
     _, g2 = ddp_model.value_and_grad(sum_loss)(np.asarray(layer1(inputs)))
     g1 = nnx.grad(lambda l1: sum_loss(ddp_model.module, l1(inputs)))(layer1)
@@ -369,7 +379,7 @@ def _local_vs_remote(env, rs, remote_device):
     with dist_autograd.context() as context_id:
         dist_autograd.backward(context_id, lambda: stage(remote_layer1(inputs)))
         grads_dict = dist_autograd.get_gradients(context_id)
-        jdist.barrier()
+        jdist.barrier(group=GROUPS["trainers"])
         _close(g2["weight"], grads_dict[ddp_model.module.weight])
         _close(g1["weight"], rpc.rpc_sync("worker0", get_remote_grads,
                                           args=(remote_layer1.module_rref, context_id)))
@@ -378,15 +388,17 @@ def _local_vs_remote(env, rs, remote_device):
 class CudaComparisonCases:
     """CudaDdpComparisonTest, on CPU devices: remote, DDP, remote, DDP layers."""
 
-    @staticmethod
+    @_trainers_only
     def test_ddp_dist_autograd_local_vs_remote_gpu(env):
         rs = np.random.RandomState(env.rank)
         remote_layer1 = RemoteModule("worker0/cpu", Linear, (10, 7, False, env.rank))
         layer1 = remote_layer1.module_rref.to_here()
-        ddp_layer2 = DistributedDataParallel(Linear(7, 5, seed=100 + env.rank))
+        ddp_layer2 = DistributedDataParallel(Linear(7, 5, seed=100 + env.rank),
+                                            process_group=GROUPS["trainers"])
         remote_layer3 = RemoteModule("worker0/cpu", Linear, (5, 3, False, 200 + env.rank))
         layer3 = remote_layer3.module_rref.to_here()
-        ddp_layer4 = DistributedDataParallel(Linear(3, 1, seed=300 + env.rank))
+        ddp_layer4 = DistributedDataParallel(Linear(3, 1, seed=300 + env.rank),
+                                            process_group=GROUPS["trainers"])
         inputs = rs.rand(10, 10).astype(np.float32)
         # local case: torch's loss.backward() through the DDP layers: every layer's local
         # gradient, DDP's layers' averaged over the ranks
@@ -396,7 +408,8 @@ class CudaComparisonCases:
             return jnp.sum(l4(l3(l2(l1(inputs)))))
 
         g1, g2, g3, g4 = nnx.grad(chain, argnums=(0, 1, 2, 3))(layer1, l2, layer3, l4)
-        avg2, avg4 = (np.asarray(jdist.all_reduce(_arr(g["weight"]), op=jdist.ReduceOp.AVG))
+        avg2, avg4 = (np.asarray(jdist.all_reduce(_arr(g["weight"]), op=jdist.ReduceOp.AVG,
+                                                     group=GROUPS["trainers"]))
                       for g in (g2, g4))
         layer2 = dist_autograd.ddp_layer(ddp_layer2)
         stage4 = dist_autograd.ddp_stage(ddp_layer4, sum_loss)
@@ -404,7 +417,7 @@ class CudaComparisonCases:
             dist_autograd.backward(context_id, lambda: stage4(
                 remote_layer3(layer2(remote_layer1(inputs)))))
             grads_dict = dist_autograd.get_gradients(context_id)
-            jdist.barrier()
+            jdist.barrier(group=GROUPS["trainers"])
             for rl, g in ((remote_layer1, g1), (remote_layer3, g3)):
                 _close(g["weight"], rpc.rpc_sync("worker0", get_remote_grads,
                                                  args=(rl.module_rref, context_id)))
@@ -423,14 +436,17 @@ def run() -> dict:
     env = type("Env", (), {"rank": rank})()
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=WS,
                  rpc_backend_options=rpc.RpcBackendOptions(rpc_timeout=120))
-    results = {}
+    results: dict = {}
+    times = results["_seconds"] = {}  # case -> (wall, this process's CPU)
     try:
         for fn in CASES:
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 fn(env)
                 results[fn.__name__] = "ok"
             except BaseException:  # noqa: BLE001 - reported per case
                 results[fn.__name__] = traceback.format_exc()
+            times[fn.__name__] = (time.perf_counter() - t0, time.process_time() - c0)
             jdist.barrier()  # the next case starts together (the master's cases)
     finally:
         rpc.shutdown()

@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import tempfile
+import time
 import traceback
 
 import jax
@@ -537,14 +538,17 @@ def run() -> dict:
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=WS,
                  rpc_backend_options=rpc.RpcBackendOptions(
                      init_method=PrefixStore("m", base), rpc_timeout=60))
-    results = {}
+    results: dict = {}
+    times = results["_seconds"] = {}  # case -> (wall, this process's CPU)
     try:
         for fn in CASES:
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 fn(env)
                 results[fn.__name__] = "ok"
             except BaseException:  # noqa: BLE001 - reported per case
                 results[fn.__name__] = traceback.format_exc()
+            times[fn.__name__] = (time.perf_counter() - t0, time.process_time() - c0)
     finally:
         rpc.shutdown()
     return results
