@@ -110,9 +110,10 @@ def test_ddp_comm_hook_noop_hook(reference):
 
 
 class Deep(nnx.Module):
-    """torch's Linear(2, 4000) + 10 x Linear(4000, 4000) (no bias), at width 40."""
+    """torch's Linear(2, 4000) + 10 x Linear(4000, 4000) (no bias), at width 40 and
+    depth 5 (several buckets all the same)."""
 
-    def __init__(self, width=40, depth=10):
+    def __init__(self, width=40, depth=5):
         rngs = nnx.Rngs(0)
         self.first = nnx.Linear(2, width, use_bias=False, rngs=rngs)
         self.rest = nnx.List([nnx.Linear(width, width, use_bias=False, rngs=rngs)
