@@ -268,12 +268,13 @@ class _Agent:
                                   f"within {cfg.rdzv_timeout:g}s")
             time.sleep(_POLL_S)
 
-    def finish(self) -> None:
-        """Say goodbye; the store's host keeps it up until the others left (or 10 s)."""
+    def finish(self, code: int = 0) -> None:
+        """Say goodbye; the store's host records the job's exit ``code`` for launchers
+        still waiting to join, and keeps the store up until the others left (or 10 s)."""
         try:
             self.store.add("job/exited", 1)
             if self.rdzv.leader and self.cfg.nnodes > 1:  # (lost nodes are not waited for)
-                self.store.set("job/finished", "1")  # launchers still waiting to join: go
+                self.store.set("job/finished", str(code))
                 deadline = time.monotonic() + 10.0
                 while (self.store.add("job/exited", 0) < self.rdzv.expected_exits()
                        and time.monotonic() < deadline):
@@ -414,7 +415,7 @@ def _rounds(agent: _Agent, terms: Terms, r: int, environ: dict[str, str]) -> int
         _say(_summary(failure, r + 1, terms.max_restarts))
         reply_to_parent(environ, failure,  # the launcher's TORCHELASTIC_ERROR_FILE
                         agent.error_dir if failure.node_rank == agent.slot else None)
-        agent.finish()
+        agent.finish(failure.exit_code or 1)
         return failure.exit_code or 1
 
 
@@ -450,10 +451,12 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         terms = agent.rdzv.join()
         agent.start_heartbeats()
         first = agent.rdzv.first_round()
-        if first is None:
-            _say("the job finished before this launcher could join it; nothing to run")
+        if first is None:  # (the job's exit code: a failed job fails here too)
+            code = int(agent.store.get("job/finished"))
+            _say(f"the job ended (exit code {code}) before this launcher could join it; "
+                 f"nothing to run")
             agent.finish()
-            return 0
+            return code
         if (cfg.compilation_cache and (terms.max_restarts > 0 or cfg.min_nnodes is not None)
                 and not has_user_cache(environ)):
             cache = tempfile.mkdtemp(prefix=f"jdist-run-{terms.run_id[:16]}-jax-cache-")
@@ -503,5 +506,5 @@ def _terminated(agent: _Agent | None, signum: int) -> int:
     except (StoreError, OSError):
         pass
     _say(f"got {name}; stopped every worker")
-    agent.finish()
+    agent.finish(128 + signum)
     return 128 + signum

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -108,6 +109,34 @@ def test_a_late_launcher_joins_a_new_round_without_spending_a_restart(tmp_path):
     assert {(e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in joined} == {("2", "2")}
     assert len({e["MASTER_PORT"] for e in joined}) == 1
     assert {e["TORCHELASTIC_RESTART_COUNT"] for e in joined} == {"0"}  # none spent
+
+
+def test_a_launcher_beyond_max_waits_and_leaves_with_the_jobs_exit_code(tmp_path):
+    script = _script(tmp_path, """\
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w").close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(sys.argv[1], "go")):  # the extra waits
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sys.exit(0 if os.environ["RANK"] == "0" else 4)
+    """)
+    common = ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-timeout", "60", script, str(tmp_path)]
+    procs = [_launcher(common), _launcher(common)]
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    extra = _launcher(common)  # the job is full: it waits, then leaves with the job
+    ready, _, _ = select.select([extra.stderr], [], [], 60)
+    waiting = extra.stderr.readline() if ready else ""  # (empty if it exits instead)
+    (tmp_path / "go").touch()
+    outs = _finish([*procs, extra])
+    assert [p.returncode for p in procs + [extra]] == [4, 4, 4], outs
+    assert "node 2 waits to join its next round" in waiting
+    assert "the job ended (exit code 4) before this launcher could join it" in outs[2][1]
+    assert outs[2][0] == ""  # it ran nothing
 
 
 def test_too_few_launchers_time_out_naming_what_was_awaited(capsys):
