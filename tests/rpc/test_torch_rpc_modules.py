@@ -268,6 +268,8 @@ class OptimCases:
 
     @staticmethod
     def test_dist_optim(env):
+        if env.rank != 0:  # torch runs it on every rank at once; the other cases do that
+            return  # here, this one (9 optimizers, compiled on every owner) on one
         for name in ("Adagrad", "Adam", "AdamW", "SGD", "SGD-nesterov", "Adadelta",
                      "RMSprop", "Adamax", "Rprop"):
             OptimCases._dist_optim_base(env, name)
