@@ -55,6 +55,7 @@ from jdist.launch._forkserver import forkserver_script
 from jdist.launch._lifeline import exec_command
 from jdist.launch._relay import binary_stream
 from jdist.launch._rendezvous import LaunchError, Rendezvous, Terms
+from jdist.launch._rendezvous import say as _say
 from jdist.launch._stop import signal_group
 from jdist.launch._worker_group import (
     Failure,
@@ -77,11 +78,6 @@ class _Terminated(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
-
-
-def _say(msg: str) -> None:
-    sys.stderr.write(f"jdist-run: {msg}\n")
-    sys.stderr.flush()
 
 
 class _Agent:

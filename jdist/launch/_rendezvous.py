@@ -39,7 +39,7 @@ from jdist.errors import StoreListenError, StoreTimeoutError
 from jdist.launch._config import LaunchConfig
 from jdist.store import HashStore, PrefixStore, Store, TCPStore, free_port
 
-__all__ = ["LaunchError", "Rendezvous", "Terms"]
+__all__ = ["LaunchError", "Rendezvous", "Terms", "say"]
 
 _POLL_S = 0.05
 _WAIT_POLL_S = 0.2
@@ -58,7 +58,8 @@ class Terms(NamedTuple):
     max_restarts: int
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """One line of the launcher's own on stderr (``jdist-run: ...``)."""
     sys.stderr.write(f"jdist-run: {msg}\n")
     sys.stderr.flush()
 
@@ -158,7 +159,7 @@ class Rendezvous:
                               f"--nnodes {self._nnodes_text()}; use the same value "
                               f"everywhere")
         if int(max_restarts) != cfg.max_restarts:
-            _say(f"the job runs --max-restarts {max_restarts}; using it instead of "
+            say(f"the job runs --max-restarts {max_restarts}; using it instead of "
                  f"{cfg.max_restarts}")
         return Terms(token, run_id, int(max_restarts))
 
@@ -183,7 +184,7 @@ class Rendezvous:
             if len(joined) >= cfg.min_nodes:
                 last_call = last_call or now + min(cfg.last_call_timeout, cfg.rdzv_timeout)
                 if now >= last_call:
-                    _say(f"starting with {len(joined)} node{'s' * (len(joined) > 1)} of "
+                    say(f"starting with {len(joined)} node{'s' * (len(joined) > 1)} of "
                          f"--nnodes {cfg.min_nodes}:{cfg.nnodes}")
                     return self.choose([], joined)
             if now > deadline:
@@ -258,7 +259,7 @@ class Rendezvous:
                 r += 1
                 if not told:
                     told = True
-                    _say(f"the job is running; node {self.slot} waits to join its next round "
+                    say(f"the job is running; node {self.slot} waits to join its next round "
                          f"(--nnodes {cfg.min_nodes}:{cfg.nnodes})")
                 continue
             if s.check(["job/finished"]):
