@@ -140,3 +140,28 @@ def test_is_last_hook():
     assert len(flags) == len(ddp.buckets.buckets) > 2
     assert flags[-1]
     assert not any(flags[:-1])
+
+
+def test_quantization_params_and_codes_match_torch_observers():
+    """The hooks' scales, zero points and uint8 codes equal torch's observers' (the
+    torch oracle: MinMaxObserver / PerChannelMinMaxObserver and its quantize helper)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as tq
+
+    from jdist.ddp.hooks import _quantization as q
+
+    x = (np.random.RandomState(0).randn(1000) * 1e-3).astype(np.float32)
+    obs = torch.ao.quantization.MinMaxObserver()
+    obs(torch.from_numpy(x))
+    s, z = obs.calculate_qparams()
+    ms, mz = q._qparams(jnp.asarray(x))
+    assert (float(ms), float(mz)) == (float(s), float(z))
+    np.testing.assert_array_equal(np.asarray(q._quantize(jnp.asarray(x), ms, mz)),
+                                  tq._quantize_per_tensor_backend(torch.from_numpy(x), s, z))
+    chunks = np.pad(x, (0, 24)).reshape(-1, 512)
+    pobs = torch.ao.quantization.PerChannelMinMaxObserver()
+    pobs(torch.from_numpy(chunks))
+    ps, pz = pobs.calculate_qparams()
+    mps, mpz = q._qparams(jnp.asarray(chunks), axis=1)
+    np.testing.assert_allclose(np.asarray(mps), ps.numpy(), rtol=1e-7)
+    np.testing.assert_array_equal(np.asarray(mpz), pz.numpy())
