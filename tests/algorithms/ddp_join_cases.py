@@ -396,7 +396,18 @@ def no_input_fresh(rank, world):
     with ddp.join():
         for i in range(0 if rank == 0 else 3):
             step(np.full((2, 3), i + 1.0, np.float32))
-    return initial, np.asarray(model.kernel[...])
+    fresh = np.asarray(model.kernel[...])
+    # the same module with a user joinable in one context (torch's Join([model, optim])
+    # shape): DDP's hook, then the all-reducer's, in the loop's order
+    from tests.algorithms.join_cases import _classes
+
+    Join, AllReducer = _classes()
+    reducer, total = AllReducer(None, ddp.process_group), 0.0
+    with Join([ddp, reducer]):
+        for _ in range(2 + 2 * rank):
+            step(np.full((2, 3), 1.0, np.float32))
+            total += reducer(1)
+    return initial, fresh, total, _digest(model)
 
 
 def main():

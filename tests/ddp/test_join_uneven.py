@@ -96,11 +96,18 @@ def test_join_rank_without_inputs(ranks):
     _same_on_every_rank([g["digest"] for g in got])
     # rank 1 alone: x = i + 1 on 2 rows, loss = sum -> grad 2 * (i + 1), divided by the
     # initial world size 2; sgd(0.1) from the same initial kernel on both ranks
-    (init_a, a), (init_b, b) = (r["fresh"] for r in ranks)
+    (init_a, a, _, _), (init_b, b, _, _) = (r["fresh"] for r in ranks)
     np.testing.assert_array_equal(init_a, init_b)
     np.testing.assert_array_equal(a, b)
     expected = init_a - 0.1 * sum(2.0 * (i + 1) / 2 for i in range(3))
     np.testing.assert_allclose(a, expected, rtol=1e-6)
+
+
+def test_join_ddp_with_a_user_joinable(ranks):
+    """Join([ddp, all_reducer]): rank 0 has 2 iterations, rank 1 has 4."""
+    totals = [r["fresh"][2] for r in ranks]
+    assert totals == [2 * 2, 2 * 2 + 2 * 1]  # torch's formula for the all-reducer
+    _same_on_every_rank([r["fresh"][3] for r in ranks])
 
 
 def test_ddp_uneven_input_join_disable(ranks):
