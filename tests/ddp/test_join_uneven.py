@@ -140,26 +140,22 @@ def _loss(m, x):
     return jax.numpy.sum(m.w[...] * x)
 
 
-def _train(join_ctx):
+def test_join_list_is_ddp_join_in_one_process():
     model = _Lin()
     ddp = DDP(model)
     step = ddp.train_step(_loss, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     x = np.ones((len(ddp.process_group.local_devices), 3), np.float32)
-    with join_ctx(ddp):
-        for _ in range(2):
-            step(x)
-    return ddp, np.asarray(model.w[...])
-
-
-def test_join_list_is_ddp_join_in_one_process():
-    ddp, a = _train(lambda d: Join([d]))
-    _, b = _train(lambda d: d.join())
-    np.testing.assert_allclose(a, [-0.2] * 3, rtol=1e-6)
-    np.testing.assert_array_equal(a, b)
+    for k, ctx in enumerate((lambda: Join([ddp]), ddp.join)):
+        with ctx():
+            assert ddp._join_config.enable and ddp._join_config.is_first_joinable
+            for _ in range(2):
+                step(x)
+        assert ddp._join_config.enable is False  # reset when the context exits
+        np.testing.assert_allclose(np.asarray(model.w[...]), [-0.2 * (k + 1)] * 3,
+                                   rtol=1e-6)
     assert ddp.join_process_group is ddp.process_group
     assert ddp.join_device in ddp.process_group.local_devices
     assert isinstance(ddp.join_hook(), DDPJoinHook)
-    assert ddp._join_config.enable is False  # reset when the context exits
 
 
 def test_join_contexts_cannot_be_nested():
