@@ -2,7 +2,8 @@
 
 Process groups and collectives are re-exported here (as ``torch.distributed`` does);
 they and the subpackages (``jdist.ddp``, ``jdist.dp``, ``jdist.sampler``, ``jdist.optim``,
-``jdist.rpc``, ``jdist.launch``, ``jdist.store``, ``jdist.checkpoint``, ``jdist.testing``)
+``jdist.rpc``, ``jdist.launch``, ``jdist.store``, ``jdist.checkpoint``, ``jdist.testing``,
+``jdist.algorithms``)
 load on first use, so ``import jdist`` stays cheap and the launcher never imports JAX.
 """
 
@@ -87,8 +88,8 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-_SUBPACKAGES = ("checkpoint", "collectives", "ddp", "dp", "launch", "optim", "rpc", "sampler",
-                "store", "testing")
+_SUBPACKAGES = ("algorithms", "checkpoint", "collectives", "ddp", "dp", "launch", "optim", "rpc",
+                "sampler", "store", "testing")
 
 
 def __getattr__(name: str):
