@@ -10,10 +10,12 @@ module (and the ``nnx.Optimizer``) in place.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jdist.collectives._group import ProcessGroup
@@ -155,6 +157,48 @@ class _NodeArgs:
         return aux
 
 
+def _static_inputs(inputs: tuple, kwargs: dict) -> tuple[tuple, Callable, tuple]:
+    """Forward inputs as ``(arrays, rebuild, static)``: the array leaves to split over
+    replicas, ``rebuild(arrays) -> (args, kwargs)``, and the other leaves with the tree
+    structure (hashable: a program-cache key).
+
+    Raises:
+      TypeError: a non-array leaf cannot be hashed.
+    """
+    leaves, tdef = jax.tree.flatten((inputs, kwargs))
+    is_array = [isinstance(x, (np.ndarray, jax.Array)) for x in leaves]
+    static = tuple((i, x) for i, (x, a) in enumerate(zip(leaves, is_array, strict=True))
+                   if not a)
+    bad = next((x for _, x in static if not _static_ok(x)), None)
+    if bad is not None:
+        raise TypeError(
+            f"ddp(...) passes non-array arguments to the module unchanged and compiles one "
+            f"program per value, so they must be values that compare by content (strings, "
+            f"numbers, flags, types, enums, functions); got a {type(bad).__name__} object. "
+            "Register its type as a JAX pytree (jax.tree_util.register_dataclass) so its "
+            "arrays are split over the replicas, or pass the arrays themselves")
+
+    def rebuild(arrays: tuple) -> tuple:
+        it = iter(arrays)
+        out = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+        return jax.tree.unflatten(tdef, out)
+
+    return tuple(x for x, a in zip(leaves, is_array, strict=True) if a), rebuild, (
+        tdef, static)
+
+
+def _static_ok(x: Any) -> bool:
+    """Whether a non-array forward argument can key a compiled program: hashable by
+    content (an object hashed by identity would compile a program per instance)."""
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    if isinstance(x, (type, enum.Enum)) or callable(x):
+        return True
+    return type(x).__hash__ is not object.__hash__
+
+
 class DistributedDataParallel(EngineShell):
     """Data-parallel training of an NNX module with torch's DDP semantics.
 
@@ -267,17 +311,25 @@ class DistributedDataParallel(EngineShell):
         return pure
 
     # ------------------------------------------------------------------ API
-    def __call__(self, *inputs: Any) -> Any:
-        """Forward over this process's batch (leading dimension), split over replicas."""
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Forward over this process's batch (leading dimension), split over replicas.
+
+        Array leaves of ``inputs`` and ``kwargs`` (numpy or JAX) are split over the
+        replicas; every other leaf (a string, a flag, a type, ``None``) reaches the
+        module unchanged, as torch's DDP passes non-tensor arguments through, and is part
+        of the compiled program's key (it must be hashable).
+        """
         gdef, params, buffers = _split(self.module)
-        key = ("call", gdef)
+        arrays, rebuild, static = _static_inputs(inputs, kwargs)
+        key = ("call", gdef, static)
 
         def apply(p, b, xs):
             m = _merge(gdef, p, b)
-            out = m(*xs)
+            args, kw = rebuild(xs)
+            out = m(*args, **kw)
             return out, _split(m)[2]
 
-        out, new_buffers = self._engine.forward(key, apply, params, buffers, tuple(inputs))
+        out, new_buffers = self._engine.forward(key, apply, params, buffers, arrays)
         nnx.update(self.module, new_buffers)
         return out
 
