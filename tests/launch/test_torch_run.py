@@ -255,6 +255,7 @@ def test_launch_shutdown(test_dir):
             "--start-method=spawn", path("run_script.py"), f"--touch-file-dir={test_dir}"]
     assert main(args) == 0
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (past TIME_WAIT)
         s.bind(("127.0.0.1", port))  # nobody listens there any more
 
 
