@@ -75,7 +75,7 @@ def _accumulate_gradients_no_sync(num_iters, ddp_comm_hook):
     with ddp.no_sync():
         ddp(batch["x"])
     f = ddp.value_and_grad(mse)
-    full = nnx.grad(mse)
+    full = nnx.jit(nnx.grad(mse))  # one program, not op by op
     window = None
     for iteration in range(num_iters):
         g = full(model, batch)
@@ -248,7 +248,7 @@ def test_ddp_forward_backward_hook():
     np.testing.assert_allclose(np.asarray(output_ddp[:5]), np.asarray(output_local),
                                rtol=1e-6)
     sum_loss = lambda module, x: jnp.sum(module(x))  # noqa: E731
-    local_grads = nnx.grad(sum_loss)(local_model, input_data)
+    local_grads = nnx.jit(nnx.grad(sum_loss))(local_model, input_data)
     _, ddp_grads = ddp_model.value_and_grad(sum_loss)(per_rank)
     _allclose(ddp_grads, local_grads, rtol=1e-6)
 
