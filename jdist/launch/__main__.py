@@ -28,6 +28,7 @@ import sys
 
 from jdist.launch._agent import run
 from jdist.launch._config import parse_args
+from jdist.launch._config import parse_min_max_nnodes as parse_min_max_nnodes
 
 
 def main(argv: list[str] | None = None) -> int:

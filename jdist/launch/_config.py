@@ -11,7 +11,8 @@ from typing import NamedTuple
 from jdist.launch._cluster import detect_job
 from jdist.launch._forkserver import DEFAULT_PRELOAD
 
-__all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec", "UsageError"]
+__all__ = ["LaunchConfig", "parse_args", "build_parser", "parse_std_spec", "UsageError",
+           "parse_min_max_nnodes"]
 
 
 class UsageError(SystemExit, ValueError):
@@ -279,6 +280,17 @@ def _from_slurm(a, p, environ: Mapping[str, str]) -> str:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """``--nnodes``'s value as ``(MIN, MAX)``: ``"4"`` -> (4, 4), ``"2:20"`` -> (2, 20)
+    (torch.distributed.run's helper of this name). Anything else raises torch's
+    ``RuntimeError``."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(nnodes))
+    if m is None:
+        raise RuntimeError(f'nnodes={nnodes} is not in "MIN:MAX" format; give N or MIN:MAX, '
+                           f'like 1:4')
+    return int(m.group(1)), int(m.group(2) or m.group(1))
+
+
 def _env_defaults(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """torchrun's ``PET_<FLAG>`` variables (``PET_NPROC_PER_NODE=4``, ``PET_MODULE=1``):
     a flag's value where the command line does not give it."""
@@ -437,12 +449,14 @@ def parse_args(argv: list[str] | None = None,
         a.master_addr, a.master_port = host, int(port)
     min_nnodes = None
     if a.nnodes is not None:
-        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", a.nnodes)
-        if m is None:
+        try:
+            low, high = parse_min_max_nnodes(a.nnodes)
+        except RuntimeError:
             p.error(f"--nnodes must be N or MIN:MAX, got {a.nnodes!r}")
-        a.nnodes = int(m.group(2) or m.group(1))
-        if m.group(2) is not None:
-            min_nnodes = int(m.group(1))
+        if ":" in a.nnodes:
+            min_nnodes = low
+        a.nnodes = high
+        if min_nnodes is not None:
             if not 1 <= min_nnodes <= a.nnodes:
                 p.error(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got "
                         f"{min_nnodes}:{a.nnodes}")

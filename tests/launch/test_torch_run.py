@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from jdist.launch import __main__ as launch
 from jdist.launch import _agent, _config
 from jdist.launch.__main__ import main
 from jdist.launch._config import parse_args
@@ -236,12 +237,12 @@ def test_launch_elastic_multiple_agents(test_dir):
 
 
 def test_min_max_nodes_parse():
-    """Departure: --nnodes is parsed with the other flags (torch's parse_min_max_nnodes
-    is internal); a bad value is a usage error (ValueError, exit status 2), not torch's
-    RuntimeError."""
-    cfg = parse_args(["--nnodes", "1", "s.py"], {})
-    assert cfg.min_nodes == cfg.nnodes == 1
-    cfg = parse_args(["--nnodes", "2:20", "s.py"], {})
+    min_nodes, max_nodes = launch.parse_min_max_nnodes("1")
+    assert min_nodes == max_nodes == 1
+    assert launch.parse_min_max_nnodes("2:20") == (2, 20)
+    with pytest.raises(RuntimeError, match='nnodes=2:20:30 is not in "MIN:MAX" format'):
+        launch.parse_min_max_nnodes("2:20:30")
+    cfg = parse_args(["--nnodes", "2:20", "s.py"], {})  # (jdist) what jdist-run makes of it
     assert (cfg.min_nodes, cfg.nnodes) == (2, 20)
     with pytest.raises(ValueError, match="--nnodes must be N or MIN:MAX, got '2:20:30'"):
         parse_args(["--nnodes", "2:20:30", "s.py"], {})
