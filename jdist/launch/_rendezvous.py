@@ -160,7 +160,7 @@ class Rendezvous:
                               f"everywhere")
         if int(max_restarts) != cfg.max_restarts:
             say(f"the job runs --max-restarts {max_restarts}; using it instead of "
-                 f"{cfg.max_restarts}")
+                f"{cfg.max_restarts}")
         return Terms(token, run_id, int(max_restarts))
 
     def registered(self) -> list[int]:
@@ -185,7 +185,7 @@ class Rendezvous:
                 last_call = last_call or now + min(cfg.last_call_timeout, cfg.rdzv_timeout)
                 if now >= last_call:
                     say(f"starting with {len(joined)} node{'s' * (len(joined) > 1)} of "
-                         f"--nnodes {cfg.min_nodes}:{cfg.nnodes}")
+                        f"--nnodes {cfg.min_nodes}:{cfg.nnodes}")
                     return self.choose([], joined)
             if now > deadline:
                 raise LaunchError(self._short(joined))
@@ -260,7 +260,7 @@ class Rendezvous:
                 if not told:
                     told = True
                     say(f"the job is running; node {self.slot} waits to join its next round "
-                         f"(--nnodes {cfg.min_nodes}:{cfg.nnodes})")
+                        f"(--nnodes {cfg.min_nodes}:{cfg.nnodes})")
                 continue
             if s.check(["job/finished"]):
                 return None
