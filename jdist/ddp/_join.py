@@ -12,7 +12,9 @@ join algorithm (:mod:`jdist.algorithms._join`) with DDP's hook:
 - :meth:`DDPJoinHook.main_hook` (a process out of inputs, once per iteration of the
   others) answers the flags all-reduce with zeros and *replays* its last step with
   those flags and its replicas marked inactive: the same compiled SPMD program, so
-  every collective of the processes still training has a partner. Inactive replicas
+  every collective of the processes still training has a partner (the flags also carry
+  their batch size: a smaller last batch there is met by this process's last batch with
+  its rows cycled or cut to that size). Inactive replicas
   contribute zero gradients (``divide_by_initial_world_size=True``, torch's default,
   keeps dividing by the full replica count; ``False`` divides by the number of active
   replicas) and keep their buffers.
@@ -48,7 +50,7 @@ from jdist.ddp._program import JoinMode, _broadcast_from
 from jdist.errors import JoinError
 
 __all__ = ["Join", "JoinState", "DDPJoinHook", "JoinableDDP", "StepNumbers", "NO_STEP_MSG",
-           "MISSING_STEP_MSG"]
+           "MISSING_STEP_MSG", "batch_rows", "with_rows"]
 
 NO_STEP_MSG = (
     "rank {src} runs a DDP step that was not made by ddp.train_step / ddp.value_and_grad "
@@ -108,11 +110,13 @@ class JoinState:
 
     def exchange(self, sync: bool, sync_buffers: bool, call: Any = None) -> np.ndarray:
         """MAX all-reduce of ``[sync, sync_buffers, rank + 1 of a process without a step,
-        rank of a process still training]``; when some process has no step, the highest
-        training one then broadcasts ``call`` (its current step call) to it."""
+        rank of a process still training, its batch rows]``; when some process has no
+        step, the highest training one then broadcasts ``call`` (its current step call)
+        to it."""
         missing = not self.active and self.last is None
         flags = [float(sync), float(sync_buffers), float(self.rank + 1) if missing else 0.0,
-                 float(self.rank) if self.active else -1.0]
+                 float(self.rank) if self.active else -1.0,
+                 float(batch_rows(call[1])) if self.active else -1.0]
         out = np.asarray(collectives.all_reduce(
             np.asarray(flags, np.float32), op=collectives.ReduceOp.MAX,
             group=self.engine.group))
@@ -154,6 +158,9 @@ class DDPJoinHook(JoinHook):
         state.active = False
         flags = state.exchange(False, False)
         step, batch, args = state.last
+        # the others' batch size (their last batch may be smaller): the replayed step
+        # must be the same program; this process's rows only need the right shape
+        batch = with_rows(batch, int(flags[4]))
         old = engine.require_backward_grad_sync
         engine.require_backward_grad_sync = bool(flags[0])
         engine.last_synced = bool(flags[1]) or not engine.broadcast_buffers
@@ -177,6 +184,24 @@ class DDPJoinHook(JoinHook):
             buffers = None
         ddp._load_model_trees(params, buffers)
         ddp._engine.checks.seen(params)  # DDP's own values: no drift check for them
+
+
+def batch_rows(batch: Any) -> int:
+    """The leading size of ``batch``'s first leaf (-1 for none or a scalar)."""
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else -1
+
+
+def with_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with ``rows`` rows: its own, cycled or cut (unchanged when it has them)."""
+    have = batch_rows(batch)
+    if rows < 0 or have == rows:
+        return batch
+    if have <= 0:
+        raise JoinError(f"cannot replay an empty batch as one of {rows} rows: the last "
+                        "batch of this process inside the join context had no rows")
+    take = np.arange(rows) % have
+    return jax.tree.map(lambda x: np.take(np.asarray(x), take, axis=0), batch)
 
 
 @functools.lru_cache(maxsize=16)

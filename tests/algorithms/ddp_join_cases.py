@@ -410,6 +410,27 @@ def no_input_fresh(rank, world):
     return initial, fresh, total, _digest(model)
 
 
+def smaller_last_batch(rank, world):
+    """Rank 1's last batch has 3 rows instead of 4 while rank 0 has joined: (initial
+    kernel, final kernel)."""
+    import optax
+
+    from jdist.ddp import DistributedDataParallel as DDP
+
+    _, nnx = _nnx()
+    model = _linear(3, 1, seed=1)
+    initial = np.asarray(model.kernel[...]).copy()
+    ddp = DDP(model)
+    step = ddp.train_step(_sum_loss, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    batches = [np.ones((4, 3), np.float32)] * 2
+    if rank == 1:
+        batches.append(np.full((3, 3), 2.0, np.float32))
+    with ddp.join():
+        for x in batches:
+            step(x)
+    return initial, np.asarray(model.kernel[...])
+
+
 def main():
     """The shared launch: every case in turn on both ranks."""
     import time
@@ -421,6 +442,7 @@ def main():
     for name, fn in (("grad_div", grad_div), ("model_equivalence", model_equivalence),
                      ("join_disable", join_disable), ("exception", uneven_exception),
                      ("buffers", forward_sync_buffers_false), ("fresh", no_input_fresh),
+                     ("smaller_last", smaller_last_batch),
                      ("sync_bn", stop_iteration_sync_bn), ("uneven", uneven_inputs)):
         t0, c0 = time.perf_counter(), time.process_time()
         out[name] = fn(rank, world)

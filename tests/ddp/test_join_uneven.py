@@ -110,6 +110,15 @@ def test_join_ddp_with_a_user_joinable(ranks):
     _same_on_every_rank([r["fresh"][3] for r in ranks])
 
 
+def test_join_smaller_last_batch_on_the_rank_still_training(ranks):
+    """The joined rank replays its 4-row batch as 3 rows: one program, no padding."""
+    (init, a), (_, b) = (r["smaller_last"] for r in ranks)
+    np.testing.assert_array_equal(a, b)
+    # two steps of 4 ones on both ranks (grad 4 per rank, mean 4), then 3 rows of 2 on
+    # rank 1 only (grad 6, divided by the initial world size 2)
+    np.testing.assert_allclose(a, init - 0.1 * (4 + 4 + 3), rtol=1e-6)
+
+
 def test_ddp_uneven_input_join_disable(ranks):
     for r in ranks:
         got = r["join_disable"]
