@@ -9,6 +9,8 @@ Cases, in this order on every process (collectives pair up in launch order):
 
 from __future__ import annotations
 
+import resource
+
 import numpy as np
 
 NUM_INPUTS, NUM_EPOCHS, JOIN_LR = 3, 2, 0.01
@@ -48,17 +50,24 @@ def join_truth(world):
     def loss(p, x, y):
         return jnp.mean((forward(p, x) - y) ** 2)
 
-    grad = jax.jit(jax.grad(loss))
     data = [join_data(r) for r in range(world)]
     tx = optax.adam(JOIN_LR)
+
+    @jax.jit
+    def step(params, state, xs, ys, weights):
+        """One DDP step: the active ranks' gradients (weight 1, joined 0) over world."""
+        g = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, xs, ys)
+        g = jax.tree.map(lambda v: jnp.tensordot(weights, v, axes=1) / world, g)
+        u, state = tx.update(g, state, params)
+        return g, optax.apply_updates(params, u), state
+
     params = jax.tree.map(jnp.asarray, linear_params((2, 3, 3, 3), 0))
     state, grads_at, params_at = tx.init(params), [], []
     for i in range(NUM_EPOCHS * (NUM_INPUTS + world - 1)):
-        active = [r for r in range(world) if NUM_EPOCHS * (NUM_INPUTS + r) > i]
-        gs = [grad(params, data[r][0][i % len(data[r][0])], data[r][1]) for r in active]
-        g = jax.tree.map(lambda *xs: sum(xs) / world, *gs)
-        u, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, u)
+        xs = np.stack([d[0][i % len(d[0])] for d in data])
+        weights = np.array([NUM_EPOCHS * (NUM_INPUTS + r) > i for r in range(world)],
+                           np.float32)
+        g, params, state = step(params, state, xs, np.stack([d[1] for d in data]), weights)
         grads_at.append(g)
         params_at.append(params)
     return grads_at, params_at
@@ -78,8 +87,8 @@ def case_collect_shards(rank):
     zero = ZeroRedundancyOptimizer(optax.sgd(1e-3, momentum=0.99))
     state = zero.init(params)
 
-    def closure(p):
-        return jax.value_and_grad(lambda q: jnp.mean(jnp.abs(forward(q, inputs) - target)))(p)
+    closure = jax.jit(jax.value_and_grad(
+        lambda q: jnp.mean(jnp.abs(forward(q, inputs) - target))))
 
     params, state, _ = zero.closure_step(closure, params, state)
     zero.consolidate_state_dict(state, to=0)
@@ -110,12 +119,13 @@ def case_nondefault_process_group(rank):
     params = linear_params((20, 10, 5), 0)
     state = zero.init(params)
     seen = []
+    value_and_grad = jax.jit(jax.value_and_grad(
+        lambda q, x, y: jnp.mean(jnp.abs(forward(q, x) - y))))
     for _ in range(5):
         target, inputs = rng.rand(3, 5).astype(np.float32), rng.rand(3, 20).astype(np.float32)
 
         def closure(p, target=target, inputs=inputs):
-            loss, g = jax.value_and_grad(
-                lambda q: jnp.mean(jnp.abs(forward(q, inputs) - target)))(p)
+            loss, g = value_and_grad(p, inputs, target)
             g = jax.tree.map(np.asarray, g)
             g = jdist.collectives.all_reduce_coalesced(g, jdist.ReduceOp.AVG, group=pg)
             return loss, g
@@ -190,4 +200,6 @@ def child() -> dict:
            "nondefault_process_group": case_nondefault_process_group(rank),
            "zero_join": case_zero_join(rank, world)}
     jdist.destroy_process_group()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = usage.ru_utime + usage.ru_stime  # this rank's CPU time (suite budget)
     return out
