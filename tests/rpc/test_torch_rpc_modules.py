@@ -565,3 +565,23 @@ def results():
 def test_case(results, name):
     for rank, res in enumerate(results):
         assert res.get(name) == "ok", f"rank {rank}: {res.get(name)}"
+
+
+def test_remote_device_strings_follow_torch():
+    """torch's ``_remote_device`` / ``torch.device`` rules, in this process (no RPC)."""
+    from jdist.rpc._remote_device import local_device, parse_remote_device
+
+    assert parse_remote_device("worker1") == ("worker1", "cpu")
+    assert parse_remote_device("worker1/cuda:0") == ("worker1", "cuda:0")
+    assert parse_remote_device("rank:3/cpu") == (3, "cpu")
+    assert parse_remote_device(2) == (2, "cpu")
+    for bad in ("rank:x/cpu", "a:b:c/cpu", "cpu"):  # "cpu": a device but no worker
+        with pytest.raises(ValueError, match="Could not parse remote_device"):
+            parse_remote_device(bad)
+    for bad, text in (("w/cuda:01", "Invalid device string: 'cuda:01'"),
+                      ("w/mps", "Expected one of cpu, cuda, gpu, tpu device type")):
+        with pytest.raises(RuntimeError, match=re.escape(text)):
+            parse_remote_device(bad)
+    assert local_device("cpu") == jax.local_devices(backend="cpu")[0]
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        local_device("cpu:1000")
