@@ -17,7 +17,56 @@ from typing import Any
 
 from jdist.errors import CollectiveTimeoutError
 
-__all__ = ["Work", "Queues"]
+__all__ = ["Work", "Queues", "Future"]
+
+
+class Future(cf.Future):
+    """``torch.futures.Future``'s interface on a ``concurrent.futures.Future``.
+
+    ``wait()`` returns the value or re-raises the error; ``value()`` reads a finished
+    future; ``then(callback)`` returns a new Future holding ``callback(self)`` once this
+    one finishes (an error raised by the callback is the new future's error). The
+    ``concurrent.futures`` methods (``result``, ``add_done_callback``, ...) stay.
+    """
+
+    @classmethod
+    def following(cls, source: cf.Future) -> Future:
+        """A Future that finishes as ``source`` does, with its value or error."""
+        out = cls()
+
+        def copy(src: cf.Future) -> None:
+            err = src.exception()
+            if err is not None:
+                out.set_exception(err)
+            else:
+                out.set_result(src.result())
+
+        source.add_done_callback(copy)
+        return out
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until finished (at most ``timeout`` seconds); the value, or raise."""
+        return self.result(timeout)
+
+    def value(self) -> Any:
+        """The value of a finished future (raises its error, or RuntimeError if pending)."""
+        if not self.done():
+            raise RuntimeError("Future.value() on a future that has not finished; "
+                               "call wait() instead")
+        return self.result()
+
+    def then(self, callback: Callable[[Future], Any]) -> Future:
+        """A new Future holding ``callback(self)`` once this future finishes."""
+        nxt = Future()
+
+        def run(_: cf.Future) -> None:
+            try:
+                nxt.set_result(callback(self))
+            except BaseException as err:  # the chained future carries it, as torch's
+                nxt.set_exception(err)
+
+        self.add_done_callback(run)
+        return nxt
 
 
 class Work:
@@ -70,8 +119,11 @@ class Work:
         """Its error once finished, else None (does not wait)."""
         return self._future.exception() if self._future.done() else None
 
-    def get_future(self) -> cf.Future:
-        """The underlying ``concurrent.futures.Future``."""
+    def get_future(self) -> Future:
+        """A :class:`Future` (torch's ``wait``/``value``/``then``, and the
+        ``concurrent.futures`` methods) that finishes with this operation's result."""
+        if not isinstance(self._future, Future):
+            self._future = Future.following(self._future)
         return self._future
 
     def __repr__(self) -> str:

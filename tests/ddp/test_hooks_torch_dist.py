@@ -292,26 +292,32 @@ def test_ddp_remove_autograd_hooks():
 
 # ----------------------------------------------------------------------- get_future
 def test_get_future(monkeypatch):
-    """Departure: ``Work.get_future()`` is a ``concurrent.futures.Future`` (``result``,
-    ``add_done_callback``), without torch's ``then``; the chain is applied to its
-    result. One process here, so ``len(group) == 1``."""
+    """torch's test_get_future: ``then`` chains on an async all_reduce's future (one
+    process here, so ``len(group) == 1``); also ``value``, ``wait`` and a callback's
+    error reaching the chained future."""
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     if jdist.is_initialized():
         jdist.destroy_process_group()
     jdist.init_process_group()
     try:
-        def mult(value):
-            return [t * 3 for t in value]
+        def mult(fut):
+            return [t * 3 for t in fut.wait()]
 
-        def add(value):
-            return [t + 1 for t in value]
+        def add(fut):
+            return [t + 1 for t in fut.wait()]
 
         inp = np.full((3, 3, 3), 2.0, np.float32)  # torch's _build_tensor(3, 2)
         fut = jdist.all_reduce(inp, async_op=True).get_future()
-        assert not hasattr(fut, "then")
-        res = add(mult([fut.result(timeout=60)]))
+        res = fut.then(lambda f: [f.wait()]).then(mult).then(add).wait()
         expected = np.full((3, 3, 3), 2 * jdist.get_world_size() * 3 + 1, np.float32)
         np.testing.assert_array_equal(res[0], expected)
+        np.testing.assert_array_equal(fut.value(), inp * jdist.get_world_size())
+
+        def boom(f):
+            raise ValueError("from the callback")
+
+        with pytest.raises(ValueError, match="from the callback"):
+            fut.then(boom).wait(timeout=60)
     finally:
         jdist.destroy_process_group()
