@@ -6,6 +6,10 @@ Both are optax-style transformations used inside ``shard_map`` over the group's 
 gradients, then steps. It is NOT torch's ``torch.distributed.optim.DistributedOptimizer``:
 that one, which steps RRef-held parameters with a distributed-autograd context's
 gradients, is :class:`jdist.rpc.DistributedOptimizer`.
+
+``ParamGroups`` gives any optax factory torch's parameter groups (per-group
+hyperparameters kept in the state, ``add_param_group``); ``ZeroRedundancyOptimizer``
+takes it as ``tx`` and is a ``jdist.algorithms.join.Joinable``.
 """
 
 from jdist.optim._broadcast import broadcast_optimizer_state as broadcast_optimizer_state

@@ -383,3 +383,28 @@ def test_local_optimizer_parity(name, maximize):
     _load(opt_l, local_sd)                            # each its own again
     _load(opt_z, zero.load_state_dict(zero_sd))
     check_step()
+
+
+def test_param_groups_and_join_hook_name_their_fixes():
+    """jdist's own checks around the torch surface (no torch counterpart)."""
+    tx = ParamGroups(optax.sgd, [{}, {"learning_rate": 0.5}], learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"one pytree per group \(2 groups\), got a list of 1"):
+        tx.init([jnp.ones(2)])
+    with pytest.raises(ValueError, match="one pytree per group"):
+        tx.init({"w": jnp.ones(2)})
+    state = tx.init([jnp.ones(2), jnp.ones(3)])
+    assert [g["learning_rate"] for g in tx.param_groups(state)] == [f32(0.1), f32(0.5)]
+    with pytest.raises(ValueError, match="non-empty list of dicts"):
+        ParamGroups(optax.sgd, [], learning_rate=0.1)
+    zero = ZeroRedundancyOptimizer(optax.sgd(0.1), group=group_of(2))
+    hook = zero.join_hook()
+    with pytest.raises(RuntimeError, match=r"run at least one zero.step\(...\)"):
+        hook.main_hook()
+    params = [jnp.ones(3)]
+    zero.step(params, [jnp.ones(3)], zero.init(params))
+    with pytest.raises(RuntimeError, match="zero.join_grads, which is None"):
+        hook.main_hook()
+    zero.join_grads = lambda: [jnp.ones(3)]  # what an earlier joinable's hook sets
+    hook.main_hook()  # one shadow step from the last step's (params, state)
+    np.testing.assert_allclose(zero.latest[0][0], np.full(3, 0.8), rtol=1e-6)
+    assert zero.join_process_group is zero.group and zero.join_device in jax.devices()
