@@ -110,7 +110,7 @@ class ProcessChecks:
         self.group = group
         self._seen: list | None = None  # the parameters after the last DDP call
         self._checked_at: float | None = None
-        self._rows: int | None = None  # the batch size every process agreed on last
+        self._rows: str | None = None  # the batch shapes every process agreed on last
 
     def seen(self, params: Any) -> None:
         """The parameters as the last DDP call left them."""
@@ -134,26 +134,47 @@ class ProcessChecks:
         check_replicas(self.group, placed)
 
     def rows(self, batch: Any) -> None:
-        """At the first step and whenever this process's batch size changes: every
-        process has as many rows, or ``ValueError`` naming each rank's and the fix.
-        (Steps only: a forward without buffers to broadcast communicates nothing, and an
-        evaluation over unequal shares, ``even_split=False``, is fine there.)"""
+        """At the first step and whenever this process's batch shapes change: every
+        process has as many rows, and leaves of the same shapes and dtypes, or
+        ``ValueError`` naming each rank's and the fix. (Steps only: a forward without
+        buffers to broadcast communicates nothing, and an evaluation over unequal shares,
+        ``even_split=False``, is fine there.)
+
+        Shapes beyond the rows matter too: each process compiles its step for its own
+        shapes, and two programs whose collectives have equal sizes (a SyncBatchNorm's
+        per-feature sums) may issue them in different orders, pairing the wrong values.
+        """
         if self.group.size() == 1:
             return
         leaves = jax.tree.leaves(batch)
         rows = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else -1
-        if rows == self._rows:
+        sig = f"{rows}|" + ";".join(
+            f"{tuple(np.shape(x))[1:]}:{np.result_type(x)}" for x in leaves)
+        if sig == self._rows:
             return
-        got = [int(b) for b in gather_bytes(self.group, str(rows).encode())]
+        got = [b.decode() for b in gather_bytes(self.group, sig.encode())]
         if len(set(got)) > 1:
-            per = len(self.group.local_devices)
-            pad = -(-max(max(got), 1) // per) * per
-            sizes = ", ".join(f"rank {r}: {n}" for r, n in enumerate(got))
-            raise ValueError(
-                f"DDP needs the same batch size on every process, got {sizes} rows. Every "
-                "process runs the same compiled step; for batches of different sizes (an "
-                f"empty one included) pass train_step(loss_fn, optimizer, pad_batch_to={pad}) "
-                "with a per-example loss (padding is masked out exactly, SyncBatchNorm "
-                "included), or split the data evenly (DistributedSampler with "
-                "drop_last=True, or the loader's drop_last).")
-        self._rows = rows
+            raise ValueError(_shapes_message(got, len(self.group.local_devices)))
+        self._rows = sig
+
+
+def _shapes_message(sigs: list[str], per: int) -> str:
+    """The error for processes whose step inputs differ (``sigs``: each rank's
+    ``"rows|shape:dtype;..."``)."""
+    rows = [int(s.split("|", 1)[0]) for s in sigs]
+    if len(set(rows)) > 1:
+        pad = -(-max(max(rows), 1) // per) * per
+        sizes = ", ".join(f"rank {r}: {n}" for r, n in enumerate(rows))
+        return (
+            f"DDP needs the same batch size on every process, got {sizes} rows. Every "
+            "process runs the same compiled step; for batches of different sizes (an "
+            f"empty one included) pass train_step(loss_fn, optimizer, pad_batch_to={pad}) "
+            "with a per-example loss (padding is masked out exactly, SyncBatchNorm "
+            "included), or split the data evenly (DistributedSampler with "
+            "drop_last=True, or the loader's drop_last).")
+    shapes = ", ".join(f"rank {r}: [{s.split('|', 1)[1]}]" for r, s in enumerate(sigs))
+    return (
+        "DDP needs inputs of the same shapes and dtypes on every process (beyond the "
+        f"batch dimension), got per-example shapes {shapes}. Every process runs the same "
+        "compiled step: pad the inputs to one shape (and mask the padding in the loss and "
+        "in statistics, e.g. SyncBatchNorm's mask=...), or resize them.")

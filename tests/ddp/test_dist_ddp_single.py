@@ -748,3 +748,18 @@ def test_ddp_python_error_logged():
     ddp = DDP(TwoLin(), process_group=_group())
     with pytest.raises(TypeError, match="must be callable"):
         ddp.register_comm_hook({}, {})
+
+
+def test_ddp_broadcast_buffers_deprecation_warning():
+    """Departure: ``broadcast_buffers`` is jdist's contract name, so it does not warn;
+    ``forward_sync_buffers`` (torch 2.13) is accepted and wins when both are given."""
+    import warnings
+
+    for bb, fsb in ((False, True), (True, False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ddp = DDP(Net(), process_group=_group(), broadcast_buffers=bb,
+                      forward_sync_buffers=fsb)
+        assert ddp.forward_sync_buffers is fsb and ddp.broadcast_buffers is fsb
+    for kwargs, want in (({}, True), ({"broadcast_buffers": False}, False)):
+        assert DDP(Net(), process_group=_group(), **kwargs).forward_sync_buffers is want
