@@ -408,3 +408,17 @@ def test_param_groups_and_join_hook_name_their_fixes():
     hook.main_hook()  # one shadow step from the last step's (params, state)
     np.testing.assert_allclose(zero.latest[0][0], np.full(3, 0.8), rtol=1e-6)
     assert zero.join_process_group is zero.group and zero.join_device in jax.devices()
+
+
+def test_param_groups_of_a_labelled_single_tree():
+    """One parameter tree (an nnx.Optimizer's): torch's groups as multi_transform labels
+    of inject_hyperparams optimizers; param_groups reads them from the ZeRO state."""
+    adamw = optax.inject_hyperparams(optax.adamw)
+    tx = optax.multi_transform(
+        {"decay": adamw(learning_rate=0.01, weight_decay=0.01),
+         "no_decay": adamw(learning_rate=0.01, weight_decay=0.0)},
+        lambda p: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no_decay", p))
+    zero = ZeroRedundancyOptimizer(tx, group=group_of(2))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    state = zero.init(params)
+    assert [g["weight_decay"] for g in zero.param_groups(state)] == [f32(0.01), 0.0]
