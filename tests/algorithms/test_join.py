@@ -128,3 +128,23 @@ def test_hooks_default_to_nothing():
     hook = JoinHook()
     assert hook.main_hook() is None and hook.post_hook(True) is None
     assert np.isscalar(jc.AFTER_CONSTANT)
+
+
+def test_warns_on_a_skew_over_the_threshold(monkeypatch):
+    """torch's warning once a joined process shadowed more than 1000 iterations."""
+    from jdist.algorithms import _join
+
+    counts = iter([1] * (_join.WARN_THRESHOLD + 1) + [0])
+    monkeypatch.setattr(Join, "_get_num_nonjoined_procs", lambda self: next(counts))
+    monkeypatch.setattr(_join, "_collectives", lambda: _FakeCollectives)
+    with pytest.warns(UserWarning, match="Detected uneven input skew of greater than 1000"):
+        with Join([_Plain(_FakeGroup())]):
+            pass
+
+
+class _FakeGroup:
+    rank = 0
+
+
+class _FakeCollectives:
+    ProcessGroup = _FakeGroup

@@ -172,3 +172,37 @@ def test_join_contexts_cannot_be_nested():
     with ddp.join():
         with pytest.raises(JoinError, match="cannot be nested"):
             Join([ddp])
+
+
+def test_replayed_batch_takes_the_others_rows():
+    from jdist.ddp._join import batch_rows, with_rows
+
+    batch = {"x": np.arange(8.0).reshape(4, 2), "y": np.arange(4)}
+    assert batch_rows(batch) == 4 and batch_rows(()) == -1
+    assert with_rows(batch, 4) is batch and with_rows(batch, -1) is batch
+    three = with_rows(batch, 3)
+    np.testing.assert_array_equal(three["y"], [0, 1, 2])
+    np.testing.assert_array_equal(with_rows(batch, 6)["y"], [0, 1, 2, 3, 0, 1])
+    with pytest.raises(JoinError, match="cannot replay an empty batch"):
+        with_rows({"x": np.zeros((0, 2))}, 2)
+
+
+def test_steps_are_numbered_as_made_and_held_weakly():
+    import gc
+
+    from jdist.ddp._join import StepNumbers
+
+    steps = StepNumbers()
+
+    def a():
+        pass
+
+    def b():
+        pass
+
+    steps.add(a)
+    steps.add(b)
+    assert (steps.number(a), steps.number(b)) == (0, 1) and steps.get(1) is b
+    del b
+    gc.collect()
+    assert steps.get(1) is None and steps.number(a) == 0
