@@ -23,6 +23,7 @@ from jdist.optim._distributed import fused_allreduce as fused_allreduce
 from jdist.optim._param_groups import ParamGroups as ParamGroups
 from jdist.optim._param_groups import ParamGroupsState as ParamGroupsState
 from jdist.optim._param_groups import param_groups as param_groups
+from jdist.optim._param_groups import set_hyperparams as set_hyperparams
 from jdist.optim._zero import ZeroRedundancyOptimizer as ZeroRedundancyOptimizer
 from jdist.optim._zero import ZeroState as ZeroState
 from jdist.optim._zero import flat_partition as flat_partition
@@ -44,4 +45,5 @@ __all__ = [
     "flat_partition",
     "fused_allreduce",
     "param_groups",
+    "set_hyperparams",
 ]

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 import optax
 
-__all__ = ["ParamGroups", "ParamGroupsState", "check_param_group", "groups_of", "param_groups"]
+__all__ = ["ParamGroups", "ParamGroupsState", "check_param_group", "groups_of", "param_groups",
+           "set_hyperparams"]
 
 
 class ParamGroupsState(NamedTuple):
@@ -73,6 +74,47 @@ def param_groups(state) -> list[dict]:
     """
     return [{k: _scalar(v) for k, v in node.hyperparams.items()}
             for node in _hyperparam_nodes(state)]
+
+
+def set_hyperparams(state, group: int, **values):
+    """``state`` with group ``group``'s numeric hyperparameters set (torch's
+    ``optimizer.param_groups[group]["lr"] = ...``, as a manual scheduler does).
+
+    ``group`` counts the ``inject_hyperparams`` states in tree order (the order of
+    :func:`param_groups`); each value keeps the stored dtype and placement. A name the
+    group does not hold in its state raises ``KeyError`` listing those it holds (a
+    schedule's value is recomputed every step: change the schedule instead).
+    """
+    nodes = _hyperparam_nodes(state)
+    if not 0 <= group < len(nodes):
+        raise IndexError(f"group {group} is out of range: the state holds {len(nodes)} "
+                         "inject_hyperparams states")
+    target = nodes[group]
+    missing = sorted(set(values) - set(target.hyperparams))
+    if missing:
+        raise KeyError(f"group {group} holds no hyperparameter {missing} in its state; it "
+                       f"holds {sorted(target.hyperparams)}")
+
+    def placed(old, value):
+        new = np.asarray(value, dtype=old.dtype)
+        return jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new
+
+    hyper = {k: placed(v, values[k]) if k in values else v
+             for k, v in target.hyperparams.items()}
+    return _replace_node(state, target, target._replace(hyperparams=hyper))
+
+
+def _replace_node(node, old, new):
+    """``node`` with the object ``old`` inside it replaced by ``new`` (containers rebuilt)."""
+    if node is old:
+        return new
+    if isinstance(node, Mapping):
+        return type(node)({k: _replace_node(v, old, new) for k, v in node.items()})
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_replace_node(v, old, new) for v in node))
+    if isinstance(node, (tuple, list)):
+        return type(node)(_replace_node(v, old, new) for v in node)
+    return node
 
 
 class ParamGroups:

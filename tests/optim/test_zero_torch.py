@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from jdist.ddp import DistributedDataParallel as DDP
-from jdist.optim import ParamGroups, ZeroRedundancyOptimizer, flat_partition
+from jdist.optim import ParamGroups, ZeroRedundancyOptimizer, flat_partition, set_hyperparams
 from tests.helpers import tree_allclose
 from tests.optim.test_zero import group_of
 
@@ -72,13 +72,19 @@ def test_lr_scheduler(n):
     sched = optax.exponential_decay(0.01, transition_steps=1, decay_rate=0.1, staircase=True)
     o = ZeroRedundancyOptimizer(ParamGroups(optax.sgd, learning_rate=sched), group=group_of(n))
     o2 = optax.sgd(sched)
-    x = x2 = [arr(1.0)]
-    state, state2 = o.init(x), o2.init(x2)
+    # torch's scheduler way: set the group's lr in the state between steps
+    o3 = ZeroRedundancyOptimizer(ParamGroups(optax.sgd, learning_rate=0.01), group=group_of(n))
+    x = x2 = x3 = [arr(1.0)]
+    state, state2, state3 = o.init(x), o2.init(x2), o3.init(x3)
     for _ in range(5):
         x, state = o.step(x, [arr(1.0)], state)
         u, state2 = o2.update([arr(1.0)], state2, x2)
         x2 = optax.apply_updates(x2, u)
+        x3, state3 = o3.step(x3, [arr(1.0)], state3)
+        lr = o3.param_groups(state3)[0]["learning_rate"]
+        state3 = set_hyperparams(state3, 0, learning_rate=lr * 0.1)
         np.testing.assert_allclose(x[0], x2[0], rtol=1e-6)
+        np.testing.assert_allclose(x3[0], x2[0], rtol=1e-6)
     np.testing.assert_allclose(x[0], [1 - 0.011111], rtol=1e-5)
 
 
@@ -394,6 +400,12 @@ def test_param_groups_and_join_hook_name_their_fixes():
         tx.init({"w": jnp.ones(2)})
     state = tx.init([jnp.ones(2), jnp.ones(3)])
     assert [g["learning_rate"] for g in tx.param_groups(state)] == [f32(0.1), f32(0.5)]
+    state = set_hyperparams(state, 1, learning_rate=0.25)
+    assert [g["learning_rate"] for g in tx.param_groups(state)] == [f32(0.1), 0.25]
+    with pytest.raises(KeyError, match=r"holds no hyperparameter \['lr'\]"):
+        set_hyperparams(state, 0, lr=0.1)
+    with pytest.raises(IndexError, match="group 2 is out of range"):
+        set_hyperparams(state, 2, learning_rate=0.1)
     with pytest.raises(ValueError, match="non-empty list of dicts"):
         ParamGroups(optax.sgd, [], learning_rate=0.1)
     zero = ZeroRedundancyOptimizer(optax.sgd(0.1), group=group_of(2))
