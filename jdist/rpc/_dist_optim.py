@@ -13,9 +13,10 @@ class) called on each owner with ``*args, **kwargs``, or a ready
 picklable: most optax transformations are closures and are not; pass the factory).
 
 Steps on one worker are serialized by one lock (as torch); steps of different clients are
-not ordered. A parameter with no gradient in the context gets a zero gradient (optax
-needs a full tree; torch skips it, which differs for stateful optimizers such as Adam);
-an owner with no gradient at all in the context skips its step, as torch.
+not ordered. A parameter with no gradient in the context keeps its value, as torch skips
+it; its optimizer state still sees a zero gradient (optax needs a full tree: momentum
+and Adam's moments decay, and the step count is shared, where torch's per-parameter
+state waits); an owner with no gradient at all in the context skips its step, as torch.
 """
 
 from __future__ import annotations
@@ -89,11 +90,15 @@ class LocalOptimizer:
 
     def _pure_update(self, grads, opt_state, params):
         # a parameter without a gradient in the context (None: a static leaf of the
-        # signature) steps with zeros, as torch's optimizers see a zero gradient
-        grads = [jnp.zeros_like(p) if g is None else jnp.asarray(g, p.dtype)
-                 for g, p in zip(grads, params, strict=True)]
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        # signature) goes into optax's update as zeros (it needs a full tree) and keeps
+        # its value, as torch's optimizers skip it (weight decay, momentum and Adam's
+        # moments would otherwise move it)
+        full = [jnp.zeros_like(p) if g is None else jnp.asarray(g, p.dtype)
+                for g, p in zip(grads, params, strict=True)]
+        updates, opt_state = self.tx.update(full, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        return [p if g is None else n for g, p, n in zip(grads, params, new, strict=True)], \
+            opt_state
 
     def step(self, context_id: int) -> int:
         """Apply this owner's gradients of context ``context_id``; how many it had."""

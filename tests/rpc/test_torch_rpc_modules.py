@@ -585,3 +585,36 @@ def test_remote_device_strings_follow_torch():
     assert local_device("cpu") == jax.local_devices(backend="cpu")[0]
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         local_device("cpu:1000")
+
+
+def test_a_parameter_without_gradient_keeps_its_value_as_torch_skips_it():
+    """torch's optimizers skip a parameter without a gradient (no weight decay, no
+    momentum step); the RPC DistributedOptimizer does too (three in-process agents)."""
+    import torch
+
+    from tests.rpc.conftest import make_agents, stop_all
+
+    w = torch.tensor(_rand33(), requires_grad=True)
+    frozen = torch.tensor(_rand33(), requires_grad=True)  # never used: no .grad
+    opt = torch.optim.SGD([w, frozen], lr=1e-3, momentum=1, weight_decay=1, nesterov=True)
+    (w * 2.0).sum().backward()
+    opt.step()
+    agents = make_agents(2)
+    try:
+        a0 = agents[0]
+        used = a0.remote("w1", nnx.Param, (jnp.asarray(_rand33()),))
+        unused = a0.remote("w1", nnx.Param, (jnp.asarray(_rand33()),))  # same owner
+        _, factory, kw = TORCH_TO_OPTAX["SGD-nesterov"]
+        dist_optim = DistributedOptimizer(factory, [used, unused], **kw)
+        with dist_autograd.context(a0) as cid:
+            dist_autograd.backward(cid, lambda: 2.0 * jnp.sum(
+                a0.rpc_async("w1", _value, (used,)).wait()), agent=a0)
+            dist_optim.step(cid)
+        _close(used.to_here()[...], w.detach().numpy(), "the used parameter")
+        np.testing.assert_array_equal(unused.to_here()[...], frozen.detach().numpy())
+    finally:
+        stop_all(agents, graceful=False)
+
+
+def _value(rref):
+    return rref.local_value()[...]
