@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import typing
 
 import jax
@@ -46,8 +47,14 @@ def _add_grads(model, grads):
     nnx.update(model, jax.tree.map(lambda p, g: p + g, state, grads))
 
 
+@functools.cache
+def _jitted_grad(loss):
+    return nnx.jit(nnx.grad(loss))
+
+
 def _local_grads(model, loss, *args):
-    return nnx.grad(loss)(model, *args)
+    """Local (one-device) gradients of ``loss`` over the whole batch."""
+    return _jitted_grad(loss)(model, *args)
 
 
 def _close(a, b, tol=1e-5):
