@@ -121,14 +121,11 @@ def test_compiled_pass_matches_eager_and_a_local_reference(agents):
     assert _compiled_root.TRACES["root runs"] - before.get("root runs", 0) == 4
 
     s1, s2 = Stage(5, 8, 0.3, 3), Stage(8, 4, 0.2, 4)  # the same modules, locally
-
-    @nnx.jit  # one program (op by op, the reference compiled each of its ops)
-    def reference(m1, m2, x, y):
-        return nnx.value_and_grad(lambda m1, m2: nll(m2(m1(x) * 2.0), y),
-                                  argnums=(0, 1))(m1, m2)
-
     for (x, y), e, p in zip(batches, eager, pure, strict=True):
-        want, (g1, g2) = reference(s1, s2, jnp.asarray(x), jnp.asarray(y))
+        def local(m1, m2, x=x, y=y):
+            return nll(m2(m1(jnp.asarray(x)) * 2.0), jnp.asarray(y))
+
+        want, (g1, g2) = nnx.value_and_grad(local, argnums=(0, 1))(s1, s2)
         for got in (e, p):
             np.testing.assert_allclose(got[0], float(want), rtol=1e-5)
             np.testing.assert_allclose(got[1][0], g1.lin.kernel[...], rtol=1e-4, atol=1e-6)
