@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # explicit re-exports for type checkers; loaded lazily at run
     from jdist.collectives import init_process_group as init_process_group
     from jdist.collectives import irecv as irecv
     from jdist.collectives import is_initialized as is_initialized
+    from jdist.collectives import is_torchelastic_launched as is_torchelastic_launched
     from jdist.collectives import isend as isend
     from jdist.collectives import monitored_barrier as monitored_barrier
     from jdist.collectives import new_group as new_group
@@ -76,7 +77,8 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "broadcast_object_list", "describe_job", "destroy_process_group", "gather",
         "gather_object", "get_backend",
         "get_default_group", "get_global_rank", "get_group_rank", "get_process_group_ranks",
-        "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized", "isend",
+        "get_rank", "get_world_size", "init_process_group", "irecv", "is_initialized",
+        "is_torchelastic_launched", "isend",
         "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter",
         "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
     ),
@@ -123,6 +125,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "is_initialized",
+    "is_torchelastic_launched",
     "get_default_group",
     "get_rank",
     "get_world_size",

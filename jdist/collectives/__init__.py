@@ -37,6 +37,7 @@ from jdist.collectives._group import new_group as new_group
 from jdist.collectives._init import describe_job as describe_job
 from jdist.collectives._init import destroy_process_group as destroy_process_group
 from jdist.collectives._init import init_process_group as init_process_group
+from jdist.collectives._launched import is_torchelastic_launched as is_torchelastic_launched
 from jdist.collectives._monitored import monitored_barrier as monitored_barrier
 from jdist.collectives._object import all_gather_object as all_gather_object
 from jdist.collectives._object import broadcast_object_list as broadcast_object_list
@@ -59,6 +60,7 @@ from jdist.store import TCPStore as TCPStore
 
 __all__ = [
     "functional",
+    "is_torchelastic_launched",
     "NON_GROUP_MEMBER",
     "ProcessGroup",
     "ReduceOp",

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -261,11 +262,10 @@ def test_launch_shutdown(test_dir):
 
 
 def test_is_torchelastic_launched(test_dir):
-    """Departure: jdist has no ``is_torchelastic_launched()``; its workers get
-    TORCHELASTIC_RUN_ID, the variable torch's function reads."""
+    out_file = test_dir / "out"
     assert main(["--run-path", "--nnodes=1", "--nproc-per-node=1", "--monitor-interval=1",
-                 path("run_script.py"), f"--touch-file-dir={test_dir}"]) == 0
-    assert seen(test_dir, 0)["TORCHELASTIC_RUN_ID"]
+                 path("is_torchelastic_launched.py"), f"--out-file={out_file}"]) == 0
+    assert out_file.read_text() == "True"
 
 
 def test_is_torchelastic_launched_with_logs_spec_defined(capsys):
@@ -286,12 +286,34 @@ def test_logs_logs_spec_entrypoint_must_be_defined():
 
 
 def test_is_not_torchelastic_launched(test_dir, monkeypatch):
-    """Departure: see test_is_torchelastic_launched; outside jdist-run no launcher
-    variable is set, so the script fails to find them."""
+    out_file = test_dir / "out"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(sys, "argv", [path("run_script.py"), f"--touch-file-dir={test_dir}"])
-    with pytest.raises(KeyError, match="LOCAL_RANK"):
-        runpy.run_path(sys.argv[0], run_name="__main__")
+    monkeypatch.setattr(sys, "argv", [path("is_torchelastic_launched.py"),
+                                      f"--out-file={out_file}"])
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    assert out_file.read_text() == "False"
+
+
+def _handlers():
+    return [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+
+
+def test_no_launch_leaves_its_signal_handlers_behind(test_dir, tmp_path, capsys):
+    """main() called in-process gives the caller its SIGINT/SIGTERM/SIGHUP handlers
+    back on every way out: a missing script, a --no-python file that is not executable
+    (both exit 2 before anything starts) and a job that ran."""
+    before = _handlers()
+    script = tmp_path / "not_executable.sh"
+    script.write_text("exit 0\n")
+    assert main([str(tmp_path / "missing.py")]) == 2
+    assert _handlers() == before
+    assert main(["--no-python", str(script)]) == 2
+    assert _handlers() == before
+    err = capsys.readouterr().err
+    assert "script" in err and "not found" in err and "is not an executable file" in err
+    assert main(["--nproc-per-node=1", "--no-python", path("run_script.sh"),
+                 str(test_dir)]) == 0
+    assert _handlers() == before
 
 
 def _init_method(init: str, port: int) -> None:
