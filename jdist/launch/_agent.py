@@ -115,8 +115,8 @@ class _Agent:
                 with self.lock:
                     members = list(self.members)
                 for i in members:
-                    if i == self.slot or i in dead:
-                        continue
+                    if i == self.slot or i in dead or store.check([f"node/{i}/exited"]):
+                        continue  # (a launcher that left after its exit barrier)
                     count = store.add(f"hb/{i}", 0)
                     if count != seen.get(i, (-1, now))[0]:
                         seen[i] = (count, now)
@@ -159,6 +159,10 @@ class _Agent:
         with self.lock:
             members = list(self.members)
         return [i for i in members if not self.store.check([f"node/{i}/dead"])]
+
+    def staying(self) -> list[int]:
+        """Live nodes whose launcher did not leave after its exit barrier."""
+        return [i for i in self.live() if not self.store.check([f"node/{i}/exited"])]
 
     # --- one attempt ---------------------------------------------------------------------
     def start(self, job: JobInfo) -> WorkerGroup:
@@ -227,11 +231,30 @@ class _Agent:
             time.sleep(_POLL_S)
         group.stop(0.0)  # every worker exited 0; reap stragglers in their groups
         s.add(f"round/{r}/done", 1)
-        while True:  # wait for the other nodes: they may still fail
-            if s.check([failed_key]):
-                return Failure(**json.loads(s.get(failed_key)))
+        return self._exit_barrier(r)
+
+    def _exit_barrier(self, r: int) -> Failure | None:
+        """This node's workers of attempt ``r`` finished: wait for the other nodes' (they
+        may still fail), at most ``--exit-barrier-timeout`` (torch's exit barrier, which
+        never fails the job). The store's host waits for every live node regardless:
+        leaving would stop the store their launchers need."""
+        cfg, s = self.cfg, self.store
+        deadline = time.monotonic() + cfg.exit_barrier_timeout
+        told = False
+        while True:
+            if s.check([f"round/{r}/failed"]):
+                return Failure(**json.loads(s.get(f"round/{r}/failed")))
             if s.add(f"round/{r}/done", 0) >= len(self.live()):
                 return None
+            if time.monotonic() >= deadline and not told:
+                told = True
+                how = (f"node {self.slot}'s workers finished; the other nodes' did not "
+                       f"within --exit-barrier-timeout {cfg.exit_barrier_timeout:g}s")
+                if not self.rdzv.leader:
+                    _say(f"{how}: leaving without them (the job goes on)")
+                    return None
+                _say(f"{how}; node {self.slot} hosts the launchers' store and waits for "
+                     f"them (leaving would stop their job)")
             time.sleep(_REMOTE_POLL_S)
 
     def _regroup_for_newcomers(self, r: int) -> Failure | None:
@@ -255,10 +278,14 @@ class _Agent:
         cfg, s = self.cfg, self.store
         s.add(f"round/{r}/stopped", 1)
         deadline = time.monotonic() + cfg.rdzv_timeout
-        while s.add(f"round/{r}/stopped", 0) < len(live := self.live()):
+        while s.add(f"round/{r}/stopped", 0) < len(live := self.staying()):
             if len(live) < cfg.min_nodes:
-                raise LaunchError(f"the launcher of node {self.silent_node} stopped "
-                                  f"responding; cannot restart without it")
+                gone = [i for i in self.live() if i not in live]
+                raise LaunchError(
+                    f"the launcher of node {self.silent_node} stopped responding; cannot "
+                    f"restart without it" if not gone else f"the launcher of node "
+                    f"{gone[0]} left after its exit barrier (--exit-barrier-timeout); "
+                    f"cannot restart without it")
             if time.monotonic() > deadline:
                 raise LaunchError(f"not every node stopped its workers of attempt {r + 1} "
                                   f"within {cfg.rdzv_timeout:g}s")
@@ -268,6 +295,7 @@ class _Agent:
         """Say goodbye; the store's host records the job's exit ``code`` for launchers
         still waiting to join, and keeps the store up until the others left (or 10 s)."""
         try:
+            self.store.set(f"node/{self.slot}/exited", "1")  # (its heartbeats stop)
             self.store.add("job/exited", 1)
             if self.rdzv.leader and self.cfg.nnodes > 1:  # (lost nodes are not waited for)
                 self.store.set("job/finished", str(code))
@@ -346,7 +374,7 @@ def _job(agent: _Agent, terms: Terms, r: int, spent: int) -> JobInfo:
     restarts spent so far: the leader's ``spent``, so a node that joined late agrees)."""
     cfg, rdzv = agent.cfg, agent.rdzv
     if rdzv.leader and r > rdzv.opened:
-        live = agent.live()
+        live = agent.staying()
         rdzv.open_round(r, rdzv.choose(live, rdzv.newcomers(live)), spent)
     members = rdzv.members(r)
     if agent.slot not in members:
@@ -415,8 +443,27 @@ def _rounds(agent: _Agent, terms: Terms, r: int, environ: dict[str, str]) -> int
         return failure.exit_code or 1
 
 
+def _script_problem(cfg: LaunchConfig) -> str | None:
+    """Why ``cfg.script`` cannot be started (None: it can)."""
+    if cfg.no_python and shutil.which(cfg.script) is None:
+        return (f"--no-python: {cfg.script!r} is not an executable file (working directory "
+                f"{os.getcwd()!r}); give its path, executable (chmod +x), or drop "
+                f"--no-python for a Python script")
+    if not cfg.module and not cfg.no_python and not os.path.isfile(cfg.script):
+        return (f"script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
+                f"pass a path to a Python file, or -m for a module")
+    return None
+
+
 def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
-    """Run the job described by ``cfg`` on this node; return the launcher's exit code."""
+    """Run the job described by ``cfg`` on this node; return the launcher's exit code.
+
+    The launcher's SIGINT/SIGTERM/SIGHUP handlers are installed here and restored on
+    every way out (an in-process caller gets its own handlers back)."""
+    problem = _script_problem(cfg)
+    if problem is not None:  # (before any handler is installed)
+        _say(f"error: {problem}")
+        return 2
     environ = dict(os.environ if environ is None else environ)
     state = {"raised": False}
 
@@ -426,23 +473,14 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
             raise _Terminated(signum)
 
     previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, on_signal)
     agent = None
     cache = None  # the attempts' compilation cache (a restarted attempt reuses it)
-    if cfg.no_python and shutil.which(cfg.script) is None:
-        _say(f"error: --no-python: {cfg.script!r} is not an executable file (working "
-             f"directory {os.getcwd()!r}); give its path, executable (chmod +x), or drop "
-             f"--no-python for a Python script")
-        return 2
-    if not cfg.module and not cfg.no_python and not os.path.isfile(cfg.script):
-        _say(f"error: script {cfg.script!r} not found (working directory {os.getcwd()!r}); "
-             f"pass a path to a Python file, or -m for a module")
-        return 2
-    if cfg.detected:
-        _say(cfg.detected)
     try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                previous[sig] = signal.signal(sig, on_signal)
+        if cfg.detected:
+            _say(cfg.detected)
         agent = _Agent(cfg, environ)
         terms = agent.rdzv.join()
         agent.start_heartbeats()

@@ -71,6 +71,7 @@ class LaunchConfig(NamedTuple):
     last_call_timeout: float = 30.0  # MIN:MAX: wait this long for more once MIN joined
     is_host: bool | None = None  # without --node-rank: host the store (None: if free)
     no_python: bool = False  # run SCRIPT as an executable, not with Python
+    exit_barrier_timeout: float = 300.0  # a finished launcher waits this long for peers
 
     @property
     def min_nodes(self) -> int:
@@ -172,10 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                    help="restarts of the whole job after a failure, counted for the whole "
                         "job across nodes (default 0)")
-    p.add_argument("--shutdown-timeout", "--grace", type=float, default=5.0,
-                   dest="shutdown_timeout",
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", "--grace", type=float,
+                   default=None, dest="shutdown_timeout",
                    help="seconds between SIGTERM and SIGKILL when workers are stopped "
-                        "(default 5)")
+                        "(default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 5)")
+    p.add_argument("--exit-barrier-timeout", "--exit_barrier_timeout", type=float,
+                   default=None,
+                   help="with several nodes: seconds a launcher whose workers finished "
+                        "waits for the other nodes' workers to finish before it leaves "
+                        "with success (torch's exit barrier; the launcher hosting the "
+                        "store waits for every live node, as leaving would stop their "
+                        "job). Default: $TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT, else 300")
     p.add_argument("--rdzv-timeout", type=float, default=300.0,
                    help="seconds the launchers wait for each other (default 300)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
@@ -238,7 +246,8 @@ _VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--nproc-per-node",
                 "--master_port", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend",
                 "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--devices-per-proc",
                 "--devices_per_proc", "--max-restarts", "--max_restarts",
-                "--shutdown-timeout", "--grace", "--rdzv-timeout", "--heartbeat-timeout",
+                "--shutdown-timeout", "--shutdown_timeout", "--grace", "--exit-barrier-timeout",
+                "--exit_barrier_timeout", "--rdzv-timeout", "--heartbeat-timeout",
                 "--log-dir", "--log_dir", "-r", "--redirects", "--redirect", "--tee", "-t",
                 "--start-method", "--start_method", "--forkserver-preload", "--rdzv-conf",
                 "--rdzv_conf", "--monitor-interval", "--monitor_interval"}
@@ -489,8 +498,8 @@ def parse_args(argv: list[str] | None = None,
         p.error(f"--devices-per-proc must be >= 1, got {a.devices_per_proc}")
     if a.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
-    if a.shutdown_timeout < 0:
-        p.error(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    for flag, variable, default in _TIMEOUTS:
+        _timeout_from_env(p, a, flag, variable, default, env)
     if a.rdzv_timeout <= 0:
         p.error(f"--rdzv-timeout must be > 0 seconds, got {a.rdzv_timeout}")
     if a.heartbeat_timeout <= 0:
@@ -527,4 +536,30 @@ def parse_args(argv: list[str] | None = None,
         min_nnodes=min_nnodes, start_method=start_method, preload=preload,
         compilation_cache=a.compilation_cache, last_call_timeout=a.last_call_timeout,
         is_host=a.is_host, no_python=a.no_python,
+        exit_barrier_timeout=a.exit_barrier_timeout,
     )
+
+
+# flag, torch's variable that stands for it, jdist-run's default
+_TIMEOUTS = (("--shutdown-timeout", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5.0),
+             ("--exit-barrier-timeout", "TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT", 300.0))
+
+
+def _timeout_from_env(p: argparse.ArgumentParser, a, flag: str, variable: str,
+                      default: float, environ: Mapping[str, str]) -> None:
+    """A timeout flag's value: the flag, else torch's ``variable``, else ``default``;
+    negative is refused with torch's words (``shutdown_timeout must be non-negative``)."""
+    dest = flag.lstrip("-").replace("-", "_")
+    value, origin = getattr(a, dest), flag
+    if value is None and environ.get(variable, "").strip():
+        origin = variable
+        try:
+            value = float(environ[variable])
+        except ValueError:
+            p.error(f"{variable}={environ[variable]!r}: expected a number of seconds >= 0 "
+                    f"(it stands for {flag})")
+    value = default if value is None else value
+    if value < 0:
+        p.error(f"{origin}: {dest} must be non-negative, got {value:g}; give a number of "
+                f"seconds >= 0")
+    setattr(a, dest, value)

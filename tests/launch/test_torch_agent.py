@@ -535,8 +535,10 @@ def test_launch_config_default_shutdown_timeout():
 
 
 def test_shutdown_timeout_validation_negative(capsys):
-    """Departure: a negative value is a usage error of jdist-run (a ValueError that
-    exits 2), worded for the flag: not torch's "shutdown_timeout must be non-negative"."""
-    with pytest.raises(ValueError, match="--shutdown-timeout must be >= 0 seconds, got -5"):
+    """A negative value is refused with torch's ValueError and words (a usage error of
+    jdist-run: it also exits 2 after the usage line)."""
+    with pytest.raises(ValueError, match="shutdown_timeout must be non-negative") as e:
         parse_args(["--shutdown-timeout", "-5", "x.py"])
-    assert "--shutdown-timeout must be >= 0 seconds" in capsys.readouterr().err
+    assert isinstance(e.value, SystemExit) and e.value.code == 2
+    assert "--shutdown-timeout: shutdown_timeout must be non-negative, got -5" in (
+        capsys.readouterr().err)
