@@ -14,10 +14,12 @@ import numpy as np
 
 from jdist.launch import set_forkserver_preload, spawn
 
-# the LLVM level tests/conftest.py sets (read back from it); jobs that build their own
-# XLA_FLAGS add it
-COMPILE_FLAG = next((f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if f.startswith("--xla_backend_optimization_level=")), "")
+# the compile-time and collective-timeout flags tests/conftest.py sets (read back from
+# it); jobs that build their own XLA_FLAGS add them
+COMPILE_FLAG = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                        if f.startswith(("--xla_backend_optimization_level=",
+                                         "--xla_cpu_use_fusion_emitters=",
+                                         "--xla_cpu_collective_call_")))
 
 # what the ranks of the suite's jobs import: a fork server imports it once per test
 # session, instead of every rank of every job for seconds (tests/launch checks that
