@@ -273,8 +273,8 @@ class Engine:
         sync = self.require_backward_grad_sync
         _check_concrete("ddp.value_and_grad / ddp.train_step", params, batch, extra)
         module_params, params = params, _placement.replicated(params, g)
-        if self.join_state is None:  # under join, joined processes could not pair it
-            self.checks.replicas(module_params, params)
+        # (under join, joined processes could not pair it)
+        self.checks.replicas(module_params, params, collective=self.join_state is None)
         opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
                      else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
@@ -325,8 +325,11 @@ class Engine:
         g = self.group
         _check_concrete("the DDP forward ddp(x)", params, inputs)
         module_params, params = params, _placement.replicated(params, g)
-        self.checks.replicas(module_params, params)
-        self.checks.seen(module_params)
+        # (a forward communicates only when it broadcasts buffers; else one process may
+        # make it alone, e.g. an evaluation on rank 0)
+        collective = self.sync_buffers and bool(jax.tree.leaves(module_buffers))
+        self.checks.replicas(module_params, params, collective=collective)
+        self.checks.seen(module_params, collective=collective)
         inputs = _placement.shard_batch(inputs, g, what="input")
         buffers = self.buffers_in(module_buffers)
         pkey = ("fwd", key, self.sync_buffers)

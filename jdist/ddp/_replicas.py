@@ -11,8 +11,15 @@ all-gathers the fingerprints, and a replica that differs from the first raises
 :class:`~jdist.errors.ReplicaDivergenceError` on every process, naming the ranks. A
 loop that always updates the parameters outside DDP (``ddp.value_and_grad`` and the
 optimizer applied by hand) would pay that check every step; it runs at most once per
-:data:`CHECK_EVERY_S` seconds after the first, so drift is named within about a second
-of steps at a bounded cost.
+:data:`CHECK_EVERY_CALLS` collective DDP calls after the first, so drift is named within
+that many steps at a bounded cost.
+
+Invariant: the check is a collective, so whether a call runs it is decided from what
+every process agrees on: it runs only on DDP calls every process makes (steps outside a
+join context; forwards that broadcast buffers, not a forward one process makes alone),
+and its throttle counts those calls, not seconds (a wall-clock throttle let processes
+running at slightly different speeds decide differently, and the one that checked
+waited for partners that never came: tests/ddp/test_multiprocess.py).
 
 :class:`ProcessChecks` also agrees on the batch size: at the first step and whenever
 this process's batch size changes, one small all-gather compares every process's, and
@@ -23,7 +30,6 @@ programs of different shapes (which gloo answers by aborting the process).
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,9 +42,9 @@ from jdist.collectives._group import ProcessGroup
 from jdist.ddp._sync import gather_bytes
 from jdist.errors import ReplicaDivergenceError
 
-__all__ = ["fingerprint", "check_replicas", "ProcessChecks", "DIVERGED_MSG", "CHECK_EVERY_S"]
+__all__ = ["fingerprint", "check_replicas", "ProcessChecks", "DIVERGED_MSG", "CHECK_EVERY_CALLS"]
 
-CHECK_EVERY_S = 1.0
+CHECK_EVERY_CALLS = 16
 
 DIVERGED_MSG = (
     "the parameters of this DDP module differ between processes: rank(s) {ranks} hold "
@@ -109,28 +115,34 @@ class ProcessChecks:
     def __init__(self, group: ProcessGroup):
         self.group = group
         self._seen: list | None = None  # the parameters after the last DDP call
-        self._checked_at: float | None = None
+        self._calls = 0  # collective DDP calls so far (the same count on every process)
+        self._checked_at: int | None = None  # the call that last checked the replicas
         self._rows: str | None = None  # the batch shapes every process agreed on last
 
-    def seen(self, params: Any) -> None:
-        """The parameters as the last DDP call left them."""
-        self._seen = jax.tree.leaves(params)
+    def seen(self, params: Any, *, collective: bool = True) -> None:
+        """The parameters as the last collective DDP call left them (a call one process
+        makes alone does not move the baseline, or that process alone would find them
+        unchanged at the next collective call)."""
+        if collective:
+            self._seen = jax.tree.leaves(params)
 
-    def replicas(self, module_params: Any, placed: Any) -> None:
+    def replicas(self, module_params: Any, placed: Any, *, collective: bool) -> None:
         """When the module's parameters are not the arrays of the last DDP call (changed
         outside DDP), check that every process holds the same values (``placed``: them
-        as global replicated arrays); at most once per :data:`CHECK_EVERY_S` after the
-        first check."""
-        if self.group.size() == 1:
+        as global replicated arrays); at most once per :data:`CHECK_EVERY_CALLS`
+        collective calls after the first check. ``collective``: every process makes
+        this call (a step outside join, a forward that broadcasts buffers); no other
+        call checks, as a process checking alone would wait for the others."""
+        if self.group.size() == 1 or not collective:
             return
+        call, self._calls = self._calls, self._calls + 1
         leaves, seen = jax.tree.leaves(module_params), self._seen
         if seen is not None and len(seen) == len(leaves) and all(
                 a is b for a, b in zip(leaves, seen, strict=True)):
             return
-        now = time.monotonic()
-        if self._checked_at is not None and now - self._checked_at < CHECK_EVERY_S:
+        if self._checked_at is not None and call - self._checked_at < CHECK_EVERY_CALLS:
             return
-        self._checked_at = now
+        self._checked_at = call
         check_replicas(self.group, placed)
 
     def rows(self, batch: Any) -> None:

@@ -152,7 +152,8 @@ def main():
            "diverged": _diverged(rank, world),
            "after": {k: after_ddp_steps(k, rank=rank, world=world)
                      for k in ("train_step", "value_and_grad", "forward")},
-           "forward": forward_outputs(rank=rank)}
+           "forward": forward_outputs(rank=rank),
+           "skewed": manual_optimizer_skewed(rank)}
     from tests.ddp import syncbn_cases
 
     out["syncbn"] = syncbn_cases.mp_cases(rank)
@@ -179,3 +180,34 @@ def _diverged(rank, world):
     except Exception as e:  # noqa: BLE001 - the test checks the class and text
         return type(e).__name__, str(e)
     return None
+
+
+def manual_optimizer_skewed(rank, steps=40, group=None):
+    """``ddp.value_and_grad`` with the optimizer applied by hand (the parameters change
+    outside DDP every step, so DDP checks the replicas now and then), one process
+    slower than the other: both must decide alike when to check (a wall-clock throttle
+    made the faster one check alone and wait forever). Returns the losses and the
+    final parameters."""
+    import time
+
+    import optax
+    from flax import nnx
+
+    from jdist.ddp import DistributedDataParallel as DDP
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    ddp = DDP(model, process_group=group)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    value_and_grad = ddp.value_and_grad(
+        lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+    x = np.arange(24, dtype=np.float32).reshape(8, 3) / 24
+    y = np.ones((8, 2), np.float32)
+    losses = []
+    for _ in range(steps):
+        loss, grads = value_and_grad((x, y))  # each process: the same 8 rows
+        opt.update(model, grads)
+        losses.append(float(loss))
+        if rank == 1:
+            time.sleep(0.03)
+    return losses, {k: np.asarray(v) for k, v in nnx.to_pure_dict(
+        nnx.state(model, nnx.Param)).items()}

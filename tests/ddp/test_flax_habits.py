@@ -74,6 +74,32 @@ def test_module_usable_by_user_code_after_ddp_call_two_processes(two_processes):
         np.testing.assert_allclose(a["eager"], 2.0 * a["kernel"].sum(), rtol=1e-4)
 
 
+def test_manual_optimizer_with_one_slower_process_checks_replicas_alike(two_processes):
+    """The replica check's throttle counts collective calls, so a process slower than
+    the other still checks at the same calls: 40 steps end on both (no hang), equal to
+    the same SGD on one device (both processes have the same rows)."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    x = np.arange(24, dtype=np.float32).reshape(8, 3) / 24
+    y = np.ones((8, 2), np.float32)
+    graphdef = nnx.graphdef(model)
+
+    def loss(p):
+        return ((nnx.merge(graphdef, p)(x) - y) ** 2).mean()
+
+    losses = []
+    for _ in range(40):
+        value, grads = jax.value_and_grad(loss)(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        losses.append(float(value))
+    want = nnx.to_pure_dict(params)
+    for r in two_processes:
+        got_losses, got = r["skewed"]
+        np.testing.assert_allclose(got_losses, losses, rtol=1e-5, atol=1e-7)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def _module_forward(x, y):
     logits = x @ np.asarray(_W[0]) + np.asarray(_W[1])
     return logits, {"loss": np.mean((logits - y) ** 2), "n": np.sum(x > 0)}
