@@ -37,6 +37,7 @@ ends (``Popen.returncode``'s convention).
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -332,6 +333,11 @@ def serve(sock: socket.socket, parent: int, preload: Sequence[str]) -> list[str]
     arm_parent_death_signal()
     try:
         _preload_modules(preload)
+        # the preloaded modules' objects into the collector's permanent generation: a
+        # child's collections then skip them, and leave their pages shared with the
+        # server instead of copying them (CPython's advice for forking servers)
+        gc.collect()
+        gc.freeze()
     except BaseException as e:  # noqa: BLE001 - reported to the caller, then exit
         sock.send(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
         return None
