@@ -24,6 +24,7 @@ from jdist.ddp._binding import merge as _merge
 from jdist.ddp._binding import split as _split
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._shell import EngineShell
+from jdist.ddp._torch_args import translate as torch_ddp_args
 
 __all__ = ["DistributedDataParallel", "leaf_infos"]
 
@@ -233,6 +234,12 @@ class DistributedDataParallel(EngineShell):
         per array, so across processes on CPU the copy is much cheaper than the extra
         collectives (``benchmarks/ddp.py`` (b) times both). ``None`` (default): flat
         when the group spans several processes on CPU, no copy otherwise.
+      **torch_args: torch's other arguments, so a ported ``DDP(...)`` call keeps them:
+        ``device_ids``, ``output_device``, ``dim=0``, ``static_graph``,
+        ``check_reduction``, ``skip_all_reduce_unused_params``, ``batched_grad_copy``
+        are accepted (jdist does what they ask already), ``gradient_as_bucket_view=True``
+        is ``flat_buckets=False``, and values asking for what jdist does not do raise
+        ``ValueError`` naming the fix (see :mod:`jdist.ddp._torch_args`).
 
     After a step the module holds the new parameters as global arrays replicated over
     the group's devices; with several processes they span other processes' devices too
@@ -251,7 +258,8 @@ class DistributedDataParallel(EngineShell):
                  broadcast_buffers: bool = True, init_sync: bool = True,
                  comm_hook: Any = None, compiler_options: dict | None = None,
                  flat_buckets: bool | None = None, forward_sync_buffers: bool | None = None,
-                 bucket_cap_mb_list: list[float] | None = None):
+                 bucket_cap_mb_list: list[float] | None = None, **torch_args: Any):
+        flat_buckets = torch_ddp_args(torch_args, flat_buckets)
         if not isinstance(module, nnx.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a flax.nnx.Module, got {type(module).__name__}; "
