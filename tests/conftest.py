@@ -74,3 +74,11 @@ def mesh8():
     from jdist.collectives._group import make_mesh
 
     return make_mesh(jax.devices(), "dp")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a long end-to-end run (``@pytest.mark.slow``) first, each file's tests
+    kept together and in order: xdist hands out whole files, and a long one handed out
+    last keeps the run going while the other workers sit idle."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

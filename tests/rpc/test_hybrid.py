@@ -10,12 +10,14 @@ race on the shared table."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from benchmarks.hybrid import both
 from jdist.launch._spawn import free_port
 from tests.helpers import run_procs
 
 
+@pytest.mark.slow  # a long end-to-end run: scheduled first (tests/conftest.py)
 def test_hybrid_matches_single_process_reference_and_torch():
     from examples.hybrid_ddp_rpc import config, reference
 
