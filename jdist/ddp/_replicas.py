@@ -19,7 +19,8 @@ every process agrees on: it runs only on DDP calls every process makes (steps ou
 join context; forwards that broadcast buffers, not a forward one process makes alone),
 and its throttle counts those calls, not seconds (a wall-clock throttle let processes
 running at slightly different speeds decide differently, and the one that checked
-waited for partners that never came: tests/ddp/test_multiprocess.py).
+waited for partners that never came: tests/ddp/test_replica_check_schedule.py,
+tests/ddp/test_flax_habits.py::test_manual_optimizer_with_one_slower_process_checks_replicas_alike).
 
 :class:`ProcessChecks` also agrees on the batch size: at the first step and whenever
 this process's batch size changes, one small all-gather compares every process's, and
@@ -114,7 +115,7 @@ class ProcessChecks:
 
     def __init__(self, group: ProcessGroup):
         self.group = group
-        self._seen: list | None = None  # the parameters after the last DDP call
+        self._seen: list | None = None  # the parameters after the last collective call
         self._calls = 0  # collective DDP calls so far (the same count on every process)
         self._checked_at: int | None = None  # the call that last checked the replicas
         self._rows: str | None = None  # the batch shapes every process agreed on last
