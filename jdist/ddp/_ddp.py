@@ -25,6 +25,7 @@ from jdist.ddp._binding import split as _split
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._shell import EngineShell
 from jdist.ddp._torch_args import translate as torch_ddp_args
+from jdist.ddp._untouched import keep_untouched
 
 __all__ = ["DistributedDataParallel", "leaf_infos"]
 
@@ -450,20 +451,25 @@ class DistributedDataParallel(EngineShell):
                       flat: bool, nodes: tuple = ()) -> tuple:
         """``(key, loss, update)`` of a train step for binding ``b``.
 
-        ``update(params, grads, opt_state, buffers) -> (params, opt_state)`` runs
-        ``nnx.Optimizer.update`` on a merged module. With ``flat`` (and a fast binding)
-        both take and return flat lists of arrays, the ``State`` trees being rebuilt at
-        trace time only, so a step neither builds nor flattens ``State`` objects in
-        Python (about half of DDP's per-step host time).
+        ``update(params, grads, opt_state, buffers, skip=()) -> (params, opt_state)`` runs
+        ``nnx.Optimizer.update`` on a merged module, leaving the parameters ``skip`` (leaf indices
+        without a gradient) and their optimizer state untouched. With ``flat`` (and a fast binding)
+        both take and return flat lists of arrays, the ``State`` trees being rebuilt at trace time
+        only, so a step neither builds nor flattens ``State`` objects in Python (about half of DDP's
+        per-step host time).
         """
         gdef, ogdef = b.gdef, b.ogdef
         pure = self._loss(gdef, loss_fn, has_aux, nodes)
 
-        def update(p, grads, os, bufs):
+        def update(p, grads, os, bufs, skip=()):
+            # the old values, apart: the merged objects share (and update) their Variables
+            before = jax.tree.map(lambda x: x, (p, os)) if skip else (p, os)
             model = _merge(gdef, p, bufs)
             opt = nnx.merge(ogdef, os)
             opt.update(model, grads, **upd_kw)
-            return _split(model)[1], nnx.split(opt)[1]
+            # parameters without a gradient: untouched, as torch's optimizers
+            return keep_untouched(skip, before[0], _split(model)[1], before[1],
+                                  nnx.split(opt)[1])
 
         key = _StaticKey("train", gdef, ogdef, loss_fn, has_aux, nodes)
         if not (flat and b.fast):
@@ -475,9 +481,10 @@ class DistributedDataParallel(EngineShell):
                                        batch, extra)
             return value, (aux, _leaves_or_tree(new_b, bt))
 
-        def fupdate(p, grads, os, bufs):
+        def fupdate(p, grads, os, bufs, skip=()):
             new_p, new_o = update(jax.tree.unflatten(pt, p), jax.tree.unflatten(pt, grads),
-                                  jax.tree.unflatten(ot, os), jax.tree.unflatten(bt, bufs))
+                                  jax.tree.unflatten(ot, os), jax.tree.unflatten(bt, bufs),
+                                  skip)
             return _leaves_or_tree(new_p, pt), _leaves_or_tree(new_o, ot)
 
         return _StaticKey("flat", key, pt, bt, ot), fpure, fupdate

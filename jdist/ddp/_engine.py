@@ -20,16 +20,14 @@ from jdist.collectives import prefers_flat
 from jdist.collectives._group import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
+from jdist.ddp._hookslot import HookSlot
 from jdist.ddp._replicas import ProcessChecks
+from jdist.ddp._untouched import SkipTracker
 from jdist.ddp._xla import bucket_compiler_options
-from jdist.ddp.hooks._base import GradBucket
-from jdist.ddp.hooks._contract import check_hook, hook_output, raise_hook_failure, replicated
+from jdist.ddp.hooks._contract import raise_hook_failure
 from jdist.errors import UnusedParametersError
 
-__all__ = ["Engine", "HOOK_ONCE_MSG", "TRACED_MSG"]
-
-HOOK_ONCE_MSG = "register_comm_hook or register_builtin_comm_hook can only be called once."
-
+__all__ = ["Engine", "TRACED_MSG"]
 
 def _block_on_one(out: Any, num_devices: int) -> None:
     """Wait for one program execution: on an output with a shard on each of its devices."""
@@ -74,16 +72,18 @@ class Engine:
         self.broadcast_buffers = bool(broadcast_buffers)
         self.layout: BucketLayout = _buckets.initial_layout(
             self.leaves, bucket_cap_mb, self.find_unused)
-        self.hook: Callable | None = None
-        self.hook_state: Any = None  # per replica
+        self.hooks = HookSlot()
         self.require_backward_grad_sync = True
         self.last_synced = True  # torch's require_forward_param_sync
         self.acc: Any = None  # per replica, from no_sync steps
+        self.acc_had_grad: frozenset = frozenset()  # leaves with a gradient in self.acc
+        self.skipped = SkipTracker([leaf.path for leaf in self.leaves])
         self.buf_stacked: Any = None
         self.buf_view: list | None = None
         self.steps = 0
         self.join_state: Any = None
         self._programs: dict = {}
+        self._records: dict = {}  # program key -> what its trace found (unused leaves)
         self._warned_unused = False
         self.checks = ProcessChecks(group)  # across processes: batch sizes, replicas
         self._user_options = None if compiler_options is None else dict(compiler_options)
@@ -91,91 +91,12 @@ class Engine:
             flat_buckets = prefers_flat(self._platform, group.size())
         self.flat_buckets = bool(flat_buckets)
 
-    # ----------------------------------------------------------------- hooks
-    def register_comm_hook(self, state: Any, hook: Callable) -> None:
-        """Register ``hook(state, bucket) -> (buffer, new_state)``; once, before stepping."""
-        if self.hook is not None:
-            raise RuntimeError(HOOK_ONCE_MSG)
-        check_hook(hook)  # torch's checks: callable, (state, bucket), annotations
-        if self.steps:
-            raise RuntimeError(
-                "register_comm_hook must be called before the first step; this DDP wrapper "
-                f"has already run {self.steps} step(s). Register the hook right after wrapping."
-            )
-        self.hook = hook
-        self._user_hook_state = state
-        self._hook_static = None
-        self._hook_ready = False
-
-    def _prepare_hook(self) -> None:
-        """Give the hook its per-bucket state for the final layout (``hooks._state``)."""
-        if self.hook is None or self._hook_ready:
-            return
-        from jdist.ddp.hooks import init_hook_state, split_static
-
-        n = len(self.layout.buckets)
-        buckets = [
-            GradBucket(
-                index=b.index,
-                buffer=jax.ShapeDtypeStruct((sum(self.leaves[j].size for j in b.leaves),),
-                                            b.dtype),
-                gradients=tuple(jax.ShapeDtypeStruct(self.leaves[j].shape, self.leaves[j].dtype)
-                                for j in b.leaves),
-                parameters=b.paths, is_last=b.index == n - 1,
-                axis_name=self.group.axis_name, num_replicas=self.group.num_replicas)
-            for b in self.layout.buckets]
-        state = init_hook_state(self.hook, self._user_hook_state, buckets)
-        arrays, self._hook_static = split_static(state)
-        self.hook_state = _placement.per_replica(arrays, self.group)
-        self._hook_ready = True
-        loader, self._hook_loader = getattr(self, "_hook_loader", None), None
-        if loader is not None:  # a checkpoint's state (jdist.checkpoint), checked by loader
-            self.hook_state = loader(self.hook_state)
-
-    def load_hook_state(self, loader: Callable[[Any], Any]) -> None:
-        """Replace the per-replica hook state with ``loader(state)``: now if it is ready,
-        else right after it is prepared at the first step (the bucket layout is final
-        only then). Used by :mod:`jdist.checkpoint` to restore a hook's memories."""
-        if self.hook is None:
-            raise RuntimeError("no comm hook is registered: register the hook the "
-                               "checkpoint was saved with before restoring")
-        if self._hook_ready:
-            self.hook_state = loader(self.hook_state)
-        else:
-            self._hook_loader = loader
-
-    def _traced_hook(self) -> Callable:
-        """The registered hook with its static state leaves put back (or the default)."""
-        if self.hook is None:
-            return _reducer.mean_allreduce_hook
-        from jdist.ddp.hooks import merge_static, split_static
-
-        hook, static = self.hook, self._hook_static
-
-        def run(arrays, bucket):
-            state = merge_static(arrays, static)
-            out, new = hook_output(hook(state, bucket), state, hook)
-            return replicated(out, bucket, hook), split_static(new)[0]
-
-        run.__name__ = getattr(hook, "__name__", "comm_hook")
-        return run
-
-    def user_hook_state(self) -> Any:
-        """The hook state of this process's first replica, static leaves included."""
-        if self.hook is None:
-            return None
-        if not self._hook_ready:
-            return self._user_hook_state
-        from jdist.ddp.hooks import merge_static
-
-        return merge_static(_placement.local_first(self.hook_state), self._hook_static)
-
     @property
     def compiler_options(self) -> dict:
         """XLA options of the step programs: the user's, or derived (``_xla.py``)."""
         if self._user_options is not None:
             return dict(self._user_options)
-        flat = self.flat_buckets or self.hook is not None
+        flat = self.flat_buckets or self.hooks.hook is not None
         largest = max((b.nbytes for b in self.layout.buckets), default=0)
         return bucket_compiler_options(self.bucket_cap_mb, self._platform, combine=not flat,
                                        largest_bucket=largest)
@@ -188,7 +109,7 @@ class Engine:
         return _program.Config(
             mesh=self.group.mesh, axis=self.group.axis_name,
             num_replicas=self.group.num_replicas, layout=self.layout,
-            hook=self._traced_hook(), find_unused=self.find_unused,
+            hook=self.hooks.traced(), find_unused=self.find_unused,
             compiler_options=self.compiler_options, flat_buckets=self.flat_buckets)
 
     # ----------------------------------------------------------------- layout
@@ -283,7 +204,7 @@ class Engine:
         buffers = self.buffers_in(module_buffers)
         if sync:
             self.ensure_layout(loss, params, buffers, batch, extra)
-            self._prepare_hook()
+            self.hooks.prepare(self.layout, self.leaves, self.group)
         if self.acc is not None and isinstance(self.acc, list) != isinstance(params, list):
             # accumulated by a flat train step, used by a tree step (or the reverse)
             self.acc = (jax.tree.leaves(self.acc) if isinstance(params, list) else
@@ -291,21 +212,29 @@ class Engine:
         has_acc = self.acc is not None
         js = self.join_state
         mode = None if js is None else js.mode
+        had_grad = self.acc_had_grad if has_acc and sync else frozenset()
         pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None, mode,
-                opt_specs is not None)
-        prog = self._programs.get(pkey)
+                opt_specs is not None, had_grad)
+        prog, record = self._programs.get(pkey), self._records.setdefault(pkey, {})
         if prog is None:
             prog = _program.grad_program(self._config(), loss, update, sync=sync,
                                          sync_buffers=self.sync_buffers, has_acc=has_acc,
-                                         join=mode, opt_specs=opt_specs)
+                                         join=mode, opt_specs=opt_specs, had_grad=had_grad,
+                                         record=record)
             self._programs[pkey] = prog
         active = None if js is None else _placement.per_replica(
             jax.numpy.float32(1.0 if js.active else 0.0), g)
-        out = self._run(prog, "DDP step", params, buffers, self.hook_state, self.acc,
+        out = self._run(prog, "DDP step", params, buffers, self.hooks.state, self.acc,
                         opt_state, batch, extra, active)
         value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
-        self.hook_state = hstate
+        self.hooks.state = hstate
         self.acc = acc
+        # which accumulated leaves hold a gradient (the program's trace recorded the rest)
+        used = frozenset(range(len(self.leaves))) - frozenset(record.get("unused", ()))
+        before = self.acc_had_grad if has_acc else frozenset()
+        self.acc_had_grad = frozenset() if sync else before | used
+        if sync and update is not None:
+            self.skipped.note(used | had_grad)
         self.last_synced = sync
         self.checks.seen(new_params if new_params is not None else module_params)
         self.steps += 1

@@ -27,6 +27,7 @@ import optax
 from jdist.collectives._group import ProcessGroup
 from jdist.ddp._ddp import leaf_infos
 from jdist.ddp._shell import EngineShell
+from jdist.ddp._untouched import keep_untouched
 
 __all__ = ["FunctionalDDP"]
 
@@ -97,10 +98,12 @@ class FunctionalDDP(EngineShell):
                    has_aux: bool = False) -> Callable:
         """``step(batch, *args) -> loss`` updating ``self.params`` and ``self.opt_state``."""
 
-        def update(p, grads, opt_state, buffers):
+        def update(p, grads, opt_state, buffers, skip=()):
             del buffers
-            updates, opt_state = tx.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state
+            updates, new_opt = tx.update(grads, opt_state, p)
+            # parameters without a gradient: untouched, as torch's optimizers
+            return keep_untouched(skip, p, optax.apply_updates(p, updates), opt_state,
+                                  new_opt)
 
         def step(batch, *args):
             self._engine.remember(step, batch, args)

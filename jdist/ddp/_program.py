@@ -4,7 +4,8 @@ A program is built from pure pieces supplied by the shell (NNX or functional):
 
 - ``loss(params, buffers, batch, extra) -> (scalar, (aux, new_buffers))`` for one replica;
 - ``apply(params, buffers, inputs) -> (outputs, new_buffers)`` for the forward;
-- ``update(params, grads, opt_state, buffers) -> (params, opt_state)`` for the train step.
+- ``update(params, grads, opt_state, buffers, skip) -> (params, opt_state)`` for the train
+  step (``skip``: leaf indices of the parameters without a gradient, left untouched).
 
 Layouts over the replica axis (see :mod:`jdist.ddp._placement`): params, optimizer state
 and extra arguments replicated; batch split; buffers, hook state and accumulated
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist.ddp._buckets import BucketLayout
-from jdist.ddp._reducer import reduced_value_and_grad, to_varying
+from jdist.ddp._reducer import local_value_and_grad, reduced_value_and_grad, to_varying
 
 __all__ = ["Config", "JoinMode", "broadcast_from_first", "grad_program", "forward_program",
            "ready_order_program"]
@@ -86,7 +87,8 @@ class JoinMode(NamedTuple):
 
 def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: bool,
                  sync_buffers: bool, has_acc: bool, join: JoinMode | None = None,
-                 opt_specs: Any = None) -> Callable:
+                 opt_specs: Any = None, had_grad: frozenset = frozenset(),
+                 record: dict | None = None) -> Callable:
     """``f(params, buffers, hstate, acc, opt_state, batch, extra, active) -> outputs``.
 
     Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
@@ -98,8 +100,15 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
     and whose buffers are kept) and ``n_active`` is their number; otherwise both are
     ``None``. ``opt_specs`` (PartitionSpecs, e.g. a ZeRO optimizer's) shard ``opt_state``
     in and out instead of replicating it.
+
+    Parameters without a gradient (the loss does not reach them: symbolic zeros) are
+    found at trace time and written to ``record["unused"]`` (leaf indices). The update
+    leaves those untouched (``_untouched.py``, torch's ``grad is None``) unless they are
+    in ``had_grad``: the parameters that got gradients in the accumulated ``no_sync``
+    steps.
     """
     ax, nrep = cfg.axis, cfg.num_replicas
+    record = {} if record is None else record
 
     def body(params, buffers, hstate, acc, opt_state, batch, extra, active):
         buffers, hstate = _squeeze(buffers), _squeeze(hstate)
@@ -118,17 +127,21 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
                 buffers = _broadcast_from(buffers, ax, jnp.maximum(jax.lax.pmax(idx, ax), 0))
         old_buffers = buffers
 
+        unused: list[int] = []
         if sync:
             (value, (aux, new_buffers)), grads, hstate = reduced_value_and_grad(
                 loss, params, (buffers, batch, extra), layout=cfg.layout, hook=cfg.hook,
                 hook_state=hstate, acc=acc, axis=ax, num_replicas=nrep,
                 find_unused=cfg.find_unused, scale=scale, post=post, flat=cfg.flat_buckets,
-                mean_loss=join is None)  # the mean rides in the last bucket's all-reduce
+                mean_loss=join is None,  # the mean rides in the last bucket's all-reduce
+                unused_out=unused)
+            record["unused"] = tuple(unused)
             if join is not None:
                 value = jax.lax.psum(value * scale, ax) / jnp.maximum(n_active, 1.0)
             new_acc = None
             if update is not None:
-                new_params, new_opt = update(params, grads, opt_state, buffers)
+                skip = tuple(j for j in unused if j not in had_grad)
+                new_params, new_opt = update(params, grads, opt_state, buffers, skip)
                 if join is not None:
                     ok = n_active > 0
                     if join.throw_on_early_termination:
@@ -138,8 +151,9 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
                 params, opt_state = new_params, new_opt
         else:
             pv = to_varying(params, ax)
-            (value, (aux, new_buffers)), local = jax.value_and_grad(
-                lambda p: loss(p, buffers, batch, extra), has_aux=True)(pv)
+            (value, (aux, new_buffers)), local = local_value_and_grad(
+                lambda p: loss(p, buffers, batch, extra), pv, ax, unused)
+            record["unused"] = tuple(unused)
             if scale is not None:
                 local = jax.tree.map(lambda g: g * scale.astype(g.dtype), local)
             new_acc = local if acc is None else jax.tree.map(jnp.add, acc, local)

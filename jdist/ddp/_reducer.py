@@ -57,6 +57,7 @@ __all__ = [
     "is_varying",
     "ReduceRecord",
     "reduced_value_and_grad",
+    "local_value_and_grad",
     "record_ready_order",
     "unused_message",
 ]
@@ -117,6 +118,7 @@ class ReduceRecord:
       reduced: bucket index -> reduced gradients of its parameters (replicated).
       fired: bucket indices in the order their rules ran.
       unused: paths of parameters whose cotangent was a symbolic zero.
+      unused_idx: their leaf indices.
       pending: ``(bucket index, gradients)`` of the last bucket to fire when its
         reduction waits to carry the loss mean (``mean_loss``), else ``None``.
     """
@@ -126,6 +128,7 @@ class ReduceRecord:
         self.reduced: dict[int, jax.Array] = {}
         self.fired: list[int] = []
         self.unused: list[str] = []
+        self.unused_idx: list[int] = []
         self.pending: tuple[int, list[jax.Array]] | None = None
 
 
@@ -271,6 +274,7 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             info = layout.leaves[j]
             if isinstance(ct, SymbolicZero):
                 missing.append(info.path)
+                rec.unused_idx.append(j)
                 ct = jnp.zeros(info.shape, info.dtype)
             grads.append(ct if acc is None else ct + acc[j])
         if missing:
@@ -314,6 +318,7 @@ def reduced_value_and_grad(
     loss: Callable, params: Any, args: tuple, *, layout: BucketLayout, hook: Callable,
     hook_state: Any, acc: Any, axis: Any, num_replicas: int, find_unused: bool,
     scale: Any = None, post: Any = None, flat: bool = True, mean_loss: bool = False,
+    unused_out: list | None = None,
 ) -> tuple[Any, Any, Any]:
     """Differentiate ``loss(params, *args) -> (scalar, aux)`` with bucketed reduction.
 
@@ -324,6 +329,8 @@ def reduced_value_and_grad(
     ``join()`` uses them to zero the contribution of replicas that ran out of inputs.
     ``mean_loss``: return the replicas' mean loss (in the last bucket's all-reduce where
     it can ride there, see the module docstring) instead of this replica's.
+    ``unused_out``: a list that gets the indices of the parameters without a gradient
+    (symbolic zeros; trace time).
 
     Returns:
       ``((loss, aux), grads, new_hook_state)``: the loss (local, or the mean with
@@ -367,15 +374,46 @@ def reduced_value_and_grad(
         if not find_unused:
             raise UnusedParametersError(unused_message(paths))
         rec.unused.extend(paths)
+        rec.unused_idx.extend(b.leaves)
         zeros = [jnp.zeros(layout.leaves[j].shape, layout.leaves[j].dtype) for j in b.leaves]
         if acc_leaves is not None:
             zeros = [z + acc_leaves[j] for z, j in zip(zeros, b.leaves, strict=False)]
         _run_hook(rec, hook, layout, bi, zeros, axis, num_replicas, scale, post, flat)
+    if unused_out is not None:
+        unused_out.extend(sorted(set(rec.unused_idx)))
     out_leaves: list[Any] = [None] * len(leaves)
     for bi, b in enumerate(layout.buckets):
         for j, g in zip(b.leaves, rec.reduced[bi], strict=True):
             out_leaves[j] = g
     return (value, aux), jax.tree.unflatten(tdef, out_leaves), rec.state
+
+
+def local_value_and_grad(loss: Callable, params: Any, axis: Any,
+                         unused_out: list) -> tuple[Any, Any]:
+    """``jax.value_and_grad(loss, has_aux=True)(params)`` of one replica (``no_sync``),
+    appending to ``unused_out`` (trace time) the indices of the parameters whose
+    gradient is a symbolic zero: the loss does not reach them."""
+    leaves, tdef = jax.tree.flatten(params)
+    seen: dict = {}
+
+    @jax.custom_vjp
+    def ident(xs):
+        return xs
+
+    def fwd(xs):
+        return [x.value for x in xs], None
+
+    def bwd(_, cts):
+        seen["zero"] = [j for j, ct in enumerate(cts) if isinstance(ct, SymbolicZero)]
+        return (to_varying([jnp.zeros(x.shape, x.dtype) if isinstance(ct, SymbolicZero)
+                            else ct for x, ct in zip(leaves, cts, strict=True)], axis),)
+
+    ident.defvjp(fwd, bwd, symbolic_zeros=True)
+    out, grads = jax.value_and_grad(
+        lambda ls: loss(jax.tree.unflatten(tdef, ident(ls))), has_aux=True)(leaves)
+    # no backward rule ran: no parameter reaches the loss
+    unused_out.extend(seen.get("zero", range(len(leaves))))
+    return out, jax.tree.unflatten(tdef, grads)
 
 
 def _scalar_dtype(traced: _graph.Traced) -> Any:

@@ -102,25 +102,25 @@ class EngineShell(JoinableDDP):
         ``bucket.buffer`` that is the same on every replica (reduce over
         ``bucket.axis_name``). See :mod:`jdist.ddp.hooks`.
         """
-        self._engine.register_comm_hook(state, hook)
+        self._engine.hooks.register(state, hook, self._engine.steps)
 
     @property
     def replica_hook_state(self) -> Any:
         """The comm hook's array state as DDP keeps it (every leaf stacked per replica,
         sharded over the replica axis), or ``None`` before the first step / without a
         hook. Read by :mod:`jdist.checkpoint`."""
-        e = self._engine
-        return e.hook_state if e.hook is not None and e._hook_ready else None
+        h = self._engine.hooks
+        return h.state if h.hook is not None and h.ready else None
 
     def load_replica_hook_state(self, loader: Callable[[Any], Any]) -> None:
         """Set the hook state to ``loader(replica_hook_state)`` (deferred to the first
-        step when the state is not prepared yet); see ``Engine.load_hook_state``."""
-        self._engine.load_hook_state(loader)
+        step when the state is not prepared yet); see ``HookSlot.load``."""
+        self._engine.hooks.load(loader)
 
     @property
     def comm_hook_state(self) -> Any:
         """The hook state of this process's first replica (after the last step)."""
-        return self._engine.user_hook_state()
+        return self._engine.hooks.user_state()
 
     def shard_batch(self, batch: Any) -> Any:
         """This process's ``batch`` as the group's global batch, split over its replicas.

@@ -23,7 +23,7 @@ from jdist.collectives import functional as F
 from jdist.collectives._group import ProcessGroup, make_mesh
 from jdist.ddp import DistributedDataParallel as DDP
 from jdist.ddp import hooks as H
-from jdist.ddp._engine import HOOK_ONCE_MSG
+from jdist.ddp._hookslot import HOOK_ONCE_MSG
 from jdist.rpc import Future
 
 WORLD = 2
