@@ -52,9 +52,11 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _checksums(arrays: dict, meta: dict) -> None:
-    """Fill in every buffer's checksum (in the writer's thread: it reads every byte)."""
+    """Fill in every buffer's checksum (in the writer's thread: it reads every byte),
+    then the record's own, over everything else in it (``_pack.record_digest``)."""
     for name, rec in meta["buffers"].items():
         rec.update(_pack.buffer_checksum(arrays[name]))
+    meta["digest"] = _pack.record_digest(meta)
 
 
 _LEAN_WAIT_S = 2.0  # how long a rank other than 0 waits to learn whether rank 0 saves

@@ -15,16 +15,20 @@ donate a buffer that a view still shares), so the loop does not pay for the copy
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import jax
 import numpy as np
 import xxhash
 
-__all__ = ["FORMAT", "to_host", "layout", "pack", "buffer_checksum", "checksum_ok",
-           "piece_of"]
+__all__ = ["FORMAT", "READABLE", "to_host", "layout", "pack", "buffer_checksum",
+           "checksum_ok", "piece_of", "record_digest", "record_ok"]
 
-FORMAT = 2  # the part's layout (1: one array per piece, 2: one buffer per dtype)
+# the part's layout (1: one array per piece, 2: one buffer per dtype, 3: 2 with the JSON
+# record's own checksum); a part of format 2 is still read, its record unchecked
+FORMAT = 3
+READABLE = (2, 3)
 
 
 def _name(dtype: np.dtype) -> str:
@@ -101,6 +105,25 @@ def checksum_ok(a: np.ndarray, rec: dict) -> bool:
     if rec.get("crc") is not None:
         return zlib.crc32(_bytes(a)) == rec["crc"]
     return False
+
+
+def record_digest(meta: dict) -> int:
+    """XXH3-64 of a part's JSON record (without its ``"digest"``), in canonical form."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
+def record_ok(meta: dict) -> bool:
+    """Whether a record read back matches its ``"digest"``; a record without one passes
+    only as format 2 (written before records carried one). Every number, name, offset
+    and JSON value restore reads is in the record, so one changed bit is caught here."""
+    if "digest" not in meta:
+        return meta.get("format") == 2
+    try:
+        return meta["digest"] == record_digest(meta)
+    except (TypeError, ValueError):  # not JSON-able any more (a NaN, a bad key)
+        return False
 
 
 def piece_of(buffer: np.ndarray, offset: int, shape) -> np.ndarray:

@@ -54,11 +54,16 @@ class StepReader:
     def meta(self, r: int) -> dict:
         if r not in self._meta:
             m = self._guard(r, "the JSON record", lambda: read_part(self.paths[r], False)[1])
-            if m.get("format") != _pack.FORMAT:
+            if not isinstance(m, dict) or not _pack.record_ok(m):
+                raise CheckpointCorruptError(
+                    f"the JSON record of the checkpoint part {self.paths[r]} (step "
+                    f"{self.step.step}, rank {r} of {self.world}) fails its checksum (the file "
+                    "meta/metadata was changed or cut after it was written)")
+            if m.get("format") not in _pack.READABLE:
                 raise CheckpointCorruptError(
                     f"the checkpoint part {self.paths[r]} has format {m.get('format')!r} and "
-                    f"this jdist.checkpoint reads format {_pack.FORMAT}; restore it with the jdist "
-                    "version that wrote it, or start from another directory")
+                    f"this jdist.checkpoint reads formats {list(_pack.READABLE)}; restore it "
+                    "with the jdist version that wrote it, or start from another directory")
             if m.get("step") != self.step.step or m.get("rank") != r or m.get(
                     "world") != self.world:
                 raise CheckpointCorruptError(
@@ -84,7 +89,8 @@ class StepReader:
         buf = self.arrays(r)[name]
         if (r, name) not in self._checked:
             rec = self.meta(r)["buffers"][name]
-            if buf.shape != (rec["size"],) or not _pack.checksum_ok(buf, rec):
+            if buf.shape != (rec["size"],) or buf.dtype.name != rec["dtype"] or \
+                    not _pack.checksum_ok(buf, rec):
                 raise CheckpointCorruptError(
                     f"{where}: the buffer {name!r} in the checkpoint part {self.paths[r]} "
                     f"(step {self.step.step}) fails its checksum (the file was changed "
