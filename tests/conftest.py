@@ -66,6 +66,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Hypothesis profiles (`--hypothesis-profile=NAME`): "ci", the default, is fixed-seed so a
+# run's examples are the same on every submission; "long" is the campaign of
+# tests/differential (50x the examples, random seeds; docs/testing.md)
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=5000, deadline=None, print_blob=True)
+settings.load_profile("ci")
 
 
 @pytest.fixture
