@@ -1,9 +1,9 @@
 """Every fenced ```python block in docs/*.md runs here; shell commands are parsed.
 
-Blocks of one Markdown file run in order, in one fresh interpreter and one namespace
-(like a notebook), with the suite's environment (8 virtual CPU devices, low XLA
-collective timeouts; set by conftest and inherited). Tracebacks name the Markdown file
-and line.
+Blocks of one Markdown file run in order, in one new process and one namespace (like a
+notebook; forked from a server that imported JAX and jdist once), with the suite's
+environment (8 virtual CPU devices, low XLA collective timeouts; set by conftest and
+inherited). Tracebacks name the Markdown file and line.
 
 A block preceded by the comment ``<!-- doctest: multiprocess nprocs=N devices=D -->`` is
 a whole script for every rank of a job: it is written to a file and run with
@@ -21,8 +21,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -106,10 +108,12 @@ def _env() -> dict:
     return env
 
 
-# Runs the blocks of one file in order in one namespace. Each block is compiled with
-# leading blank lines so that tracebacks show the Markdown line numbers.
+# Runs the blocks of one file in order in one namespace, in the file's work directory.
+# Each block is compiled with leading blank lines so that tracebacks show the Markdown
+# line numbers.
 _RUNNER = r"""
-import json, sys
+import json, os, sys
+os.chdir(sys.argv[2])
 blocks = json.load(open(sys.argv[1]))
 ns = {"__name__": "__main__"}
 for b in blocks:
@@ -137,12 +141,34 @@ def _fail_text(proc: subprocess.CompletedProcess) -> str:
 
 
 def _run_file(rel: str, workdir: Path) -> subprocess.CompletedProcess:
-    """Run the single-process python blocks of ``rel`` in one fresh interpreter."""
+    """Run the single-process python blocks of ``rel`` in one process that is new to
+    them: forked from a server that imported JAX, Flax, Optax and jdist once for all
+    files (what ``jdist-run --start-method forkserver`` does; nothing is initialized
+    before the fork), instead of paying seconds of imports per file."""
+    from jdist.launch._forkserver import forkserver_script
+
     blocks = [b._asdict() for b in extract(ROOT / rel) if b.lang == "python" and not b.options]
-    spec = workdir / "blocks.json"
+    spec, runner = workdir / "blocks.json", workdir / "run_blocks.py"
     spec.write_text(json.dumps(blocks))
-    return subprocess.run([sys.executable, "-c", _RUNNER, str(spec)], cwd=workdir,
-                          env=_env(), capture_output=True, text=True, timeout=SINGLE_TIMEOUT)
+    runner.write_text(_RUNNER)
+    preload = os.environ.get("JDIST_FORKSERVER_PRELOAD", "jax").split(",")
+    proc = forkserver_script(["script", str(runner), str(spec), str(workdir)], _env(),
+                             preload)
+    out: dict = {}
+    readers = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()))
+               for k, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for t in readers:
+        t.start()
+    try:
+        code = proc.wait(SINGLE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session
+        code = proc.wait(30)
+    for t in readers:
+        t.join(30)
+    return subprocess.CompletedProcess(
+        runner, code, out.get("stdout", b"").decode(errors="replace"),
+        out.get("stderr", b"").decode(errors="replace"))
 
 
 @pytest.fixture(scope="module")

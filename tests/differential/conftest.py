@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.differential import last_failure, save_case
+from tests.differential import HERE, last_failure, save_case, scaled
 from tests.differential.pool import pools
 
 
@@ -14,6 +14,14 @@ from tests.differential.pool import pools
 def _close_pools():
     yield
     pools.close_all()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite's per-test timeout (300 s) grows with the profile's examples (the long
+    campaign runs 50 times as many)."""
+    for item in items:
+        if str(item.path).startswith(HERE):
+            item.add_marker(pytest.mark.timeout(scaled(300)))
 
 
 @pytest.hookimpl(wrapper=True)

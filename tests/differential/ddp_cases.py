@@ -3,8 +3,9 @@
 A ``spec`` (JSON) describes a small model (front end: dense, conv or embedding; hidden
 Linear layers; LayerNorm or BatchNorm; a layer applied twice; a layer never used; a side
 branch on a stopped gradient), the loss, the optimizer, DDP's options (bucket cap,
-broadcast_buffers, find_unused_parameters, a comm hook), gradient accumulation under
-``no_sync`` and the layout (jdist: processes x devices; torch: that many processes).
+broadcast_buffers, find_unused_parameters, gradient_as_bucket_view, a comm hook),
+gradient accumulation under ``no_sync`` and the layout (jdist: processes x devices;
+torch: that many processes).
 Both sides build the torch model from the spec's seed; jdist converts its weights with
 ``jdist.testing.torch_to_nnx`` and returns its final state converted back, so results
 compare as torch state dicts. Each rank returns its synced steps' losses (torch: local;
@@ -188,7 +189,8 @@ def run_torch(spec):
     model = torch_model(spec)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               broadcast_buffers=spec["broadcast_buffers"],
-              find_unused_parameters=spec["find_unused"])
+              find_unused_parameters=spec["find_unused"],
+              gradient_as_bucket_view=spec.get("bucket_view", False))
     hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
             "bf16": _torch_bf16_hook}.get(spec["hook"])
     if hook is not None:
@@ -243,7 +245,8 @@ def run_jdist(spec):
     torch_to_nnx(t_model, model)
     ddp = DDP(model, bucket_cap_mb=spec["bucket_cap_mb"],
               broadcast_buffers=spec["broadcast_buffers"],
-              find_unused_parameters=spec["find_unused"])
+              find_unused_parameters=spec["find_unused"],
+              gradient_as_bucket_view=spec.get("bucket_view", False))
     hook = {"allreduce": hooks.allreduce_hook, "fp16": hooks.fp16_compress_hook,
             "bf16": hooks.bf16_compress_hook}.get(spec["hook"])
     if hook is not None:

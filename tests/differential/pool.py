@@ -136,7 +136,21 @@ class Pool:
         return self.job_error is None and len(self.conns) == self.nprocs
 
     def run(self, fn, *args, timeout: float = CASE_TIMEOUT_S) -> list:
-        """``fn(*args)`` on every rank; the ranks' results in rank order."""
+        """``fn(*args)`` on every rank; the ranks' results in rank order.
+
+        Anything that interrupts the wait (a test timeout, ^C) kills the job: replies
+        still in flight would otherwise answer the next case."""
+        try:
+            return self._run(fn, args, timeout)
+        except CaseError:
+            raise
+        except BaseException:
+            self.kill()
+            raise
+
+    def _run(self, fn, args, timeout: float) -> list:
+        if not self.alive:
+            raise CaseError(f"{self!r} is not running: {self.job_error}", {})
         for conn in self.conns.values():
             conn.send((fn, args))
         results: dict[int, tuple] = {}

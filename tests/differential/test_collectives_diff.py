@@ -22,7 +22,8 @@ from tests.differential.pool import pools
 
 WORLD = 3
 
-shapes = st.one_of(st.just([]), st.lists(st.integers(0, 4), min_size=1, max_size=3))
+shapes = st.one_of(st.just([]), st.lists(st.integers(0, 4), min_size=1, max_size=3),
+                   st.sampled_from([[70_001], [3, 257, 65]]))  # large, odd sizes
 cases = st.fixed_dictionaries({
     "kind": st.sampled_from(cc.KINDS),
     "dtype": st.sampled_from(cc.DTYPES),

@@ -4,7 +4,7 @@ steps from the same initial weights; per-step losses and final state compared.
 The layout is jdist's processes x devices per process; torch runs that many processes
 (its one replica per process). Tolerances come from the arithmetic: float32 everywhere
 (1e-5), except the half-precision comm hooks, whose rounding differs between gloo and
-XLA (XLA:CPU reduces halves in float32).
+XLA (XLA:CPU reduces halves in float32), and Adam's normalisation of rounding noise.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def specs(draw):
         "lr": draw(st.sampled_from([0.01, 0.1])),
         "bucket_cap_mb": draw(st.sampled_from([25.0, 1e-4, 2e-4])),
         "broadcast_buffers": draw(st.booleans()),
+        "bucket_view": draw(st.booleans()),  # torch's gradient_as_bucket_view
         # torch needs it when a parameter is unused; otherwise either
         "find_unused": unused or draw(st.booleans()),
         "hook": hook,
@@ -54,11 +55,17 @@ def specs(draw):
 
 
 def tolerance(spec) -> float:
-    return {"fp16": 2e-3, "bf16": 2e-2}.get(spec["hook"], 1e-5)
+    tol = {"fp16": 2e-3, "bf16": 2e-2}.get(spec["hook"], 1e-5)
+    if spec["optimizer"] in ("adam", "adamw"):
+        # Adam divides by |g| + eps (1e-2 here): a gradient that cancels to ~0 (before a
+        # normalisation over 2 features) keeps ~1e-6 of rounding noise, a step of
+        # lr * 1e-4 that differs between the frameworks
+        tol = max(tol, 2e-4 * spec["lr"] * spec["steps"])
+    return tol
 
 
 @given(spec=specs())
-@settings(max_examples=scaled(8))
+@settings(max_examples=scaled(6))
 @replayed("ddp")
 def test_ddp_training_matches_torch_ddp(spec):
     procs, devs = spec["layout"]

@@ -52,7 +52,8 @@ def test_ddp_example(tmp_path):
     torch.manual_seed(0)
     start = ToyModel()
     init = init_file(tmp_path, start)
-    mine, theirs = run_both("ddp_example", 2, ["--smoke", "--init", init], timeout=150)
+    mine, theirs = run_both("ddp_example", 2, ["--smoke", "--init", init], timeout=150,
+                            tmp=str(tmp_path / "runs"))
     for r in (0, 1):
         assert "training completed in rank" in mine["log"]
         np.testing.assert_allclose(mine[r]["losses"], theirs[r]["losses"], rtol=TOL)
@@ -73,7 +74,7 @@ def test_ddp_tutorial_crash_and_resume_from_snapshot(tmp_path):
         return ["3", "1", "--smoke", "--crash-after-epoch", "1", "--init", init,
                 "--snapshot-path", os.path.join(out, "snapshot")]
 
-    mine, theirs = run_both("ddp_tutorial", 2, args, timeout=240,
+    mine, theirs = run_both("ddp_tutorial", 2, args, timeout=240, tmp=str(tmp_path / "runs"),
                             launcher_args=["--max-restarts", "1"], relaunch_torch=True)
     assert "rank 0 crashes after epoch 1" in mine["log"]
     assert "Resuming training from snapshot at Epoch 1" in mine["log"]
@@ -95,7 +96,8 @@ def test_rpc_parameter_server(tmp_path):
     start = Net()
     init = init_file(tmp_path, start)
     mine, theirs = run_both("rpc_parameter_server", 2,
-                            ["--smoke", "--no-dropout", "--init", init], timeout=240)
+                            ["--smoke", "--no-dropout", "--init", init], timeout=240,
+                            tmp=str(tmp_path / "runs"))
     assert "RPC shutdown on parameter server." in mine["log"]
     np.testing.assert_allclose(mine[1]["losses"], theirs[1]["losses"], rtol=TOL)
     assert mine[1]["accuracy"] == theirs[1]["accuracy"]
@@ -120,7 +122,8 @@ def test_rpc_batch_parameter_server(tmp_path):
         port = ["--master-port", str(fresh_port())] if lib == "torch" else []
         return ["--smoke", "--batch-update-size", "2", "--init", init, *port]
 
-    mine, theirs = run_both("rpc_batch_ps", 3, args, timeout=240, spawn=True)
+    mine, theirs = run_both("rpc_batch_ps", 3, args, timeout=240, spawn=True,
+                            tmp=str(tmp_path / "runs"))
     assert mine["log"].count("PS updated model") == 3
     assert "[rank 1]" in mine["log"]  # spawn forwards the children's output
     for a, b in zip(mine[0]["trainers"], theirs[0]["trainers"], strict=True):
@@ -149,8 +152,9 @@ def test_ddp_rpc_hybrid_model(tmp_path):
         return ["--smoke", "--deterministic", "--init", init,
                 "--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port())]
 
-    mine, theirs = run_both("ddp_rpc", 4, args, timeout=300)
-    padded = run_one("jdist", "ddp_rpc", 4, args() + ["--pad"], timeout=240)
+    mine, theirs = run_both("ddp_rpc", 4, args, timeout=300, tmp=str(tmp_path / "runs"))
+    padded = run_one("jdist", "ddp_rpc", 4, args() + ["--pad"], timeout=240,
+                     tmp=str(tmp_path / "padded"))
     assert np.abs(theirs[2]["table"] - start).max() > 1e-3
     for run in (mine, padded):
         assert run["log"].count("Training done for epoch 0") == 2
@@ -174,7 +178,8 @@ def test_rpc_pipeline(tmp_path):
     init = save_init(str(tmp_path / "init.npz"), {
         **{f"p1.{k}": v for k, v in s1.state_dict().items()},
         **{f"p2.{k}": v for k, v in s2.state_dict().items()}})
-    mine, theirs = run_both("rpc_pipeline", 3, ["--smoke", "--init", init], timeout=300)
+    mine, theirs = run_both("rpc_pipeline", 3, ["--smoke", "--init", init], timeout=300,
+                            tmp=str(tmp_path / "runs"))
     np.testing.assert_allclose(mine[0]["losses"], theirs[0]["losses"], rtol=TOL)
     for shard, start in (("p1", s1), ("p2", s2)):
         assert_params_close(mine[0][shard], theirs[0][shard])
