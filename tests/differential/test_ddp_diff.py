@@ -28,7 +28,10 @@ def specs(draw):
     return {
         "seed": draw(st.integers(0, 2**16)),
         "frontend": draw(st.sampled_from(["dense", "dense", "conv", "embed"])),
-        "widths": draw(st.lists(st.integers(2, 7), min_size=1, max_size=3)),
+        # a normalisation over 2 values (features, or BatchNorm's rows) outputs +-1
+        # whatever its input: the gradients before it are 0 up to rounding noise, which
+        # Adam turns into whole steps; 3 or more keeps the comparison about DDP
+        "widths": draw(st.lists(st.integers(3 if norm else 2, 7), min_size=1, max_size=3)),
         "act": draw(st.sampled_from(["tanh", "relu"])),
         "norm": norm,
         "shared": draw(st.booleans()),
@@ -49,7 +52,7 @@ def specs(draw):
         "hook": hook,
         "accumulate": draw(st.integers(1, 3)),
         "layout": draw(st.sampled_from(LAYOUTS)),
-        "rows": draw(st.integers(2 if norm == "batchnorm" else 1, 3)),
+        "rows": draw(st.integers(3 if norm == "batchnorm" else 1, 4)),
         "steps": draw(st.integers(1, 3)),
     }
 
