@@ -84,6 +84,15 @@ def mesh8():
     return make_mesh(jax.devices(), "dp")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker more than the cores on small machines. Many tests wait on
+    real processes (a peer's start, a timeout that is the point of the test) with their
+    worker idle; a third worker on two cores runs another file meanwhile."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return cores + 1 if cores <= 4 else cores
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with a long end-to-end run (``@pytest.mark.slow``) first, each file's tests
     kept together and in order: xdist hands out whole files, and a long one handed out
