@@ -261,13 +261,6 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
                      loss_dtype: Any = None) -> Callable:
     bucket = layout.buckets[bi]
 
-    @jax.custom_vjp
-    def ident(xs):
-        return xs
-
-    def fwd(xs):
-        return [x.value for x in xs], None
-
     def bwd(_, cts):
         grads, missing = [], []
         for j, ct in zip(bucket.leaves, cts, strict=False):
@@ -288,6 +281,20 @@ def _bucket_identity(rec: ReduceRecord, hook: Callable, layout: BucketLayout, bi
             return (to_varying(grads, axis),)
         out = _run_hook(rec, hook, layout, bi, grads, axis, num_replicas, scale, post, flat)
         return (to_varying(out, axis),)
+
+    return _identity_with(bwd)
+
+
+def _identity_with(bwd: Callable) -> Callable:
+    """The identity on a list of arrays, with the backward rule ``bwd(None, cts)``, which
+    sees symbolic zeros: the cotangents of the arrays the loss does not reach."""
+
+    @jax.custom_vjp
+    def ident(xs):
+        return xs
+
+    def fwd(xs):
+        return [x.value for x in xs], None
 
     ident.defvjp(fwd, bwd, symbolic_zeros=True)
     return ident
@@ -396,19 +403,12 @@ def local_value_and_grad(loss: Callable, params: Any, axis: Any,
     leaves, tdef = jax.tree.flatten(params)
     seen: dict = {}
 
-    @jax.custom_vjp
-    def ident(xs):
-        return xs
-
-    def fwd(xs):
-        return [x.value for x in xs], None
-
     def bwd(_, cts):
         seen["zero"] = [j for j, ct in enumerate(cts) if isinstance(ct, SymbolicZero)]
         return (to_varying([jnp.zeros(x.shape, x.dtype) if isinstance(ct, SymbolicZero)
                             else ct for x, ct in zip(leaves, cts, strict=True)], axis),)
 
-    ident.defvjp(fwd, bwd, symbolic_zeros=True)
+    ident = _identity_with(bwd)
     out, grads = jax.value_and_grad(
         lambda ls: loss(jax.tree.unflatten(tdef, ident(ls))), has_aux=True)(leaves)
     # no backward rule ran: no parameter reaches the loss
