@@ -13,6 +13,7 @@ the in-memory store, by the TCP server and when replaying the file store's log.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -73,8 +74,9 @@ def to_seconds(timeout: Timeout, default: float | None = None) -> float | None:
     else:
         raise TypeError(f"timeout must be a datetime.timedelta or seconds as a number, "
                         f"got {type(timeout).__name__} {timeout!r}")
-    if seconds < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (0 = wait forever), got {seconds}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0 (0 = wait "
+                         f"forever), got {seconds}")
     return None if seconds == 0 else seconds
 
 

@@ -34,6 +34,25 @@ _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
 
 
+_INT64 = 2**63
+_MAX_WAIT_S = 1e9  # about 30 years: anything longer is not a timeout a peer meant
+
+
+def _is_int(x, lo: int, hi: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _seconds(x) -> float | None:
+    """A request's timeout: None (none), or a finite number of seconds in [0, 1e9]. A
+    NaN or an infinity would stall the server's deadline heap for every client."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or \
+            not 0 <= x <= _MAX_WAIT_S:  # False for NaN too
+        raise _Protocol(x)
+    return float(x)
+
+
 class _Protocol(Exception):
     """A malformed request; the connection is closed."""
 
@@ -415,7 +434,7 @@ class StoreServer:
                 self._park(conn, [k], args[1], lambda: [0, self._data[k]])
         elif op == Op.ADD:
             k = _key(args[0])
-            if not isinstance(args[1], int):
+            if not _is_int(args[1], -_INT64, _INT64 - 1):
                 raise _Protocol(args)
             self._ok(conn, kv_add(d, k, args[1]))
             self._notify([k])
@@ -456,7 +475,7 @@ class StoreServer:
             self._notify([_JOIN_KEY])
         elif op == Op.WAIT_WORKERS:
             n = args[0]
-            if not isinstance(n, int):
+            if not _is_int(n, 0, _INT64 - 1):
                 raise _Protocol(args)
             self._park_on(conn, lambda: self._joined >= n, [_JOIN_KEY], args[1],
                           lambda: [0, self._joined])
@@ -498,8 +517,7 @@ class StoreServer:
         self._park_on(conn, lambda: all(k in d for k in keys), keys, timeout_s, reply)
 
     def _park_on(self, conn: _Conn, ready, watch: list[str], timeout_s, reply) -> None:
-        if timeout_s is not None and not isinstance(timeout_s, (int, float)):
-            raise _Protocol(timeout_s)
+        timeout_s = _seconds(timeout_s)
         if ready():
             self._reply(conn, reply())
             return
