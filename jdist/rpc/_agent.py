@@ -45,6 +45,7 @@ from jdist.rpc import _serialize as S
 from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handshake
 from jdist.rpc._client import LOCAL_ADDRESSES, CallClient, Pending
 from jdist.rpc._futures import Future
+from jdist.rpc._gate import HandshakeGate
 from jdist.rpc._options import RpcBackendOptions
 from jdist.rpc._pollgate import WINDOWS, PollGate
 from jdist.rpc._protocol import WorkerInfo
@@ -109,6 +110,7 @@ class RpcAgent(CallClient, CallServer):
         self._conns: dict[int, Comm] = {}
         self._conn_locks: dict[int, threading.Lock] = {}
         self._incoming: set[Comm] = set()
+        self._gate = HandshakeGate(str(self.info), log)
         self._dead: dict[int, str] = {}
         self._pending: dict[int, Pending] = {}
         self._ctl_pending: set[Future] = set()
@@ -301,17 +303,19 @@ class RpcAgent(CallClient, CallServer):
         return comm
 
     async def _serve(self, comm: Comm) -> None:
+        self._gate.admit(comm)  # over the limit it closes the oldest one authenticating
         try:
             peer = await asyncio.wait_for(
                 server_handshake(comm, self._key, self.options.max_frame_bytes),
                 _HANDSHAKE_TIMEOUT)
         except Exception as e:  # wrong secret, garbage, timeout: drop, keep serving
-            log.warning("jdist.rpc: %s refused a connection: %s", self.info, e)
+            self._gate.refused(str(e) or type(e).__name__)
             comm.close()
             return
+        finally:
+            self._gate.release(comm)
         if peer not in self._workers and self._workers:
-            log.warning("jdist.rpc: %s refused a connection claiming unknown rank %s",
-                        self.info, peer)
+            self._gate.refused(f"it claims unknown rank {peer}")
             comm.close()
             return
         comm.set_max_message_bytes(self.options.max_frame_bytes)

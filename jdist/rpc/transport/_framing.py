@@ -30,6 +30,7 @@ VERSION = 1
 MAX_FRAMES = 4096
 _PREFIX = struct.Struct("!2sBBI")
 _STAGING = 256 * 1024
+_MIN_STAGING = 4096
 
 
 class FrameError(ValueError):
@@ -55,9 +56,8 @@ class FrameDecoder:
     """
 
     def __init__(self, max_message_bytes: int, max_frames: int = MAX_FRAMES):
-        self.max_message_bytes = int(max_message_bytes)
         self.max_frames = int(max_frames)
-        self._buf = bytearray(_STAGING)
+        self._buf = bytearray(0)
         self._start = 0
         self._end = 0
         self._lengths: list[int] | None = None  # lengths of the message being read
@@ -65,6 +65,26 @@ class FrameDecoder:
         self._frames: list[bytearray | memoryview] = []
         self._direct: memoryview | None = None  # large frame being received in place
         self._direct_off = 0
+
+        self.max_message_bytes = max_message_bytes  # sizes the staging buffer
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The cap on a message's bytes; setting it sizes the staging buffer to what a
+        message under the cap can need (at most 256 KiB, at least 4 KiB), so a
+        connection that has not authenticated yet (capped at the handshake's size)
+        holds kilobytes, not the staging buffer of a peer's connection."""
+        return self._max
+
+    @max_message_bytes.setter
+    def max_message_bytes(self, n: int) -> None:
+        self._max = int(n)
+        want = min(_STAGING, max(_MIN_STAGING, 2 * (self._max + _PREFIX.size + 8 * 8)))
+        live = self._end - self._start
+        if want != len(self._buf) and live <= want:
+            buf = bytearray(want)
+            buf[:live] = self._buf[self._start:self._end]
+            self._buf, self._start, self._end = buf, 0, live
 
     @property
     def receiving_large_frame(self) -> bool:
@@ -144,6 +164,9 @@ class FrameDecoder:
                     "is something else connecting to this port?")
             if not 0 < n <= self.max_frames:
                 raise FrameError(f"message announces {n} frames (allowed 1..{self.max_frames})")
+            if 8 * n > len(self._buf) - _PREFIX.size:  # its lengths must fit the staging
+                raise FrameError(f"message announces {n} frames, more than a message under "
+                                 f"max_frame_bytes={self._max} may have here")
             self._start += _PREFIX.size
             self._nframes = n
         need = 8 * self._nframes
