@@ -68,7 +68,7 @@ def tolerance(spec) -> float:
 
 
 @given(spec=specs())
-@settings(max_examples=scaled(6))
+@settings(max_examples=scaled(4))
 @replayed("ddp")
 def test_ddp_training_matches_torch_ddp(spec):
     procs, devs = spec["layout"]
