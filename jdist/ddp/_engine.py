@@ -2,9 +2,10 @@
 
 Shared by the NNX shell (:class:`jdist.ddp.DistributedDataParallel`) and the functional
 entry point (:class:`jdist.ddp.FunctionalDDP`). It owns the bucket layout (rebuilt once in
-gradient-ready order at the first trace), the comm hook and its state, the gradients
-accumulated under ``no_sync()``, the per-replica buffers, and a cache of compiled programs.
-Everything it runs is a pure program from :mod:`jdist.ddp._program`.
+gradient-ready order at the first trace), the comm hook and its state (a
+:class:`~jdist.ddp._hookslot.HookSlot`), the gradients accumulated under ``no_sync()``
+(and which parameters they hold gradients for), the per-replica buffers, and a cache of
+compiled programs. Everything it runs is a pure program from :mod:`jdist.ddp._program`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jdist.ddp.hooks._contract import raise_hook_failure
 from jdist.errors import UnusedParametersError
 
 __all__ = ["Engine", "TRACED_MSG"]
+
 
 def _block_on_one(out: Any, num_devices: int) -> None:
     """Wait for one program execution: on an output with a shard on each of its devices."""
