@@ -231,8 +231,13 @@ class Engine:
         value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
         self.hooks.state = hstate
         self.acc = acc
-        # which accumulated leaves hold a gradient (the program's trace recorded the rest)
-        used = frozenset(range(len(self.leaves))) - frozenset(record.get("unused", ()))
+        # the leaves with a gradient in this program: derived once per trace from what it
+        # recorded (the unused ones; a retrace records a new tuple), not at every step
+        unused = record.get("unused", ())
+        if record.get("used_of") is not unused:
+            record["used_of"] = unused
+            record["used"] = frozenset(range(len(self.leaves))) - frozenset(unused)
+        used = record["used"]
         before = self.acc_had_grad if has_acc else frozenset()
         self.acc_had_grad = frozenset() if sync else before | used
         if sync and update is not None:

@@ -75,13 +75,14 @@ class SkipTracker:
 
     def __init__(self, paths: Sequence[str]):
         self.paths = list(paths)
+        self._every = frozenset(range(len(self.paths)))
         self.skipped: set[int] = set()
         self.warned = False
 
     def note(self, with_grad: frozenset) -> None:
         """Record one optimizer step; ``with_grad``: the leaves that had a gradient."""
         back = with_grad & self.skipped
-        self.skipped |= set(range(len(self.paths))) - with_grad
+        self.skipped |= self._every - with_grad
         if back and not self.warned:
             self.warned = True
             warnings.warn(

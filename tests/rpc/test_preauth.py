@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import socket
 import time
 
 import pytest
@@ -17,8 +16,8 @@ import pytest
 from jdist.rpc._auth import HANDSHAKE_MAX_BYTES
 from jdist.rpc._gate import MAX_HANDSHAKES, HandshakeGate
 from jdist.rpc.transport._framing import FrameDecoder, encode_prefix
-from jdist.rpc.transport._tcp import split_host_port, split_local
 from tests.rpc.conftest import make_agents, stop_all
+from tests.rpc.test_security import _raw_connections
 
 
 @pytest.mark.parametrize("cap", [16, HANDSHAKE_MAX_BYTES, 1 << 16, 1 << 30])
@@ -78,13 +77,13 @@ def _rss_mb() -> float:
 def test_a_flood_of_half_open_connections_costs_little_and_logs_little(caplog):
     agents = make_agents(2, transport="tcp")
     try:
-        host, port = split_host_port(split_local(agents[1].address[len("tcp://"):])[0])
+        connect = _raw_connections(agents[1].address)[0]  # its TCP port
         before = _rss_mb()
         socks = []
         with caplog.at_level(logging.WARNING, logger="jdist.rpc"):
             for _ in range(250):  # connect, send nothing: each waits for its handshake
                 try:
-                    socks.append(socket.create_connection((host, port), timeout=5))
+                    socks.append(connect())
                 except OSError:
                     pass
             time.sleep(1.0)
