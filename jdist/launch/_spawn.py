@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jdist.launch import _keeper
 from jdist.launch._env import JobInfo, worker_env, xla_flags_with_devices
 from jdist.launch._forkserver import forkserver_process
 from jdist.launch._relay import Console, Relay, start_relay
@@ -196,6 +197,7 @@ def spawn(
                      str(os.getpid())], env=rank_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             procs.append(proc)
+            _keeper.watch(proc.pid)
             tail: deque = deque(maxlen=_TAIL_LINES)
             tails.append(tail)
             prefix = f"[rank {r}] ".encode()

@@ -12,6 +12,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from jdist.launch import _keeper
+
 __all__ = ["signal_group", "stop_processes"]
 
 
@@ -28,7 +30,8 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: float,
     """``sig`` to each process's group, SIGKILL to the groups after ``grace`` seconds.
 
     Groups are signalled even when their leader already exited, so that processes a
-    child started do not outlive it. Returns once every child is reaped.
+    child started do not outlive it; what left the group is the keeper's
+    (:func:`_keeper.forget`). Returns once every child is reaped.
     """
     for p in procs:
         signal_group(p.pid, sig)
@@ -41,3 +44,4 @@ def stop_processes(procs: Sequence[subprocess.Popen], grace: float,
     for p in procs:
         signal_group(p.pid, signal.SIGKILL)
         p.wait()
+        _keeper.forget(p.pid)

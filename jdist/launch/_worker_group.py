@@ -18,6 +18,7 @@ import time
 from collections import deque
 from typing import IO, NamedTuple
 
+from jdist.launch import _keeper
 from jdist.launch._blame import ERROR_FILE_VAR
 from jdist.launch._relay import Console, Relay, start_relay
 from jdist.launch._stop import stop_processes
@@ -118,6 +119,7 @@ class WorkerGroup:
         try:
             for rank, local_rank, argv, env in commands:
                 proc = start(argv, env)
+                _keeper.watch(proc.pid)
                 files: dict[int, list[IO[bytes]]] = {1: [], 2: []}
                 if log_dir is not None:
                     d = os.path.join(log_dir, f"rank_{rank}")
