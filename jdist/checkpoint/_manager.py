@@ -23,6 +23,7 @@ from jdist.checkpoint._errors import (
     CheckpointMismatchError,
 )
 from jdist.checkpoint._orbax import Writer
+from jdist.checkpoint._preempt import Preemption
 from jdist.checkpoint._restore import StepReader, restore_items
 
 __all__ = ["CheckpointManager", "restart_count"]
@@ -140,6 +141,10 @@ class CheckpointManager:
         Generators, sharded arrays) waits for every rank to call ``save`` for the
         same step before raising :class:`CheckpointError` (``None``: ``timeout``);
         a warning names the missing ranks after 5 s.
+      save_on_preemption: on SIGTERM, every rank saves at its next ``save`` call, waits
+        for it, and exits with status 143 (:mod:`jdist.checkpoint._preempt`). Without it
+        SIGTERM ends the process, as torch's does. Needs the main thread; ``save`` must
+        then be called by every rank at every step (each call is one small collective).
 
     Example::
 
@@ -155,7 +160,8 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, save_interval_steps: int = 1,
                  max_to_keep: int | None = None, async_save: bool = True, *,
                  elastic: bool = False, reset_hook_state_on_resize: bool = False,
-                 timeout: float = 600.0, peer_timeout: float | None = None):
+                 timeout: float = 600.0, peer_timeout: float | None = None,
+                 save_on_preemption: bool = False):
         if isinstance(save_interval_steps, bool) or not isinstance(
                 save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got "
@@ -177,6 +183,8 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         self._writer = Writer(async_save)
         self._closed = False
+        self._preemption = (Preemption(self.rank, self._agree)
+                            if save_on_preemption else None)
 
     # ------------------------------------------------------------------ queries
     def all_steps(self) -> list[int]:
@@ -215,8 +223,15 @@ class CheckpointManager:
         if not isinstance(state, dict) or not state:
             raise TypeError(f"state must be a non-empty dict of named values, got "
                             f"{type(state).__name__}")
+        if self._preemption is not None and self._preemption.is_stop_step():
+            self._save(step, state)
+            self.wait()
+            self._preemption.exit(step)
         if not (force or self.should_save(step)):
             return False
+        return self._save(step, state)
+
+    def _save(self, step: int, state: dict) -> bool:
         existing = next((s for s in _layout.scan(self.directory) if s.step == step), None)
         if existing is not None and existing.complete_world() == self.world:
             self.wait()
@@ -393,6 +408,8 @@ class CheckpointManager:
         finally:
             self._writer.close()
             self._closed = True
+            if self._preemption is not None:
+                self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

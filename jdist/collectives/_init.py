@@ -144,6 +144,11 @@ def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float,
     # survivors (they raise PeerFailedError instead) nor block their exit. Teardown is
     # synchronized by our own store barrier in destroy_process_group.
     jax.config.update("jax_enable_recoverability", True)
+    # SIGTERM stays the program's: JAX's preemption service would install a handler
+    # that only notes the signal, so a scheduler's preemption never ended a worker
+    # (torch's default: SIGTERM ends it; jdist.checkpoint's save_on_preemption opts in
+    # to save first).
+    jax.config.update("jax_enable_preemption_service", False)
     seconds = max(1, int(timeout + 0.999))
     try:
         jax.distributed.initialize(
