@@ -105,6 +105,24 @@ def note(group: ProcessGroup, seq: int, what: str) -> None:
         wd.note(group.name, seq, what)
 
 
+def step_channel(group: ProcessGroup) -> str:
+    """The progress key of ``group``'s compiled steps (DDP's), apart from its collectives."""
+    return f"{group.name}#steps"
+
+
+def enter_step(group: ProcessGroup, what: str) -> int:
+    """Number this rank's next compiled step on ``group`` and publish it (through the
+    heartbeat), so that a timed-out peer can name the rank that never entered it. Every
+    member numbers the steps it runs on the group in order, as collectives are."""
+    with _lock(group):
+        seq = group.extra.get("step_seq", 0) + 1  # from 1, as DDP counts its steps
+        group.extra["step_seq"] = seq
+    wd = group_state.runtime.get("watchdog")
+    if wd is not None:
+        wd.note(step_channel(group), seq, what)
+    return seq
+
+
 def next_seq(group: ProcessGroup) -> int:
     """The group's next collective sequence number (same on every member)."""
     with _lock(group):
@@ -234,12 +252,12 @@ def is_runtime_failure(exc: BaseException) -> bool:
 
 
 def peer_failure(group: ProcessGroup, what: str, exc: BaseException,
-                 seq: int | None = None) -> JdistError:
+                 seq: int | None = None, step: bool = False) -> JdistError:
     """The error to raise for runtime failure ``exc``: a dead rank, or a timeout.
 
     :class:`PeerFailedError` names ranks found dead; a gloo timeout with every rank
     alive becomes :class:`CollectiveTimeoutError` naming the ranks that never reached
-    collective ``seq``.
+    collective ``seq`` (``step``: compiled step ``seq``, :func:`enter_step`).
     """
     wd = group_state.runtime.get("watchdog")
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -252,11 +270,10 @@ def peer_failure(group: ProcessGroup, what: str, exc: BaseException,
             f"that rank's own error first. (runtime error: {first})"
         )
     if timed_out:
-        behind = wd.behind(group.ranks, group.name, seq) if wd and seq is not None else {}
-        who = "; ".join(f"rank {r} {where}" for r, where in sorted(behind.items()))
         return CollectiveTimeoutError(
-            f"{what} (collective #{seq}) on group {group.name!r} timed out after the group "
-            f"timeout ({group.timeout:g} s): {who or 'no rank was found behind'}. Make every "
+            f"{what} ({'step' if step else 'collective'} #{seq}) on group {group.name!r} "
+            f"timed out after the group timeout ({group.timeout:g} s): "
+            f"{behind_text(group, seq, step) or 'no rank was found behind'}. Make every "
             f"member call the same collectives, or raise init_process_group(timeout=...). "
             f"(runtime error: {first})"
         )
@@ -264,6 +281,17 @@ def peer_failure(group: ProcessGroup, what: str, exc: BaseException,
         f"{what} on group {group.name!r} failed in the runtime and no dead rank was "
         f"found among {list(group.ranks)}: {first}"
     )
+
+
+def behind_text(group: ProcessGroup, seq: int | None, step: bool = False) -> str:
+    """``"rank 2 is still at step #1 (DDP step #2)"`` for each member behind ``seq``
+    (of the group's collectives, or with ``step`` its compiled steps); "" if none."""
+    wd = group_state.runtime.get("watchdog")
+    if wd is None or seq is None:
+        return ""
+    behind = (wd.behind(group.ranks, step_channel(group), seq, "step") if step
+              else wd.behind(group.ranks, group.name, seq))
+    return "; ".join(f"rank {r} {where}" for r, where in sorted(behind.items()))
 
 
 def execute(group: ProcessGroup, what: str, fn: Callable, arg, seq: int | None = None) -> Any:

@@ -113,16 +113,17 @@ class Watchdog:
             return out
         return out
 
-    def behind(self, ranks, group: str, seq: int) -> dict[int, str]:
-        """Ranks (of ``ranks``) that have not entered collective ``seq`` of ``group``.
+    def behind(self, ranks, group: str, seq: int, noun: str = "collective") -> dict[int, str]:
+        """Ranks (of ``ranks``) that have not entered ``noun`` ``seq`` of ``group`` (a
+        group's name, or a channel of its compiled steps: :func:`_engine.enter_step`).
 
         Values say where each of them is, from the progress they last published.
         """
         out = {}
         for r, at in self.positions(ranks, group).items():
             if at is None or at[0] < seq:
-                out[r] = ("has not called any collective on this group" if at is None
-                          else f"is still at collective #{at[0]} ({at[1]})")
+                out[r] = (f"has not entered any {noun} on this group" if at is None
+                          else f"is still at {noun} #{at[0]} ({at[1]})")
         return out
 
     def _run(self) -> None:

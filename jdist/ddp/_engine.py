@@ -287,6 +287,12 @@ class Engine:
         """Run ``prog(*args)`` and wait for it (:meth:`_wait`); across processes a runtime
         failure raised when the program is launched names the dead peer too; a comm
         hook's result found to differ across replicas raises ReplicaDivergenceError."""
+        label = f"{what} #{self.steps + 1}"
+        seq = None
+        if self.group.size() > 1:  # numbered before launch: on CPU a launch can block
+            from jdist.collectives._engine import enter_step
+
+            seq = enter_step(self.group, label)
         try:
             out = prog(*args)
         except Exception as exc:
@@ -295,18 +301,18 @@ class Engine:
                 raise
             from jdist.ddp._wait import runtime_failure
 
-            err = runtime_failure(self.group, f"{what} #{self.steps + 1}", exc)
+            err = runtime_failure(self.group, label, exc, seq)
             if err is exc:
                 raise
             raise err from exc
         try:
-            self._wait(out, what)
+            self._wait(out, label, seq)
         except Exception as exc:
             raise_hook_failure(exc)
             raise
         return out
 
-    def _wait(self, out: Any, what: str) -> None:
+    def _wait(self, out: Any, what: str, seq: int | None) -> None:
         """Wait for a program's outputs; across processes name dead peers and time out.
 
         With one process every participant of the step's collectives is one of its own
@@ -328,7 +334,7 @@ class Engine:
         from jdist.ddp._wait import wait_ready
 
         watchdog = (group_state.runtime or {}).get("watchdog")
-        wait_ready(out, self.group, f"{what} #{self.steps + 1}", watchdog=watchdog)
+        wait_ready(out, self.group, what, watchdog=watchdog, seq=seq)
 
     def remember(self, step: Callable, batch: Any, args: tuple) -> None:
         """At the start of every DDP step: inside a join context, notify it and keep the

@@ -121,7 +121,8 @@ def _abandon_waiter() -> None:
 
 
 def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
-               check_every: float = 2.0, timeout: float | None = None) -> None:
+               check_every: float = 2.0, timeout: float | None = None,
+               seq: int | None = None) -> None:
     """Return once every array in ``out`` is computed.
 
     Args:
@@ -131,6 +132,8 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
       watchdog: the runtime's watchdog (``diagnose(ranks, wait)``), or None.
       check_every: seconds between dead-peer checks.
       timeout: seconds before giving up (default ``group.timeout``).
+      seq: the step's number on the group (``_engine.enter_step``): a timeout names the
+        members that have not entered it.
 
     Raises:
       PeerFailedError: the watchdog found member processes dead (named, with reasons),
@@ -146,7 +149,7 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
             jax.block_until_ready(leaves)  # raises the runtime error of a failed step
             return
     except Exception as exc:
-        err = runtime_failure(group, what, exc)
+        err = runtime_failure(group, what, exc, seq)
         if err is exc:
             raise
         raise err from exc
@@ -170,18 +173,25 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
             _abandon_waiter()
             raise CollectiveTimeoutError(
                 f"{what} did not finish within {limit:g} s (group {group.name!r}, ranks "
-                f"{list(group.ranks)}); some process is not running the same step. Give "
+                f"{list(group.ranks)}): {_behind(group, seq)}. Give "
                 "every process the same number of steps (or use ddp.join() for uneven "
                 "inputs), or raise init_process_group(timeout=...)")
     _record(kind, time.perf_counter() - began)
     if done.error is not None:
-        err = runtime_failure(group, what, done.error)
+        err = runtime_failure(group, what, done.error, seq)
         if err is done.error:
             raise err
         raise err from done.error
 
 
-def runtime_failure(group: Any, what: str, exc: BaseException) -> BaseException:
+def _behind(group: Any, seq: int | None) -> str:
+    from jdist.collectives._engine import behind_text
+
+    return behind_text(group, seq, step=True) or "some process is not running the same step"
+
+
+def runtime_failure(group: Any, what: str, exc: BaseException,
+                    seq: int | None = None) -> BaseException:
     """The error to raise for ``exc``, raised by the runtime while running a step.
 
     A failed collective (gloo's "Connection closed by peer", a reset connection) becomes
@@ -201,4 +211,4 @@ def runtime_failure(group: Any, what: str, exc: BaseException) -> BaseException:
             f"{what} on group {group.name!r} failed in the runtime: {first}. A peer process "
             "probably died; without init_process_group's watchdog it cannot be named. "
             "Look at the other ranks' own errors first")
-    return peer_failure(group, what, exc)
+    return peer_failure(group, what, exc, seq, step=True)
