@@ -18,6 +18,7 @@ only their own children may stay.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -78,4 +79,16 @@ def _after_fork_in_child() -> None:
     _keeper = None
 
 
+def _at_exit() -> None:
+    """Close our end now (the keeper sees the end of file and finishes) rather than
+    leave it to the interpreter's teardown."""
+    if _keeper is not None and _keeper.stdin is not None:
+        try:
+            _keeper.stdin.close()
+            _keeper.wait(2.0)  # it only checks that nothing watched is left
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)

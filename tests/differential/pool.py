@@ -39,6 +39,17 @@ class CaseError(AssertionError):
 
 
 def _setup(setup: str):
+    if setup.endswith("_rpc"):  # workers w0, w1, ... of an rpc job, no process group
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if setup == "torch_rpc":
+            import torch
+            import torch.distributed.rpc as rpc
+
+            torch.set_num_threads(1)
+        else:
+            from jdist import rpc
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world)
+        return rank
     if setup == "torch":
         import torch
         import torch.distributed as dist
@@ -53,6 +64,13 @@ def _setup(setup: str):
 
 
 def _teardown(setup: str) -> None:
+    if setup.endswith("_rpc"):
+        if setup == "torch_rpc":
+            import torch.distributed.rpc as rpc
+        else:
+            from jdist import rpc
+        rpc.shutdown()
+        return
     if setup == "torch":
         import gc
 
@@ -85,7 +103,8 @@ def serve(address, authkey_hex: str, setup: str) -> None:
 
 
 class Pool:
-    """One job of ``nprocs`` ranks (``setup``: "jdist" or "torch") serving cases."""
+    """One job of ``nprocs`` ranks serving cases (``setup``: "jdist" or "torch" for a
+    process group, "jdist_rpc" or "torch_rpc" for rpc workers ``w0``, ``w1``, ...)."""
 
     def __init__(self, setup: str, nprocs: int, devices_per_proc: int = 1):
         self.setup, self.nprocs, self.devices_per_proc = setup, nprocs, devices_per_proc

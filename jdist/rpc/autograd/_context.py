@@ -67,7 +67,8 @@ class DistAutogradContext:
         self.vjps: dict[tuple[int, int], Any] = {}  # message id -> recorded VJP
         self._msg_ids = itertools.count()
         self.released = False
-        self._last_sent: dict[int, tuple[int, int]] = {}  # worker id -> last message id
+        # (worker id, frame) -> the last message id sent there from that frame
+        self._last_sent: dict[tuple, tuple[int, int]] = {}
         self._recorded: dict[tuple, threading.Event] = {}  # (caller, message) -> recorded
         #: workers this worker sent a message of this context to (each made the context
         #: there): where its release goes, torch's known worker ids
@@ -82,11 +83,17 @@ class DistAutogradContext:
         return (self.agent.info.id, next(self._msg_ids))
 
     def chain(self, worker_id: int, msg: tuple[int, int]) -> tuple[int, int] | None:
-        """Note ``msg`` as the newest differentiable call from here to ``worker_id``;
-        returns the one before it (the callee records them in this order)."""
+        """Note ``msg`` as the newest differentiable call to ``worker_id`` made by the
+        code running here (the loss function, or one incoming call: :func:`frame`);
+        returns the one before it (the callee records them in this order).
+
+        Calls made while serving an incoming call are not ordered after the calls that
+        led to it: a call from w0 to w2 whose callee calls back into w0, which calls w2
+        again, would otherwise wait at w2 for the first call, which waits for it."""
+        key = (worker_id, frame())
         with self.lock:
-            prev = self._last_sent.get(worker_id)
-            self._last_sent[worker_id] = msg
+            prev = self._last_sent.get(key)
+            self._last_sent[key] = msg
         return prev
 
     def _event(self, msg: tuple) -> threading.Event:
@@ -221,6 +228,15 @@ def _set_current(ctx: DistAutogradContext | None) -> None:
     _tls.ctx = ctx
 
 
+_frames = itertools.count(1)
+
+
+def frame() -> int:
+    """Which code this thread runs for the pass: 0 for the caller's own (the loss
+    function), else the number of the incoming call being served (:func:`enter_context`)."""
+    return getattr(_tls, "frame", 0)
+
+
 def current_context_id(agent: Any, to: int) -> int:
     """The id an outgoing call of ``agent`` to worker ``to`` carries (``NO_CONTEXT``
     outside a context); ``to`` is noted as a worker the context has reached."""
@@ -239,13 +255,15 @@ def enter_context(agent: Any, cid: int) -> Iterator[DistAutogradContext]:
     The context is created on first contact, as torch does when the first message of a
     context reaches a worker.
     """
-    prev = current()
+    prev, prev_frame = current(), frame()
     ctx = registry(agent).get_or_create(cid)
     _set_current(ctx)
+    _tls.frame = next(_frames)
     try:
         yield ctx
     finally:
         _set_current(prev)
+        _tls.frame = prev_frame
 
 
 @contextmanager

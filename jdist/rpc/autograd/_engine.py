@@ -34,6 +34,7 @@ from jdist.errors import DistAutogradError, LossTypeError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef, rref_method_call
 from jdist.rpc.autograd import _context as C
+from jdist.rpc.autograd._captured import check_captured
 from jdist.rpc.autograd._context import call_traced
 from jdist.rpc.autograd._params import Tracked, find_params, flatten_args, rebuild_args
 from jdist.rpc.autograd._slots import _fill, _is_slot, _Link, _Slot, _split_outputs, to_array
@@ -261,6 +262,8 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
         if _is_slot(x):
             slots[x.index] = i
     params = find_params(leaves, ctx.agent.info.id)
+    check_captured(func, params, ctx.agent.info.id,
+                   f"{ctx.agent.info}, a differentiable call")
     if _is_pure(func, leaves) and not getattr(func, "_jdist_async_execution", False):
         from jdist.rpc.autograd._compiled import try_record_pure
 
@@ -392,6 +395,7 @@ def backward(ctx: C.DistAutogradContext, loss_fn: Any, args: tuple, kwargs: dict
     """Differentiate ``loss_fn(*args, **kwargs)`` across workers (see ``dist_autograd``)."""
     leaves, tdef = flatten_args((tuple(args), dict(kwargs)))
     params: list[tuple[int, Tracked]] = find_params(leaves, ctx.agent.info.id)
+    check_captured(loss_fn, params, ctx.agent.info.id, "dist_autograd.backward")
     pvals = [t.values() for _, t in params]
 
     def g(token, pvals_):
