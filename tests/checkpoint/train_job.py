@@ -12,7 +12,9 @@ As a script (one process per rank)::
 
 ``--kill A:R:S[:save]`` makes rank ``R`` SIGKILL itself on attempt ``A`` (the
 launcher's restart count) right after step ``S`` (``save``: right after the save of
-step ``S`` started, while it is being written).
+step ``S`` started, while it is being written); ``--kill A:R:S:term`` sends it SIGTERM
+instead, which with ``--preemption`` (``save_on_preemption=True``) makes every rank
+save the next step and exit 143.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-hook", action="store_true")
     ap.add_argument("--elastic", action="store_true")
     ap.add_argument("--kill", action="append", default=[])
+    ap.add_argument("--preemption", action="store_true",
+                    help="CheckpointManager(save_on_preemption=True)")
     ap.add_argument("--reference", help="then train again from scratch, uninterrupted, "
                     "with checkpoints in this directory (the oracle), and report it too")
     args = ap.parse_args(argv)
@@ -183,15 +187,16 @@ def main(argv=None) -> None:
     for k in args.kill:
         a, r, s, *how = k.split(":")
         if int(a) == attempt and int(r) == rank:
-            kills.append((int(s), bool(how)))
+            kills.append((int(s), how[0] if how else ""))
 
     def kill(step, saved):
-        for s, during_save in kills:
-            if step == s and (saved or not during_save):
-                os.kill(os.getpid(), signal.SIGKILL)
+        for s, how in kills:
+            if step == s and (saved or how != "save"):
+                os.kill(os.getpid(), signal.SIGTERM if how == "term" else signal.SIGKILL)
 
     manager = CheckpointManager(args.dir, save_interval_steps=args.interval,
-                                max_to_keep=args.keep, elastic=args.elastic)
+                                max_to_keep=args.keep, elastic=args.elastic,
+                                save_on_preemption=args.preemption)
     state = manager.restore_or_init(lambda: build(rank, world, hook=not args.no_hook,
                                                   zero=args.zero))
     resumed = manager.restored_step

@@ -12,9 +12,9 @@ import pytest
 
 from tests.helpers import run_procs
 
-TIMEOUT = 3  # seconds: the group timeout / RPC timeout
+TIMEOUT = 2  # seconds: the group timeout / RPC timeout
 STUCK = 2  # the rank that gets stuck
-_STALL_S = TIMEOUT + 4  # how long it stays stuck (past every survivor's timeout)
+_STALL_S = TIMEOUT + 3  # how long it stays stuck (past every survivor's timeout)
 
 
 def _stall(x):
