@@ -179,6 +179,76 @@ def _torch_bf16_hook(process_group, bucket):
     return fut.then(decompress)
 
 
+PSGD_START = 2  # torch's smallest start_powerSGD_iter with error feedback / warm start
+# torch's Gram-Schmidt divides a zero column (a dead ReLU's gradient) by its zero norm
+# and fills the bucket with NaNs when epsilon is 0 (jdist keeps it zero, on purpose):
+# compared with torch's own remedy
+PSGD_EPS = 1e-8
+
+
+def _torch_powersgd(spec, model):
+    """torch's PowerSGD hook, wrapped to report the Q factors it draws first (per
+    parameter name, torch's ``(m, r)``): the same draws, replayed on a copy of the
+    state's generator just before the hook makes them."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    state = P.PowerSGDState(process_group=None,
+                            matrix_approximation_rank=spec["psgd_rank"],
+                            start_powerSGD_iter=PSGD_START,
+                            use_error_feedback=spec["psgd_ef"], warm_start=True,
+                            min_compression_rate=spec["psgd_min_rate"],
+                            orthogonalization_epsilon=PSGD_EPS, random_seed=spec["seed"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    drawn: dict = {}
+
+    def hook(st, bucket):
+        if st.iter >= st.start_powerSGD_iter and bucket.index() not in st.p_memory_dict:
+            by_shape: dict = {}  # torch draws them grouped by matrix shape
+            for g, p in zip(bucket.gradients(), bucket.parameters(), strict=True):
+                n, m = g.view(g.shape[0], -1).shape
+                r = min(n, m, st.matrix_approximation_rank)
+                if P._should_compress(n, m, r, st.min_compression_rate)[0]:
+                    by_shape.setdefault((n, m), []).append((names[id(p)], m, r))
+            rng = np.random.RandomState()
+            rng.set_state(st.rng.get_state())
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(rng.randint(1_000_000_000))
+                for items in by_shape.values():
+                    for name, m, r in items:
+                        drawn[name] = torch.randn(1, m, r)[0].numpy().tolist()
+        return P.powerSGD_hook(st, bucket)
+
+    return state, hook, drawn
+
+
+def _jdist_q_loader(ddp, q_init):
+    """A ``load_replica_hook_state`` loader that puts torch's first Q factors in place."""
+    import jax
+
+    def torch_name(path):
+        *mod, leaf = path.split("/")
+        return ".".join(mod + ["bias" if leaf == "bias" else "weight"])
+
+    def load(state):
+        qs = dict(state.q_memory_dict)
+        for b in ddp.buckets:
+            parts = [np.asarray(q_init[torch_name(p)], np.float32).reshape(-1)
+                     for p in b.paths if torch_name(p) in q_init]
+            if b.index in qs:
+                flat = np.concatenate(parts)
+                old = qs[b.index]
+                assert old.shape[-1] == flat.size, (b.paths, old.shape, flat.size)
+                full = np.broadcast_to(flat, old.shape)
+                qs[b.index] = jax.make_array_from_callback(
+                    old.shape, old.sharding, lambda idx, full=full: full[idx])
+            else:
+                assert not parts, b.paths
+        return state.replace(q_memory_dict=qs)
+
+    return load
+
+
 def run_torch(spec):
     import torch
     import torch.distributed as dist
@@ -193,8 +263,12 @@ def run_torch(spec):
               gradient_as_bucket_view=spec.get("bucket_view", False))
     hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
             "bf16": _torch_bf16_hook}.get(spec["hook"])
+    drawn = None
     if hook is not None:
         ddp.register_comm_hook(None, hook)
+    elif spec["hook"] == "powersgd":
+        state, hook, drawn = _torch_powersgd(spec, model)
+        ddp.register_comm_hook(state, hook)
     lr, name = spec["lr"], spec["optimizer"]
     opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr),
            "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
@@ -224,7 +298,7 @@ def run_torch(spec):
         losses.append(float(loss))
     state = _state(model)
     ddp = opt = None  # release the reducer before the next case's
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "q_init": drawn}
 
 
 def run_jdist(spec):
@@ -251,6 +325,14 @@ def run_jdist(spec):
             "bf16": hooks.bf16_compress_hook}.get(spec["hook"])
     if hook is not None:
         ddp.register_comm_hook(None, hook)
+    elif spec["hook"] == "powersgd":
+        ddp.register_comm_hook(hooks.PowerSGDState(
+            matrix_approximation_rank=spec["psgd_rank"], start_powerSGD_iter=PSGD_START,
+            use_error_feedback=spec["psgd_ef"], warm_start=True,
+            min_compression_rate=spec["psgd_min_rate"], orthogonalization_epsilon=PSGD_EPS,
+            random_seed=spec["seed"]),
+            hooks.powerSGD_hook)
+        ddp.load_replica_hook_state(_jdist_q_loader(ddp, spec["q_init"]))
     lr, name = spec["lr"], spec["optimizer"]
     tx = {"sgd": lambda: optax.sgd(lr), "momentum": lambda: optax.sgd(lr, momentum=0.9),
           "adam": lambda: optax.adam(lr, eps=ADAM_EPS),

@@ -28,7 +28,10 @@ Differences from torch, on purpose:
 - ``compression_stats()`` reports one step (torch accumulates counts over steps; the
   ratio is the same);
 - random Q factors come from ``jax.random`` (torch uses numpy/torch generators), so
-  values differ from torch's for the same seed; the maths and the criterion are equal.
+  values differ from torch's for the same seed; the maths and the criterion are equal,
+  on torch's matrices (:func:`torch_axes`): with the same initial Q (set
+  ``q_memory_dict``), results are torch's (``tests/differential/test_ddp_diff.py``
+  injects torch's Q factors).
 - ``batch_tensors_with_same_shape`` is accepted and has no effect on results (XLA
   fuses the small matmuls itself).
 """
@@ -147,17 +150,49 @@ def _check_state(state, name):
         )
 
 
+def torch_axes(path: str, ndim: int) -> tuple[int, ...]:
+    """The axis order that lays a parameter out as torch's equivalent (identity for all
+    but Flax kernels).
+
+    A Flax ``kernel`` keeps its output features last: ``(in, out)`` for a Dense layer,
+    ``(kh, kw, in, out)`` for a Conv; torch's weights lead with them: ``(out, in)``,
+    ``(out, in, kh, kw)``. PowerSGD compresses ``view(shape[0], -1)`` of torch's weight,
+    so a kernel is first brought to torch's order: rows are output features, as in
+    torch (for a Conv kernel ``shape[0]`` would otherwise be the kernel height), and the
+    matrix is torch's exactly, so the same Q factors give the same result.
+    """
+    if ndim >= 2 and path.rsplit("/", 1)[-1] == "kernel":
+        return (ndim - 1, ndim - 2, *range(ndim - 2))
+    return tuple(range(ndim))
+
+
 def _plan(bucket: GradBucket, state: PowerSGDState):
-    """Per gradient: (offset, size, n, m, r, compress?) with torch's ``view(shape[0], -1)``."""
+    """Per gradient: (offset, size, n, m, r, compress?) with torch's ``view(shape[0], -1)``
+    of the gradient in torch's layout (:func:`torch_axes`)."""
     plan = []
-    for off, g in zip(bucket.offsets(), bucket.gradients, strict=True):
+    for off, g, path in zip(bucket.offsets(), bucket.gradients, bucket.parameters,
+                            strict=True):
         size = int(np.prod(g.shape, dtype=np.int64))
-        n = int(g.shape[0]) if g.ndim >= 1 else 1
+        axes = torch_axes(path, g.ndim)
+        n = int(g.shape[axes[0]]) if g.ndim >= 1 else 1
         m = size // n if n else 0
         r = min(n, m, state.matrix_approximation_rank)
         ok = should_compress(n, m, r, state.min_compression_rate)[0] and size > 0
         plan.append((off, size, n, m, r, bool(ok)))
     return plan
+
+
+def _to_matrix(flat, g, path, n, m):
+    """A gradient's slice of the bucket as torch's ``(n, m)`` matrix."""
+    axes = torch_axes(path, g.ndim)
+    return jnp.transpose(flat.reshape(g.shape), axes).reshape(n, m)
+
+
+def _from_matrix(mat, g, path):
+    """:func:`_to_matrix` undone: the flat slice in the bucket's layout."""
+    axes = torch_axes(path, g.ndim)
+    moved = mat.reshape(tuple(g.shape[a] for a in axes))
+    return jnp.transpose(moved, np.argsort(axes)).reshape(-1)
 
 
 def _orthogonalize(mat, epsilon):
@@ -298,7 +333,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket):
         if state.use_error_feedback:
             x = x + state.error_dict[idx]
         dtype = x.dtype
-        mats = [x[o:o + s].reshape(n, m) for o, s, n, m, r, ok in plan if ok]
+        grads = list(zip(bucket.gradients, bucket.parameters, strict=True))
+        mats = [_to_matrix(x[o:o + s], *grads[i], n, m)
+                for i, (o, s, n, m, r, ok) in enumerate(plan) if ok]
         ranks = [(m, r) for _, _, _, m, r, ok in plan if ok]
         rest = [x[o:o + s] for o, s, *_, ok in plan if not ok]
         rest = jnp.concatenate(rest) if rest else jnp.zeros((0,), dtype)
@@ -320,9 +357,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket):
         qs = _split(q_flat, [q.shape for q in qs])
         approx = iter([p @ q.T for p, q in zip(ps, qs, strict=True)])
         pieces, rpos = [], 0
-        for _, s, _, _, _, ok in plan:
+        for i, (_, s, _, _, _, ok) in enumerate(plan):
             if ok:
-                pieces.append(next(approx).reshape(-1))
+                pieces.append(_from_matrix(next(approx), *grads[i]))
             else:
                 pieces.append(rest[rpos:rpos + s])
                 rpos += s
