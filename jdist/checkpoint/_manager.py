@@ -280,16 +280,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
     def _agree(self, code: int) -> int:
         """The largest ``code`` of all ranks (every rank calls it the same times)."""
-        if self.world == 1:
-            return code
-        from jdist.collectives import ReduceOp, all_reduce, is_initialized
-
-        mine = np.array([code], np.int32)
-        if not is_initialized():  # jax.distributed started without jdist
-            from jax.experimental import multihost_utils
-
-            return int(np.max(multihost_utils.process_allgather(mine)))
-        return int(np.asarray(all_reduce(mine, op=ReduceOp.MAX))[0])
+        return _agree_max(self.world, code)
 
     def _candidates(self) -> list:
         steps = _layout.scan(self.directory)
@@ -421,6 +412,20 @@ class CheckpointManager:
         return (f"CheckpointManager({self.directory!r}, save_interval_steps="
                 f"{self.save_interval_steps}, max_to_keep={self.max_to_keep}, "
                 f"async_save={self._writer.async_save}, rank={self.rank}/{self.world})")
+
+
+def _agree_max(world: int, code: int) -> int:
+    """The largest ``code`` of all ``world`` ranks (a collective)."""
+    if world == 1:
+        return code
+    from jdist.collectives import ReduceOp, all_reduce, is_initialized
+
+    mine = np.array([code], np.int32)
+    if not is_initialized():  # jax.distributed started without jdist
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(mine)))
+    return int(np.asarray(all_reduce(mine, op=ReduceOp.MAX))[0])
 
 
 def _whole(m: CheckpointManager, step: int, why: str | None) -> bool:
