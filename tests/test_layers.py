@@ -141,6 +141,27 @@ def test_no_import_circle():
         " <-> ".join(c) for c in cycles)
 
 
+def _package(module: str) -> str:
+    """``jdist.ddp`` for ``jdist.ddp.hooks._base``; ``jdist`` for top-level modules."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and _is_package(".".join(parts[:2])) \
+        else "jdist"
+
+
+def _is_private(module: str) -> bool:
+    return any(p.startswith("_") for p in module.split(".")[1:])
+
+
+def test_no_package_imports_another_packages_private_module():
+    """Each package publishes what the others need (``jdist.collectives.runtime``,
+    ``jdist.launch.cluster``, ``jdist.ddp.padding``, ...): an import of another
+    package's private module would tie it to code free to change."""
+    bad = sorted((m, d) for m, deps in _graph().items() for d in deps
+                 if d.startswith("jdist.") and _is_private(d)
+                 and _package(d) not in (_package(m), "jdist"))
+    assert bad == [], bad
+
+
 def test_floor0_never_reaches_jax():
     graph = _graph()
     bad = []

@@ -44,7 +44,7 @@ from jdist.collectives._group import (
 )
 from jdist.collectives._watchdog import Watchdog
 from jdist.errors import AlreadyInitializedError, RendezvousError, StoreError
-from jdist.launch._cluster import JobSpec, detect_job, local_device_ids
+from jdist.launch.cluster import JobSpec, detect_job, local_device_ids
 
 __all__ = ["init_process_group", "destroy_process_group", "describe_job"]
 

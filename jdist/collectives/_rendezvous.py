@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from jdist.errors import RendezvousError, RendezvousTimeoutError, StoreError
-from jdist.launch._cluster import JobSpec, detect_job
+from jdist.launch.cluster import JobSpec, detect_job
 from jdist.store import free_port
 
 __all__ = ["InitSpec", "parse_init", "parse_timeout", "make_store", "rendezvous",

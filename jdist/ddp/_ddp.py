@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp._binding import Binder, Binding
 from jdist.ddp._binding import merge as _merge
 from jdist.ddp._binding import split as _split

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jdist.collectives import prefers_flat
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
 from jdist.ddp._hookslot import HookSlot
@@ -290,7 +290,7 @@ class Engine:
         label = f"{what} #{self.steps + 1}"
         seq = None
         if self.group.size() > 1:  # numbered before launch: on CPU a launch can block
-            from jdist.collectives._engine import enter_step
+            from jdist.collectives.runtime import enter_step
 
             seq = enter_step(self.group, label)
         try:
@@ -330,7 +330,7 @@ class Engine:
             if self._platform == "cpu":
                 _block_on_one(out, self.group.num_replicas)
             return
-        from jdist.collectives._group import group_state
+        from jdist.collectives.runtime import group_state
         from jdist.ddp._wait import wait_ready
 
         watchdog = (group_state.runtime or {}).get("watchdog")

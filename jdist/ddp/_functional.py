@@ -24,7 +24,7 @@ from typing import Any
 
 import optax
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp._ddp import leaf_infos
 from jdist.ddp._shell import EngineShell
 from jdist.ddp._untouched import keep_untouched

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp import _placement, _reducer
 from jdist.ddp._buckets import BucketLayout, LeafInfo
 from jdist.ddp.hooks._base import GradBucket

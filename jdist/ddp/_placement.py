@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 
 __all__ = [
     "local_value",

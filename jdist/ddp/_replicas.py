@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp._sync import gather_bytes
 from jdist.errors import ReplicaDivergenceError
 

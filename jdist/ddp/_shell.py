@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives.runtime import ProcessGroup, resolve_group
 from jdist.ddp import _sync
 from jdist.ddp._buckets import BucketCapacityConfig, BucketLayout
 from jdist.ddp._engine import Engine

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._placement import local_first, per_replica
 from jdist.errors import ModelMismatchError

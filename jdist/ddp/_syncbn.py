@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives.runtime import ProcessGroup, resolve_group
 from jdist.ddp._padding import current_row_mask
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]

@@ -185,7 +185,7 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
 
 
 def _behind(group: Any, seq: int | None) -> str:
-    from jdist.collectives._engine import behind_text
+    from jdist.collectives.runtime import behind_text
 
     return behind_text(group, seq, step=True) or "some process is not running the same step"
 
@@ -200,8 +200,7 @@ def runtime_failure(group: Any, what: str, exc: BaseException,
     :class:`~jdist.errors.CollectiveTimeoutError` for a gloo timeout); any other error
     is returned unchanged.
     """
-    from jdist.collectives._engine import is_runtime_failure, peer_failure
-    from jdist.collectives._group import group_state
+    from jdist.collectives.runtime import group_state, is_runtime_failure, peer_failure
 
     if not is_runtime_failure(exc):
         return exc

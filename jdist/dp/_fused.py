@@ -34,7 +34,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist.collectives._group import DEFAULT_AXIS
+from jdist.collectives.runtime import DEFAULT_AXIS
 from jdist.dp._programs import nnx_apply
 from jdist.dp._scatter_gather import SCALAR_WARNING, batch_size, chunk_sizes, dim_spec, mesh_for
 from jdist.dp._trees import check_same_output, fold_keys, partition, rebuild, split_output

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jdist.collectives._group import DEFAULT_AXIS
+from jdist.collectives.runtime import DEFAULT_AXIS
 from jdist.dp._scatter_gather import dim_spec
 from jdist.dp._trees import OutputMeta, fold_keys, partition, rebuild, split_output
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist.collectives._group import DEFAULT_AXIS, make_mesh
+from jdist.collectives.runtime import DEFAULT_AXIS, make_mesh
 
 __all__ = [
     "SCALAR_WARNING",

@@ -48,7 +48,7 @@ import numpy as np
 import optax
 
 from jdist.collectives import ReduceOp, all_reduce_flat, invariant_leaves
-from jdist.collectives._axis import axis_of, bound_size
+from jdist.collectives.runtime import axis_of, bound_size
 from jdist.optim._compression import Compression, Compressor
 
 __all__ = ["AllReduceOptimizer", "DistributedOptimizer", "DistributedOptimizerState",

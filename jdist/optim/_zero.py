@@ -54,8 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist.algorithms.join import Join, Joinable
-from jdist.collectives._axis import bound_size, is_bound
-from jdist.collectives._group import ProcessGroup, resolve_group
+from jdist.collectives.runtime import ProcessGroup, bound_size, is_bound, resolve_group
 from jdist.optim._param_groups import ParamGroupsState, check_param_group, groups_of
 from jdist.optim._zero_comm import gather_shards, grad_shards
 from jdist.optim._zero_comm import length as _length

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist.collectives._types import ReduceOp
 from jdist.collectives.functional import all_reduce_flat
+from jdist.collectives.runtime import ReduceOp
 
 __all__ = ["by_dtype", "gather_shards", "grad_shards", "length"]
 

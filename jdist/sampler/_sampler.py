@@ -64,7 +64,7 @@ def _repeat_matters(sampler) -> bool:
 def _default_replicas_and_rank(num_replicas, rank) -> tuple[int, int]:
     if num_replicas is not None and rank is not None:
         return num_replicas, rank
-    from jdist.collectives._group import group_state  # imports JAX only when needed
+    from jdist.collectives.runtime import group_state  # imports JAX only when needed
 
     group = group_state.default_group
     if group is None:

@@ -18,8 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdist.collectives._axis import bound_size
-from jdist.collectives._group import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup, bound_size
 from jdist.ddp.hooks._base import CommHook, GradBucket
 
 __all__ = [

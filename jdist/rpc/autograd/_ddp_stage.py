@@ -65,7 +65,7 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
                         f"{type(ddp).__name__}")
     sizes = None
     if pad_batch_to is not None:
-        from jdist.ddp._padding import PadSizes, pad_batch
+        from jdist.ddp.padding import PadSizes, pad_batch
 
         if not isinstance(pad_batch_to, (int, np.integer)) or isinstance(pad_batch_to, bool):
             raise TypeError(f"ddp_stage(pad_batch_to=) must be one int (the same on every "
