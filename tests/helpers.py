@@ -49,3 +49,12 @@ def tree_allclose(a, b, rtol=1e-6, atol=1e-6):
     assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, waiting for its reaper, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -13,7 +13,6 @@ exactly once across the ranks).
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +47,6 @@ THREE = {"kills": [{"attempt": 0, "rank": 1, "step": 3, "how": "term"},
 _CI = settings.default.derandomize  # the "ci" profile (tests/conftest.py)
 
 
-@pytest.mark.slow  # a long run: scheduled first (tests/conftest.py)
 @settings(max_examples=scaled(1), deadline=None,
           phases=(Phase.explicit,) if _CI else tuple(Phase))
 @given(case=schedules())

@@ -10,7 +10,6 @@ XLA (XLA:CPU reduces halves in float32), and Adam's normalisation of rounding no
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +85,6 @@ def tolerance(spec) -> float:
     return tol
 
 
-@pytest.mark.slow  # a long run: scheduled first (tests/conftest.py)
 @given(spec=specs())
 @settings(max_examples=scaled(4))
 @replayed("ddp")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from jdist.launch import free_port
+from tests.helpers import process_alive
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -112,7 +113,7 @@ def test_a_failing_rank_ends_the_others_and_is_named(tmp_path, start_method):
     assert "something broke in rank 1" in res.stderr.split("job failed:")[1]
     t_fail = float((tmp_path / "t_fail").read_text())
     assert t_end - t_fail < 1 + 2  # grace + 2 s
-    assert not _alive(int((tmp_path / "pid0").read_text()))
+    assert not process_alive(int((tmp_path / "pid0").read_text()))
 
 
 def test_max_restarts_recovers_from_a_first_attempt_crash(tmp_path):
@@ -162,13 +163,6 @@ def test_two_launchers_form_one_job_and_restart_together(tmp_path, start_method)
         assert "rank 3 exited with code 7; restarting the job (attempt 2 of 2)" in err
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
-    except FileNotFoundError:
-        return False
-
 
 def test_sigterm_to_the_launcher_leaves_no_process(tmp_path, start_method):
     script = _script(tmp_path, "sleepy.py", f"""\
@@ -188,15 +182,15 @@ def test_sigterm_to_the_launcher_leaves_no_process(tmp_path, start_method):
         assert time.monotonic() < deadline and launcher.poll() is None
         time.sleep(0.05)
     pids = [int(p) for f in files for p in f.read_text().split()]
-    assert all(_alive(p) for p in pids)
+    assert all(process_alive(p) for p in pids)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signal.SIGTERM
     assert "got SIGTERM; stopped every worker" in err
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if process_alive(p)]
 
 
 def test_a_killed_launcher_takes_its_workers_and_stops_the_job(tmp_path, start_method):
@@ -227,7 +221,7 @@ def test_a_killed_launcher_takes_its_workers_and_stops_the_job(tmp_path, start_m
     assert "the launcher of node 1 stopped responding" in err
     assert "restarting" not in err  # a vanished node is not restarted
     assert time.monotonic() - t0 < 2 + 1 + 5
-    assert not [p for p in pids if _alive(p)]  # rank 1 died with its launcher too
+    assert not [p for p in pids if process_alive(p)]  # rank 1 died with its launcher too
 
 
 def test_forkserver_workers_run_the_script_as_python_does_and_restarts_reuse_the_server(
@@ -260,7 +254,7 @@ def test_forkserver_workers_run_the_script_as_python_does_and_restarts_reuse_the
     servers = {s["ppid"] for s in seen}
     assert len(servers) == 1  # both attempts forked from one server: imported once
     assert len({s["pid"] for s in seen}) == 4
-    assert not _alive(servers.pop())  # the server ended with the launcher
+    assert not process_alive(servers.pop())  # the server ended with the launcher
 
 
 def test_attempts_share_a_compilation_cache_that_ends_with_the_job(tmp_path):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import process_alive
+
 ROOT = str(Path(__file__).resolve().parents[2])
 
 _FAMILY = """\
@@ -68,13 +70,6 @@ def _env():
     return env
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # zombies are dead
-    except FileNotFoundError:
-        return False
-
 
 def _family_pids(tmp_path, parent):
     files = [tmp_path / "pids0", tmp_path / "pids1"]
@@ -86,7 +81,7 @@ def _family_pids(tmp_path, parent):
                         + parent.communicate()[1][-3000:])
         time.sleep(0.05)
     pids = [int(p) for f in files for p in f.read_text().split()]
-    assert len(pids) == 10 and all(_alive(p) for p in pids)
+    assert len(pids) == 10 and all(process_alive(p) for p in pids)
     # the keeper finds descendants that left the worker's session by scanning every
     # 0.5 s: one started in the last half second before the launcher died may escape
     time.sleep(1.2)
@@ -97,9 +92,9 @@ def _kill_and_count_survivors(parent, pids):
     parent.kill()  # no handler runs, nothing is closed in order
     parent.communicate(timeout=30)
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    survivors = [p for p in pids if _alive(p)]
+    survivors = [p for p in pids if process_alive(p)]
     for p in survivors:  # tidy up before failing
         os.kill(p, signal.SIGKILL)
     return survivors
@@ -143,6 +138,6 @@ def test_the_keeper_exits_when_its_launcher_ends():
     assert res.returncode == 0, res.stderr
     keeper = int(res.stdout.split()[0])
     deadline = time.monotonic() + 5
-    while _alive(keeper) and time.monotonic() < deadline:
+    while process_alive(keeper) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(keeper)
+    assert not process_alive(keeper)

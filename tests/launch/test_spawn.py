@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jdist.launch import SpawnError, spawn
-from tests.helpers import run_procs
+from tests.helpers import process_alive, run_procs
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -119,13 +119,6 @@ _ORPHANS = """\
 """
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 def _start_parent(tmp_path, method):
     script = tmp_path / "parent.py"
@@ -139,15 +132,15 @@ def _start_parent(tmp_path, method):
         assert time.monotonic() < deadline and parent.poll() is None, parent.stderr.read()
         time.sleep(0.05)
     pids = [int(p) for f in files for p in f.read_text().split()]
-    assert all(_alive(p) for p in pids)
+    assert all(process_alive(p) for p in pids)
     return parent, pids
 
 
 def _gone(pids, within):
     deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if process_alive(p)]
 
 
 METHODS = pytest.mark.parametrize("method", ["spawn", "forkserver"])
