@@ -220,9 +220,19 @@ def candidate(rank: int, path: str | None, returncode: int | None, seen_alive: f
     return Candidate(seen_alive, rank, describe(returncode), "", None)
 
 
+def _consequence(c: Candidate) -> bool:
+    """Whether ``c`` raised because a peer died (``PeerFailedError``): never the cause
+    while another rank failed too. A rank killed by a signal is known by the time the
+    launcher saw it running last, which can come after its peer's error: a forked
+    rank's exit reaches the launcher through its fork server, up to ~0.1 s late."""
+    return c.how.startswith("raised ") and \
+        c.how[len("raised "):].split(":")[0].endswith("PeerFailedError")
+
+
 def first_failure(candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:
-    """The earliest candidate (ties: the lower rank) and the rest in time order."""
-    ordered = sorted(candidates, key=lambda c: (c.time, c.rank))
+    """The earliest candidate (ties: the lower rank) that is not a consequence of a
+    dead peer, and the rest in that order."""
+    ordered = sorted(candidates, key=lambda c: (_consequence(c), c.time, c.rank))
     return ordered[0], ordered[1:]
 
 

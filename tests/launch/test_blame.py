@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from jdist.launch import _blame as blame
 from jdist.launch import free_port
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -134,3 +135,18 @@ def test_nodes_reporting_in_any_order_keep_the_earliest_failure(order):
     first = next(i for i, node in enumerate(order) if node == 1)
     assert [k.node_rank for k in kept[first:]] == [1] * (len(order) - first)
     assert _report_earliest(store, "failed", None).rank == 4
+
+
+@pytest.mark.parametrize("peer_first", [True, False])
+def test_a_peer_failed_error_is_a_consequence_not_the_cause(peer_first):
+    """A rank that raised PeerFailedError (its peer died) is listed after the rank that
+    died, even when the launcher saw the dead rank running last after that error."""
+    dead = blame.Candidate(10.2 if peer_first else 10.0, 1, "was killed by signal SIGTERM",
+                           "", None)
+    peer = blame.Candidate(10.1, 0, "raised jdist.errors.PeerFailedError: all_reduce on "
+                           "group 'WORLD' failed because a peer died: rank 1 is gone",
+                           "tb", 1)
+    other = blame.Candidate(10.3, 2, "raised ValueError: boom", "tb", 1)
+    first, rest = blame.first_failure([peer, dead, other])
+    assert first is dead
+    assert rest == [other, peer]
