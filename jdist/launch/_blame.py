@@ -43,6 +43,8 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+from jdist.errors import PeerFailedError
+
 __all__ = ["ERROR_FILE_VAR", "TORCH_ERROR_FILE_VAR", "error_file_env", "recording_failures",
            "read_record", "Candidate", "candidate", "first_failure", "reply_to_parent"]
 
@@ -191,6 +193,7 @@ class Candidate(NamedTuple):
     how: str  # "raised ValueError: boom" / "was killed by signal SIGABRT"
     traceback: str  # the Python traceback (or the stack at a fatal signal), or ""
     exit_code: int | None  # Python's code for a record; None: the process decides
+    error_type: str = ""  # the raised exception's qualified name, from the record
 
 
 def candidate(rank: int, path: str | None, returncode: int | None, seen_alive: float,
@@ -211,7 +214,8 @@ def candidate(rank: int, path: str | None, returncode: int | None, seen_alive: f
         else:
             how = describe(code)
         return Candidate(float(record["time"]), rank, how,
-                         str(record.get("traceback", "")), code)
+                         str(record.get("traceback", "")), code,
+                         str(record.get("type", "")) if record.get("traceback") else "")
     if returncode is None or returncode == 0:
         return None
     fault = _read_fault(path + _FAULT) if path and returncode < 0 else None
@@ -225,8 +229,7 @@ def _consequence(c: Candidate) -> bool:
     while another rank failed too. A rank killed by a signal is known by the time the
     launcher saw it running last, which can come after its peer's error: a forked
     rank's exit reaches the launcher through its fork server, up to ~0.1 s late."""
-    return c.how.startswith("raised ") and \
-        c.how[len("raised "):].split(":")[0].endswith("PeerFailedError")
+    return c.error_type.rpartition(".")[2] == PeerFailedError.__name__
 
 
 def first_failure(candidates: list[Candidate]) -> tuple[Candidate, list[Candidate]]:

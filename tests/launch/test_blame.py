@@ -145,8 +145,8 @@ def test_a_peer_failed_error_is_a_consequence_not_the_cause(peer_first):
                            "", None)
     peer = blame.Candidate(10.1, 0, "raised jdist.errors.PeerFailedError: all_reduce on "
                            "group 'WORLD' failed because a peer died: rank 1 is gone",
-                           "tb", 1)
-    other = blame.Candidate(10.3, 2, "raised ValueError: boom", "tb", 1)
+                           "tb", 1, "jdist.errors.PeerFailedError")
+    other = blame.Candidate(10.3, 2, "raised ValueError: boom", "tb", 1, "ValueError")
     first, rest = blame.first_failure([peer, dead, other])
     assert first is dead
     assert rest == [other, peer]
