@@ -16,13 +16,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jdist.rpc._buckets import padded_call
 from jdist.rpc._futures import Future
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_device import local_device, parse_remote_device
 from jdist.rpc._rref import RRef
 from jdist.rpc._serialize import register_rpc_reducer
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._compiled import pad_bags
 from jdist.rpc.autograd._params import param_variables
 
 __all__ = ["PICKLED_ATTRIBUTES", "UNSUPPORTED_METHODS", "RemoteModule"]
@@ -57,16 +57,15 @@ def _jittable(tree: Any) -> bool:
 
 def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
     """Owner side of ``forward``: one ``nnx.jit`` program when the inputs are arrays
-    (compiled once per shape; an EmbeddingBag's bags padded to a few shape buckets, see
-    ``autograd/_compiled.py``, which also compiles this call with its VJP under
-    distributed autograd), otherwise a plain call."""
+    (compiled once per shape, or per shape bucket for a module with ``bucket_call``,
+    see ``_buckets.py``; ``autograd/_compiled.py`` also compiles this call with its VJP
+    under distributed autograd), otherwise a plain call."""
     module = module_rref.local_value()
     if _jittable((args, kwargs)):
-        padded = None if kwargs or C.tracing() is not None else pad_bags(module, args)
-        if padded is not None:  # EmbeddingBag: a few shape buckets, cut back exactly
-            pargs, rows, _ = padded
-            out = _jit_call(module, pargs, {})
-            return jax.device_put(np.asarray(out)[:rows])
+        padded = None if kwargs or C.tracing() is not None else padded_call(module, args)
+        if padded is not None:  # a few shape buckets, cut back exactly
+            out = _jit_call(module, padded.args, {})
+            return jax.tree_util.tree_map(jax.device_put, padded.cut_output(out))
         return _jit_call(module, args, kwargs)
     return module(*args, **kwargs)
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["EmbeddingBag", "embedding_bag"]
+__all__ = ["MIN_BUCKET", "EmbeddingBag", "embedding_bag"]
 
 MODES = ("sum", "mean", "max")
 
@@ -117,6 +117,27 @@ def embedding_bag(weight, indices, offsets=None, *, mode: str = "mean",
     return out
 
 
+MIN_BUCKET = 64
+"""The smallest padded size of a bucketed call's indices or bags."""
+
+
+def _bucket(n: int) -> int:
+    return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _paddable(idx, off=None, psw=None) -> bool:
+    """1-D integer indices and offsets (numpy) with valid offsets: the calls
+    ``bucket_call`` pads (the layer's own checks name bad offsets)."""
+    if off is None or not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (idx, off)):
+        return False
+    if not (np.issubdtype(idx.dtype, np.integer) and np.issubdtype(off.dtype, np.integer)):
+        return False
+    if psw is not None and not (isinstance(psw, np.ndarray) and psw.shape == idx.shape):
+        return False
+    return off.size > 0 and off[0] == 0 and not np.any(np.diff(off) < 0) \
+        and off[-1] <= idx.shape[0]
+
+
 class EmbeddingBag(nnx.Module):
     """Sums, averages or maxes bags of embeddings (``torch.nn.EmbeddingBag``).
 
@@ -149,6 +170,38 @@ class EmbeddingBag(nnx.Module):
         if padding_idx is not None:
             table = table.at[padding_idx].set(0)
         self.embedding = nnx.Param(table)
+
+    def bucket_call(self, indices, offsets=None, per_sample_weights=None):
+        """Shape buckets (``jdist.rpc``'s ``bucket_call`` protocol): a 1-D call padded
+        to a few sizes so a ``RemoteModule`` compiles once per bucket, or None.
+
+        Indices grow to a power of two (at least :data:`MIN_BUCKET`) and bags to a
+        power of two: bag ``b < B`` keeps its indices, bags ``B .. K-2`` are empty and
+        bag ``K-1`` holds the padding indices (``padding_idx`` where set, else 0), so
+        the first ``B`` output rows and their gradients are the unpadded ones.
+        """
+        args = (indices, offsets) + (() if per_sample_weights is None
+                                     else (per_sample_weights,))
+        if not _paddable(*args):
+            return None
+        idx, off = indices, offsets
+        n = idx.shape[0]
+        starts, end = (off[:-1], int(off[-1])) if self.include_last_offset else (off, n)
+        b = starts.shape[0]
+        big_n, big_k = _bucket(n), _bucket(b + 1)
+        fill = self.padding_idx if self.padding_idx is not None else 0
+        pidx = np.full(big_n, fill, idx.dtype)
+        pidx[:end] = idx[:end]  # indices past the last offset stay out of every bag
+        pstarts = np.full(big_k, end, off.dtype)
+        pstarts[:b] = starts
+        poff = (np.concatenate([pstarts, np.array([big_n], off.dtype)])
+                if self.include_last_offset else pstarts)
+        out = [pidx, poff]
+        if per_sample_weights is not None:
+            ppsw = np.zeros(big_n, per_sample_weights.dtype)
+            ppsw[:n] = per_sample_weights
+            out.append(ppsw)
+        return tuple(out), b
 
     def __call__(self, indices, offsets=None, per_sample_weights=None):
         return embedding_bag(self.embedding[...], indices, offsets, mode=self.mode,

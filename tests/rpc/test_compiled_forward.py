@@ -1,6 +1,7 @@
-"""RemoteModule forwards under distributed autograd run as compiled programs, with
-EmbeddingBag batches in shape buckets: values and gradients equal plain jax.grad (and
-the generic eager path), and new batch sizes do not compile again."""
+"""RemoteModule forwards under distributed autograd run as compiled programs, with the
+calls of a module that opts into ``bucket_call`` in shape buckets (EmbeddingBag and a
+user module): values and gradients equal plain jax.grad (and the generic eager path),
+and new batch sizes do not compile again. A module that breaks the protocol is named."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jdist.rpc import RemoteModule, RRef, dist_autograd
 from jdist.rpc import _remote_module as RM
+from jdist.rpc._buckets import next_bucket, padded_call
 from jdist.rpc.autograd import _compiled
 from jdist.rpc.autograd import _context as C
 from jdist.testing import EmbeddingBag
@@ -115,7 +119,7 @@ def test_bucketed_lookup_matches_jax_grad_and_compiles_once(agents, mode, last):
 
 
 def test_bucket_sizes_and_unbucketed_inputs(agents):
-    assert [_compiled.bucket(n) for n in (0, 1, 64, 65, 200)] == [64, 64, 64, 128, 256]
+    assert [next_bucket(n) for n in (0, 1, 64, 65, 200)] == [64, 64, 64, 128, 256]
     a0 = agents[0]
     emb = RemoteModule("w1", make_bag, ("mean", False), agent=a0)
     table = a0.rpc_async("w1", table_and_grad_plain, (emb.get_module_rref(),)).wait()
@@ -123,8 +127,8 @@ def test_bucket_sizes_and_unbucketed_inputs(agents):
     np.testing.assert_allclose(np.asarray(emb(idx2d)),
                                embedding_bag(table, idx2d, mode="mean"), rtol=1e-6)
     args = (np.arange(5), np.array([0, 2]))
-    assert _compiled.pad_bags(make_bag("mean", False), args)[0][0].shape == (64,)
-    assert _compiled.pad_bags(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), args) is None
+    assert padded_call(make_bag("mean", False), args).args[0].shape == (64,)
+    assert padded_call(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), args) is None
 
 
 def table_and_grad_plain(module_rref):
@@ -174,3 +178,117 @@ def test_dropout_module_compiles_once_and_matches_local_grad(agents):
     assert len(set(losses)) == 3, f"dropout masks repeated across steps: {losses}"
     assert _compiled.TRACES["forward"] - before.get("forward", 0) == 1
     assert _compiled.TRACES["backward"] - before.get("backward", 0) == 1
+
+
+# ---- the bucket_call protocol: any module may opt in; nothing keyed on a class ------
+class RaggedScale(nnx.Module):
+    """A user module (not jdist's): ``w * x`` row by row for ``(n, 3)`` inputs, padded
+    to multiples of 8 rows through ``bucket_call``."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.asarray([0.5, -1.0, 2.0], jnp.float32))
+
+    def bucket_call(self, x):
+        if not isinstance(x, np.ndarray) or x.ndim != 2:
+            return None
+        big = np.zeros((-(-x.shape[0] // 8) * 8, x.shape[1]), x.dtype)
+        big[: x.shape[0]] = x
+        return (big,), x.shape[0]
+
+    def __call__(self, x):
+        return jnp.tanh(x * self.w[...])
+
+
+def _w_grad(module_rref):
+    ctx = C.current()
+    m = module_rref.local_value()
+    return np.asarray(dist_autograd.get_gradients(ctx.context_id, agent=ctx.agent)[m.w])
+
+
+def test_a_user_module_opting_in_compiles_once_per_bucket(agents):
+    a0, _ = agents
+    net = RemoteModule("w1", RaggedScale, agent=a0)
+    ref = RaggedScale()
+    before = dict(_compiled.TRACES)
+    for n in (3, 5, 8, 1):  # one bucket of 8 rows
+        x = np.linspace(-1, 1, 3 * n, dtype=np.float32).reshape(n, 3)
+        with dist_autograd.context(a0) as cid:
+            loss = dist_autograd.backward(
+                cid, lambda s, x=x: jnp.sum(net(jnp.asarray(x) * s) ** 2), jnp.float32(1.5),
+                agent=a0)
+            g = a0.rpc_async("w1", _w_grad, (net.get_module_rref(),)).wait()
+        want, grads = nnx.value_and_grad(lambda m, x=x: jnp.sum(m(x * 1.5) ** 2))(ref)
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+        np.testing.assert_allclose(g, np.asarray(grads.w[...]), rtol=1e-5, atol=1e-7)
+        out = np.asarray(net(x))  # the plain forward: padded too, cut back exactly
+        np.testing.assert_allclose(out, np.tanh(x * ref.w[...]), rtol=1e-6)
+        assert out.shape == (n, 3)
+    assert _compiled.TRACES["forward"] - before.get("forward", 0) == 1
+    assert _compiled.TRACES["backward"] - before.get("backward", 0) == 1
+
+
+class _Bad(nnx.Module):
+    def __init__(self, answer):
+        self.answer = answer
+
+    def bucket_call(self, x):
+        return self.answer(x)
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize("answer,error,text", [
+    (lambda x: x, TypeError, "must return None or (padded_args, rows)"),
+    (lambda x: ((x, x), 1), TypeError, "one padded argument per argument"),
+    (lambda x: ((x,), -1), TypeError, "rows as an int >= 0"),
+    (lambda x: ((x[:1],), 1), ValueError, "padded only at the end"),
+    (lambda x: ((x.astype(np.float64),), 1), ValueError, "same dtype and rank"),
+])
+def test_a_module_breaking_the_protocol_is_named(answer, error, text):
+    with pytest.raises(error, match="_Bad.bucket_call") as e:
+        padded_call(_Bad(answer), (np.ones((2, 3), np.float32),))
+    assert text in str(e.value)
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=30), st.booleans(),
+       st.sampled_from(["sum", "mean", "max"]), st.booleans(), st.integers(0, 3))
+@settings(max_examples=40)
+def test_embedding_bag_buckets_keep_values_and_gradients(lens, last, mode, weighted, seed):
+    """A generated family: bags of any sizes (empty ones too), every mode and offset
+    convention, with and without per-sample weights: the padded call's first rows and
+    the gradients (table, weights) equal the unpadded call's."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, NUM, sum(lens)).astype(np.int32)
+    off = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
+    if last:
+        off = np.concatenate([off, [len(idx)]]).astype(np.int32)
+    psw = rng.standard_normal(len(idx)).astype(np.float32) if weighted and mode == "sum" \
+        else None
+    bag = make_bag(mode, last)
+    args = (idx, off) + (() if psw is None else (psw,))
+    p = padded_call(bag, args)
+    assert p is not None and p.rows == len(lens)
+    table = bag.embedding[...]
+
+    def f(tab, w, a):
+        full = list(a) if w is None else [*a[:2], w]
+        out = embedding_bag(tab, *full[:2], mode=mode, include_last_offset=last,
+                            per_sample_weights=full[2] if len(full) == 3 else None)
+        return out
+
+    proj = jnp.linspace(-1, 1, DIM)
+
+    def loss(tab, w, a, rows):
+        return jnp.sum(jnp.sin(f(tab, w, a)[:rows] @ proj))
+
+    want = jax.value_and_grad(loss, argnums=(0, 1))(table, None if psw is None else
+                                                   jnp.asarray(psw), args, len(lens))
+    got = jax.value_and_grad(loss, argnums=(0, 1))(
+        table, None if psw is None else jnp.asarray(p.args[2]), p.args, p.rows)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1][0], want[1][0], rtol=1e-5, atol=1e-6)
+    if psw is not None:
+        np.testing.assert_allclose(p.cut_argument(2, got[1][1]), want[1][1], rtol=1e-5,
+                                   atol=1e-6)
+    np.testing.assert_allclose(p.cut_output(bag(*p.args)), bag(*args), rtol=1e-6, atol=1e-6)

@@ -9,12 +9,10 @@ residuals are outputs of the program) and one jitted backward that applies that 
 Both are compiled once per *signature*: the module's graph, the static arguments and the
 shapes and dtypes of the arrays.
 
-Shape buckets: variable-size ``EmbeddingBag`` batches (the HybridModel's lookups) are
-padded to a few sizes before the lookup (:func:`pad_bags`): indices to a power of two
-(at least :data:`MIN_BUCKET`), bags to a power of two with empty bags, the padding
-indices in one bag of their own past the real ones. The real bags are unchanged, the
-output is cut back to them (in numpy, outside the program) and the padding gets zero
-cotangents, so values and gradients are exactly the unpadded ones.
+Shape buckets: a module that opts into ``bucket_call`` (``jdist/rpc/_buckets.py``) has its
+variable-size calls padded to a few sizes; the output is cut back to the real rows (in
+numpy, outside the program), output cotangents are zero-padded and argument cotangents
+cut back, so values and gradients are exactly the unpadded ones.
 
 Calls that do not fit (differentiable RRefs among the arguments, non-array arguments,
 outputs that are not floating arrays, a module that cannot be traced) take the generic
@@ -38,12 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdist.rpc._buckets import padded_call
 from jdist.rpc.autograd import _context as C
 
-__all__ = ["MIN_BUCKET", "bucket", "pad_bags", "try_record", "try_record_pure", "TRACES"]
-
-MIN_BUCKET = 64
-"""The smallest padded size of an EmbeddingBag's indices or bags."""
+__all__ = ["try_record", "try_record_pure", "TRACES"]
 
 TRACES: Counter = Counter()
 """How often each program kind was traced (``"forward"``, ``"backward"``): tests count
@@ -56,61 +52,6 @@ _EAGER = object()  # a signature that failed to trace: always the generic path
 
 class _NotCompilable(Exception):
     """Raised while tracing: this call takes the generic (eager) path."""
-
-
-def bucket(n: int) -> int:
-    """The padded size for ``n`` items: the next power of two, at least MIN_BUCKET."""
-    return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
-
-
-def _is_embedding_bag(module: Any) -> bool:
-    cls = type(module)
-    return cls.__name__ == "EmbeddingBag" and cls.__module__.startswith("jdist.testing")
-
-
-def pad_bags(module: Any, args: tuple) -> tuple[tuple, int, int] | None:
-    """``(padded args, real bags, real indices)`` for an EmbeddingBag call
-    ``(indices_1d, offsets[, per_sample_weights])`` of numpy arrays, or None.
-
-    Bag ``b < B`` keeps its indices; bags ``B .. K-2`` are empty and bag ``K-1`` holds
-    the padding indices (``padding_idx`` where set, else 0), so ``out[:B]`` is exact.
-    """
-    if not _is_embedding_bag(module) or len(args) not in (2, 3):
-        return None
-    idx, off = args[0], args[1]
-    psw = args[2] if len(args) == 3 else None
-    if not all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (idx, off)):
-        return None
-    if not (np.issubdtype(idx.dtype, np.integer) and np.issubdtype(off.dtype, np.integer)):
-        return None
-    if psw is not None and not (isinstance(psw, np.ndarray) and psw.shape == idx.shape):
-        return None
-    n = idx.shape[0]
-    last = bool(module.include_last_offset)
-    if last:
-        if off.shape[0] < 1:
-            return None
-        starts, end = off[:-1], int(off[-1])
-    else:
-        starts, end = off, n
-    b = starts.shape[0]
-    if (off.size and (off[0] != 0 or np.any(np.diff(off) < 0) or off[-1] > n)):
-        return None  # the module's own check names the bad offsets
-    big_n, big_k = bucket(n), bucket(b + 1)
-    fill = module.padding_idx if module.padding_idx is not None else 0
-    pidx = np.full(big_n, fill, idx.dtype)
-    pidx[:n] = idx
-    if end < n:  # indices past the last offset (include_last_offset) stay out of bags
-        pidx[end:n] = fill
-    pstarts = np.full(big_k, end, off.dtype)
-    pstarts[:b] = starts
-    poff = np.concatenate([pstarts, np.array([big_n], off.dtype)]) if last else pstarts
-    out = [pidx, poff]
-    if psw is not None:
-        ppsw = np.zeros(big_n, psw.dtype)
-        ppsw[:n] = psw
-        out.append(ppsw)
-    return tuple(out), b, n
 
 
 def _aval(x: Any) -> tuple:
@@ -191,10 +132,9 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
             vals.append(a)
         else:
             return None
-    padded = pad_bags(module, tuple(vals)) if not kwargs and not slot_of.keys() - {2} else None
+    padded = None if kwargs else padded_call(module, tuple(vals))
     if padded is not None:
-        pvals_args, rows, n_idx = padded
-        vals = list(pvals_args)
+        vals = list(padded.args)
     static = {i: v for i, v in enumerate(vals) if not isinstance(v, np.ndarray)}
     dyn = [v for v in vals if isinstance(v, np.ndarray)]
     dyn_pos = [i for i, v in enumerate(vals) if isinstance(v, np.ndarray)]
@@ -224,27 +164,22 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
             _programs[key] = _EAGER
         return None
     nnx.update(module, state)
+    full_shapes = [np.shape(o) for o in jax.tree_util.tree_leaves(out)]
     if padded is not None:
-        out = jax.tree_util.tree_map(lambda o: np.asarray(o)[:rows], out)
+        out = padded.cut_output(out)
     out_leaves, out_tdef = jax.tree_util.tree_flatten(out)
     slot_pos = {k: slot_of[dyn_pos[k]] for k in diff}
 
     def vjp(cts: tuple) -> tuple:
         ct_out = []
-        for c, leaf in zip(cts, out_leaves, strict=True):
+        for c, leaf, shape in zip(cts, out_leaves, full_shapes, strict=True):
             c = np.asarray(c, np.asarray(leaf).dtype)
-            if padded is not None:
-                big = np.zeros((bucket(rows + 1),) + c.shape[1:], c.dtype)
-                big[:rows] = c
-                c = big
-            ct_out.append(c)
+            ct_out.append(c if padded is None else padded.pad_cotangent(c, shape))
         ct_p, ct_d = bwd(vjp_fn, jax.tree_util.tree_unflatten(out_tdef, ct_out))
         ct_xs = [np.zeros(np.shape(x), np.asarray(x).dtype) for x in xs]
         for k, c in zip(diff, ct_d, strict=True):
             c = np.asarray(c)
-            if padded is not None:
-                c = c[:n_idx]
-            ct_xs[slot_pos[k]] = c
+            ct_xs[slot_pos[k]] = c if padded is None else padded.cut_argument(dyn_pos[k], c)
         return None, ct_xs, [list(ct_p)]
 
     ctx.keep_vjp(msg, (vjp, [tracked], []))
