@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from jdist.errors import RpcTimeoutError, RRefError
+from jdist.rpc._agent_api import AgentApi
 from jdist.rpc._futures import Future
 from jdist.rpc._protocol import ControlOp, WorkerInfo
-
-if TYPE_CHECKING:
-    from jdist.rpc._agent import RpcAgent
 
 __all__ = ["RRef", "RRefContext", "rref_fetch", "rref_method_call"]
 
@@ -77,7 +75,7 @@ _TOMBSTONES = 1 << 16  # ids of deleted values remembered (to name a use after d
 class RRefContext:
     """One agent's owner table, child holds and fork bookkeeping (thread-safe)."""
 
-    def __init__(self, agent: RpcAgent):
+    def __init__(self, agent: AgentApi):
         self.agent = agent
         # re-entrant: dropping a value may drop RRefs inside it, whose __del__ re-enters
         self.lock = threading.RLock()
@@ -304,26 +302,26 @@ class RRef:
         self._init_owned(current_agent(), value)
 
     @classmethod
-    def owned_by(cls, agent: RpcAgent, value: Any) -> RRef:
+    def owned_by(cls, agent: AgentApi, value: Any) -> RRef:
         """``RRef(value)`` owned by ``agent`` (for code that has an agent in hand, e.g.
         several agents in one process)."""
         self = cls.__new__(cls)
         self._init_owned(agent, value)
         return self
 
-    def _init_owned(self, agent: RpcAgent, value: Any) -> None:
+    def _init_owned(self, agent: AgentApi, value: Any) -> None:
         rref_id = agent.rrefs.new_id()
         agent.rrefs.create_owned(rref_id).future.set_result(value)
         self._init(agent, agent.info, rref_id, None, True)
 
     @classmethod
-    def _make(cls, agent: RpcAgent, owner: WorkerInfo, rref_id: Id, fork: Id | None,
+    def _make(cls, agent: AgentApi, owner: WorkerInfo, rref_id: Id, fork: Id | None,
               confirmed: bool) -> RRef:
         self = cls.__new__(cls)
         self._init(agent, owner, rref_id, fork, confirmed)
         return self
 
-    def _init(self, agent: RpcAgent, owner: WorkerInfo, rref_id: Id, fork: Id | None,
+    def _init(self, agent: AgentApi, owner: WorkerInfo, rref_id: Id, fork: Id | None,
               confirmed: bool) -> None:
         self._agent = agent
         self._owner = owner

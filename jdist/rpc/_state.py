@@ -7,12 +7,10 @@ agent without importing the public functions (which import the agent: a circle).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jdist.errors import NotInitializedError
-
-if TYPE_CHECKING:
-    from jdist.rpc._agent import RpcAgent
+from jdist.rpc._agent_api import AgentApi
 
 __all__ = ["state", "current_agent"]
 
@@ -20,7 +18,7 @@ __all__ = ["state", "current_agent"]
 class _RpcState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.agent: RpcAgent | None = None
+        self.agent: AgentApi | None = None
         self.store: Any = None
         self.owns_store = False
         self.generation = 0
@@ -29,7 +27,7 @@ class _RpcState:
 state = _RpcState()
 
 
-def current_agent() -> RpcAgent:
+def current_agent() -> AgentApi:
     """This process's agent.
 
     Raises:
