@@ -27,7 +27,6 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -35,29 +34,29 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jdist.errors import (
-    RpcAuthError,
     RpcError,
-    UnknownWorkerError,
     WorkerUnavailableError,
 )
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
-from jdist.rpc._auth import HANDSHAKE_MAX_BYTES, client_handshake, server_handshake
+from jdist.rpc._auth import HANDSHAKE_MAX_BYTES
 from jdist.rpc._client import LOCAL_ADDRESSES, CallClient, Pending
+from jdist.rpc._connections import Connections
 from jdist.rpc._futures import Future
-from jdist.rpc._gate import HandshakeGate
+from jdist.rpc._notes import Notes
 from jdist.rpc._options import RpcBackendOptions
 from jdist.rpc._pollgate import WINDOWS, PollGate
 from jdist.rpc._protocol import WorkerInfo
+from jdist.rpc._releaser import Releaser
 from jdist.rpc._remote_error import failure_payload
 from jdist.rpc._rref import RRef, RRefContext
 from jdist.rpc._serve import NEXT_SLEEP_S, CallServer, quiet
+from jdist.rpc._workers import WorkerTable
 from jdist.rpc.transport import Comm, get_transport, parse_address
 
 __all__ = ["RpcAgent"]
 
 log = logging.getLogger("jdist.rpc")
-_HANDSHAKE_TIMEOUT = 10.0
 
 
 def co_located(address: str, addresses: list[str]) -> int:
@@ -104,13 +103,10 @@ class RpcAgent(CallClient, CallServer):
         self._executor = ThreadPoolExecutor(options.num_worker_threads,
                                             thread_name_prefix=f"jdist-rpc-{name}")
         self._ctl = ThreadPoolExecutor(1, thread_name_prefix=f"jdist-rpc-ctl-{name}")
-        self._workers: dict[int, WorkerInfo] = {}
-        self._by_name: dict[str, WorkerInfo] = {}
-        self._addresses: dict[int, str] = {}
-        self._conns: dict[int, Comm] = {}
-        self._conn_locks: dict[int, threading.Lock] = {}
-        self._incoming: set[Comm] = set()
-        self._gate = HandshakeGate(str(self.info), log)
+        self._workers = WorkerTable(self.info, world_size)
+        self._conns = Connections(self._workers, auth_key, options, self._transport,
+                                  run=self._run, dispatch=self._dispatch,
+                                  mark_dead=self._mark_dead, refusal=self._refusal)
         self._dead: dict[int, str] = {}
         self._pending: dict[int, Pending] = {}
         self._ctl_pending: set[Future] = set()
@@ -132,6 +128,21 @@ class RpcAgent(CallClient, CallServer):
         self._backlog: list[tuple[Comm, int, list]] = []
         self._backlog_lock = threading.Lock()
         self._closed = threading.Event()  # set when close() has finished
+        self._init_waits(options)
+        self.quiet_leaves = False  # set by graceful shutdown once every worker is done
+        self.rrefs = RRefContext(self)
+        self._releaser = Releaser(
+            name, self.rrefs.handle_released,
+            lambda owner, rref_id, fork: self.control_note(
+                owner, P.ControlOp.USER_DELETE, rref_id, fork),
+            lambda: self.state == "running")
+        self.released = self._releaser.queue  # RRef.__del__ puts its release here
+        #: released contexts and control notes not yet told to their workers
+        self.notes = Notes()
+        self._init_hooks()
+
+    def _init_waits(self, options: RpcBackendOptions) -> None:
+        """What the busy-poll and sleep decisions learn from."""
         self._poll_s = options.busy_poll_us * 1e-6
         #: which waits busy-poll, learned from how long such waits lasted
         self.poll_gate = PollGate(self._poll_s)
@@ -143,15 +154,11 @@ class RpcAgent(CallClient, CallServer):
         #: the same waits, for sleeping on the connection: allowed while their kind's
         #: average is at most NEXT_SLEEP_S
         self.sleep_gate = PollGate(NEXT_SLEEP_S / WINDOWS)
-        self.quiet_leaves = False  # set by graceful shutdown once every worker is done
-        self.rrefs = RRefContext(self)
-        #: RRef releases queued by ``RRef.__del__`` (SimpleQueue.put is reentrant-safe)
-        self.released: queue.SimpleQueue = queue.SimpleQueue()
-        self._releasing = False
-        self._release_thread = threading.Thread(target=self._release_loop, daemon=True,
-                                                name=f"jdist-rpc-release-{name}")
-        #: dist-autograd hooks (issue 9): context id to send, and a context manager
-        #: factory entered around incoming calls with their context id.
+
+    def _init_hooks(self) -> None:
+        """Distributed autograd's hooks (installed by ``start_agent``)."""
+        #: context id to send, and a context manager factory entered around incoming
+        #: calls with their context id
         self.context_id_hook: Callable[[int], int] | None = None
         self.enter_context_hook: Callable[[int], Any] | None = None
         #: asked first by rpc_async: a Future for a differentiable call, or None
@@ -159,13 +166,6 @@ class RpcAgent(CallClient, CallServer):
         self.remote_hook: Callable[..., RRef | None] | None = None  # the same for remote()
         #: called with the context ids a peer's call says it released
         self.release_contexts_hook: Callable[[tuple], None] | None = None
-        #: worker -> contexts released here, not yet told to it (release_context_on)
-        self._released_to: dict[int, list[int]] = {}
-        #: worker -> RRef control messages for it that need no answer, not yet sent,
-        #: each ``(op, *rref_id, *fork_id)`` (control_note)
-        self._controls_to: dict[int, list[tuple]] = {}
-        #: worker -> when the oldest of its queued notes (either kind) was queued
-        self._notes_since: dict[int, float] = {}
 
     def __repr__(self) -> str:
         return f"RpcAgent({self.info}, {self.state}, address={self.address})"
@@ -174,7 +174,7 @@ class RpcAgent(CallClient, CallServer):
     def start(self) -> str:
         """Start the I/O thread and the listener; return the listening address."""
         self._thread.start()
-        self._release_thread.start()
+        self._releaser.start()
         self.address = self._run(self._start(), 30.0)
         LOCAL_ADDRESSES.add(self.address)
         self.state = "running"
@@ -182,18 +182,13 @@ class RpcAgent(CallClient, CallServer):
 
     async def _start(self) -> str:
         self._listener = await self._transport.listen(
-            self.options.listen_on(), self._serve, max_message_bytes=HANDSHAKE_MAX_BYTES)
+            self.options.listen_on(), self._conns.serve, max_message_bytes=HANDSHAKE_MAX_BYTES)
         self._timer_task = self._loop.create_task(self._expire_timers())
         return self._listener.address
 
     def set_workers(self, table: dict[int, tuple[str, str]]) -> None:
         """Install the rendezvous result: rank -> (name, address)."""
-        for rank, (name, address) in table.items():
-            info = WorkerInfo(rank, name)
-            self._workers[rank] = info
-            self._by_name[name] = info
-            self._addresses[rank] = address
-            self._conn_locks[rank] = threading.Lock()
+        self._workers.install(table)
         if self.address is not None and \
                 co_located(self.address, [a for _, a in table.values()]) <= usable_cores():
             self.poll_gate.widen(self.options.busy_poll_max_us * 1e-6)
@@ -211,38 +206,12 @@ class RpcAgent(CallClient, CallServer):
 
     # ------------------------------------------------------------------ workers
     def worker_info(self, to: Any = None) -> WorkerInfo:
-        """Resolve a worker name, rank or WorkerInfo (None: this worker).
-
-        Raises:
-          UnknownWorkerError: unknown name, rank or WorkerInfo (a RuntimeError and a
-            ValueError, with torch's "could not find destination"; the message lists the
-            known ones).
-          ValueError: ``to`` is none of those types (torch's type).
-        """
-        if to is None:
-            return self.info
-        if isinstance(to, WorkerInfo):
-            if self._workers.get(to.id) != to:
-                raise UnknownWorkerError(f"could not find destination {to!r}: unknown worker; "
-                                         f"known: {sorted(self._workers.values())}")
-            return to
-        if isinstance(to, str):
-            info = self._by_name.get(to)
-            if info is None:
-                raise UnknownWorkerError(f"could not find destination: unknown worker name "
-                                         f"{to!r}; known: {sorted(self._by_name)}")
-            return info
-        if isinstance(to, int) and not isinstance(to, bool):
-            info = self._workers.get(to)
-            if info is None:
-                raise UnknownWorkerError(f"could not find destination: unknown worker rank "
-                                         f"{to}; ranks are 0..{self.world_size - 1}")
-            return info
-        raise ValueError(f"Cannot get WorkerInfo from name {to!r}: `to` must be a worker "
-                         "name, rank or WorkerInfo")
+        """Resolve a worker name, rank or WorkerInfo (None: this worker); see
+        :meth:`jdist.rpc._workers.WorkerTable.resolve` for the errors."""
+        return self._workers.resolve(to)
 
     def all_workers(self) -> list[WorkerInfo]:
-        return [self._workers[r] for r in sorted(self._workers)]
+        return self._workers.all()
 
     def _mark_dead(self, rank: int, reason: str) -> None:
         if rank == self.info.id or self.state not in ("running", "stopping"):
@@ -263,81 +232,17 @@ class RpcAgent(CallClient, CallServer):
         self.rrefs.drop_holder(rank)
 
     # ------------------------------------------------------------------ connections
+    def _refusal(self, rank: int) -> Exception | None:
+        """Why no new connection to ``rank`` may be made now (None: it may)."""
+        if rank in self._dead:
+            return WorkerUnavailableError(
+                f"worker {self._workers[rank]} is unavailable: {self._dead[rank]}")
+        if self.state != "running":
+            return RpcError(f"RPC agent {self.info} is {self.state}; no new calls")
+        return None
+
     def _conn_to(self, rank: int) -> Comm:
-        comm = self._conns.get(rank)
-        if comm is not None and not comm.closed:
-            return comm
-        with self._conn_locks[rank]:
-            comm = self._conns.get(rank)
-            if comm is not None and not comm.closed:
-                return comm
-            if rank in self._dead:
-                raise WorkerUnavailableError(
-                    f"worker {self._workers[rank]} is unavailable: {self._dead[rank]}")
-            if self.state != "running":
-                raise RpcError(f"RPC agent {self.info} is {self.state}; no new calls")
-            try:
-                comm = self._run(self._connect(rank), self.options.connect_timeout + 5)
-            except RpcAuthError:
-                raise
-            except Exception as e:
-                self._mark_dead(rank, f"cannot connect to {self._addresses[rank]}: {e}")
-                raise WorkerUnavailableError(
-                    f"worker {self._workers[rank]} is unavailable: cannot connect to "
-                    f"{self._addresses[rank]} ({e})") from e
-            self._conns[rank] = comm
-            return comm
-
-    async def _connect(self, rank: int) -> Comm:
-        address = self._addresses[rank]
-        comm = await self._transport.connect(address, timeout=self.options.connect_timeout,
-                                             max_message_bytes=HANDSHAKE_MAX_BYTES)
-        try:
-            await asyncio.wait_for(client_handshake(comm, self._key, self.info.id, address),
-                                   self.options.connect_timeout)
-        except BaseException:
-            comm.close()
-            raise
-        comm.set_max_message_bytes(self.options.max_frame_bytes)
-        self._start_reading(comm, rank)
-        return comm
-
-    async def _serve(self, comm: Comm) -> None:
-        self._gate.admit(comm)  # over the limit it closes the oldest one authenticating
-        try:
-            peer = await asyncio.wait_for(
-                server_handshake(comm, self._key, self.options.max_frame_bytes),
-                _HANDSHAKE_TIMEOUT)
-        except Exception as e:  # wrong secret, garbage, timeout: drop, keep serving
-            self._gate.refused(str(e) or type(e).__name__)
-            comm.close()
-            return
-        finally:
-            self._gate.release(comm)
-        if peer not in self._workers and self._workers:
-            self._gate.refused(f"it claims unknown rank {peer}")
-            comm.close()
-            return
-        comm.set_max_message_bytes(self.options.max_frame_bytes)
-        self._incoming.add(comm)
-        self._start_reading(comm, peer)
-
-    def _start_reading(self, comm: Comm, peer: int) -> None:
-        """Dispatch each message from ``peer`` on the I/O thread; a drop marks it dead."""
-
-        def on_message(frames: list) -> None:
-            try:
-                self._dispatch(comm, peer, frames)
-            except Exception:
-                log.exception("jdist.rpc: %s failed to handle a message", self.info)
-
-        def on_close(reason: str) -> None:
-            comm.close()
-            self._incoming.discard(comm)
-            if peer != self.info.id:
-                self._mark_dead(peer, reason)
-
-        comm.start_receiving(on_message, on_close)
+        return self._conns.to(rank)
 
     # ------------------------------------------------------------------ receiving
     def _dispatch(self, comm: Comm, peer: int, frames: list) -> None:
@@ -390,8 +295,8 @@ class RpcAgent(CallClient, CallServer):
         while time.monotonic() < deadline:
             self.send_all_notes()
             with self._lock:
-                busy = (bool(self._pending) or self._releasing or not self.released.empty()
-                        or bool(self._released_to) or bool(self._controls_to))
+                busy = (bool(self._pending) or self._releaser.busy()
+                        or self.notes.any())
                 waiting = sorted({p.worker.id for p in self._pending.values()})
             if not busy:
                 return True
@@ -439,7 +344,6 @@ class RpcAgent(CallClient, CallServer):
         for p in pending.values():
             p.future.set_exception(RpcError(
                 f"RPC agent {self.info} shut down while {p.fn} on {p.worker} was pending"))
-        self.released.put(None)
         self._ctl.shutdown(wait=True, cancel_futures=True)
         try:
             self._run(self._aclose(), 10.0)
@@ -450,7 +354,7 @@ class RpcAgent(CallClient, CallServer):
         self._thread.join(5.0)
         if not self._thread.is_alive():
             self._loop.close()
-        self._release_thread.join(5.0)
+        self._releaser.stop()
         LOCAL_ADDRESSES.discard(self.address)
         self.state = "closed"
         with self.rrefs.lock:
@@ -463,6 +367,6 @@ class RpcAgent(CallClient, CallServer):
             self._timer_task.cancel()
         if self._listener is not None:
             await self._listener.stop()
-        for comm in list(self._conns.values()) + list(self._incoming):
+        for comm in self._conns.all():
             comm.close()
         await asyncio.sleep(0.01)

@@ -22,6 +22,7 @@ from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
 from jdist.rpc._futures import Future, others_running
 from jdist.rpc._options import resolve_timeout
+from jdist.rpc._pollgate import wait_for_reply
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import rebuild_exception
 from jdist.rpc._rref import RRef, collect_fork_acks, collect_reply_holds
@@ -31,7 +32,6 @@ __all__ = ["CallClient", "Pending", "same_process", "LOCAL_ADDRESSES"]
 
 log = logging.getLogger("jdist.rpc")
 
-_WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
 
 RELEASE_FLUSH_S = 0.02
 """How long a note for a worker (a released distributed autograd context, an RRef control
@@ -124,8 +124,8 @@ class CallClient:
                             "pytrees of them, plain Python objects).") from e
         finally:
             collect_reply_holds(prev)
-        if self._released_to or self._controls_to:  # notes since the last call there
-            released, controls = self._take_notes(worker.id)
+        if self.notes.any():  # notes since the last call there
+            released, controls = self.notes.take(worker.id)
             msg = msg._replace(released=released, controls=controls)
         return P.encode(msg, payload, bufs), held
 
@@ -136,7 +136,7 @@ class CallClient:
         (``_notes_delivered``) if none goes there within ``RELEASE_FLUSH_S``. A
         training loop's next step calls the same workers at once, so its releases cost
         no message (torch sends one per context and worker)."""
-        self._note(self._released_to, to, cid)
+        self._note(True, to, cid)
 
     def control_note(self, to: int, op: int, rref_id: tuple, fork: tuple) -> None:
         """Send worker ``to`` the RRef control message ``op`` (``USER_DELETE``: our user
@@ -147,47 +147,32 @@ class CallClient:
         if op not in P.NOTE_OPS:
             raise ValueError(f"RRef control op {op!r} needs an answer of its own; "
                              f"only {sorted(P.NOTE_OPS)} travel as notes")
-        self._note(self._controls_to, to, (int(op), *rref_id, *fork))
+        self._note(False, to, (int(op), *rref_id, *fork))
 
-    def _note(self, table: dict, to: int, item: Any) -> None:
-        with self._lock:
-            first = to not in self._notes_since
-            if first:
-                self._notes_since[to] = time.monotonic()
-            table.setdefault(to, []).append(item)
-        if first:
+    def _note(self, released: bool, to: int, item: Any) -> None:
+        if self.notes.add(released, to, item):
             try:
                 self._loop.call_soon_threadsafe(self._loop.call_later, RELEASE_FLUSH_S,
                                                 self._flush_notes, to)
             except RuntimeError:  # the loop is closed: the agent is shut down
                 pass
 
-    def _take_notes(self, to: int) -> tuple[tuple, tuple]:
-        with self._lock:
-            self._notes_since.pop(to, None)
-            return (tuple(self._released_to.pop(to, ())),
-                    tuple(self._controls_to.pop(to, ())))
-
     def _flush_notes(self, to: int) -> None:  # on the I/O loop
-        since = self._notes_since.get(to)
+        age = self.notes.age(to)
         # a younger note than the one this timer was set for (a call took that one) has
         # its own timer: a training loop's notes all travel with its calls
-        if since is not None and time.monotonic() - since >= RELEASE_FLUSH_S - 1e-3:
+        if age is not None and age >= RELEASE_FLUSH_S - 1e-3:
             self._ctl_submit(self._send_notes, to)
 
     def send_all_notes(self) -> None:
         """Send every queued note now, each worker's in a call of its own (graceful
         shutdown drains them with the other requests)."""
-        with self._lock:
-            workers = set(self._released_to) | set(self._controls_to)
-        for to in sorted(workers):
+        for to in self.notes.workers():
             self._send_notes(to)
 
     def _send_notes(self, to: int) -> None:
-        with self._lock:
-            queued = self._released_to.get(to) or self._controls_to.get(to)
-        if self.state != "running" or not queued or to in self._dead:
-            self._take_notes(to)
+        if self.state != "running" or not self.notes.queued(to) or to in self._dead:
+            self.notes.take(to)
             return
         try:
             self.rpc_async(to, _notes_delivered).add_done_callback(_log_note_failure)
@@ -241,37 +226,14 @@ class CallClient:
     def polls(self, rank: int) -> bool:
         """Whether a thread waiting for a message from ``rank`` polls first: not for a
         peer in this process (it needs this process's GIL to answer)."""
-        return self._poll_s > 0 and not same_process(self._addresses.get(rank))
+        return self._poll_s > 0 and not same_process(self._workers.addresses.get(rank))
 
     def _poll_reply(self, comm: Comm, kind: tuple, fut: Future,
                     timeout: float | None) -> None:
-        """Before ``fut.wait`` blocks: read the reply's connection in this thread, so
-        that no other thread has to be woken to hand the reply over. First, for a lone
-        request (with several in flight the I/O thread is busy anyway), while no other
-        RPC function runs here and while this function's replies from this peer have
-        come soon enough (:class:`~jdist.rpc._pollgate.PollGate`: the reply's arrival
-        is timed either way), by polling for as long as the gate says (``busy_poll_us``,
-        or up to ``busy_poll_max_us`` where cores are spare), so a reply that comes
-        soon wakes no thread at all; then by sleeping on the connection
-        (``Comm.wait_until``, which costs no CPU: other requests in flight are no
-        reason not to), so the kernel wakes this thread alone when the reply comes.
-        Whatever else arrives on that connection meanwhile is delivered from here."""
-        began = time.perf_counter()
-        fut._arrival = functools.partial(self._reply_arrived, kind, began)
-        lone = len(self._pending) <= 1
-        span = self.poll_gate.poll_for(kind) if lone and not others_running() else 0.0
-        if span > 0:
-            limit = span if timeout is None else min(span, timeout)
-            comm.poll_until(lambda: fut._done or others_running(), limit)
-            if fut._done:
-                return
-        # a later reply: sleep on the connection and read it in this thread (one thread
-        # woken, not the I/O thread and then this one)
-        left = _WAIT_MAX if timeout is None else timeout - (time.perf_counter() - began)
-        comm.wait_until(lambda: fut._done, min(left, _WAIT_MAX))
-
-    def _reply_arrived(self, kind: tuple, since: float, now: float) -> None:
-        self.poll_gate.record(kind, now - since)
+        """Before ``fut.wait`` blocks: ``_pollgate.wait_for_reply`` (poll, then sleep on
+        the reply's connection)."""
+        wait_for_reply(comm, self.poll_gate, kind, fut, timeout,
+                       lone=len(self._pending) <= 1, others_running=others_running)
 
     def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
                       desc: str) -> Future:
@@ -336,24 +298,6 @@ class CallClient:
             except RuntimeError:
                 self._fail(rid, RpcError(f"RPC agent {self.info} is shutting down"))
         return fut
-
-    def _release_loop(self) -> None:
-        while True:
-            item = self.released.get()
-            if item is None:
-                return
-            self._releasing = True
-            try:
-                if item[0] == "owner":
-                    self.rrefs.handle_released(item[1])
-                elif self.state == "running":
-                    _, owner, rref_id, fork = item
-                    self.control_note(owner, P.ControlOp.USER_DELETE, rref_id, fork)
-            except Exception:
-                log.debug("jdist.rpc: RRef release failed", exc_info=True)
-            finally:
-                del item
-                self._releasing = not self.released.empty()
 
     def _ctl_done(self, fut: Future) -> None:
         with self._lock:

@@ -14,9 +14,10 @@ replying to one function), an exponentially weighted average of how long such wa
 lasted: from the start of the wait to the message's arrival, measured whether the wait
 polled or not (so a pattern that speeds up is seen again). A wait polls while that
 average is at most ``limit`` (a few poll windows: a wait that does not poll also pays
-a thread's wake-up, which the next measurement includes). Pure bookkeeping: no clock,
-no I/O, no locks (updates race benignly under the GIL: a lost update only delays
-learning by one wait).
+a thread's wake-up, which the next measurement includes). The gate is pure
+bookkeeping: no clock, no I/O, no locks (updates race benignly under the GIL: a lost
+update only delays learning by one wait); :func:`wait_for_reply` is a caller's wait
+that asks it.
 
 How long a wait polls (:meth:`PollGate.poll_for`): one window, unless the gate was
 given a longer ``longest`` (``busy_poll_max_us``; the agent does so when this machine
@@ -29,7 +30,9 @@ thread's wake-up, as torch's RPC threads, which spin, do.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
+from typing import Any
 
 __all__ = ["PollGate", "WINDOWS", "SPAN", "WEIGHT", "MAX_KINDS"]
 
@@ -93,3 +96,28 @@ class PollGate:
     def average(self, kind: Hashable) -> float | None:
         """The average wait of ``kind`` in seconds (None: never measured)."""
         return self._waits.get(kind)
+
+
+WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
+
+
+def wait_for_reply(comm: Any, gate: PollGate, kind: tuple, fut: Any, timeout: float | None,
+                   *, lone: bool, others_running: Any) -> None:
+    """Before ``fut.wait`` blocks: read the reply's connection in this thread, so that no
+    other thread has to be woken to hand the reply over. First, for a ``lone`` request
+    (with several in flight the I/O thread is busy anyway), while no other RPC function
+    runs here (``others_running()``) and while this kind's replies have come soon enough
+    (``gate``: the reply's arrival is timed either way), by polling for as long as the
+    gate says; then by sleeping on the connection (``Comm.wait_until``, which costs no
+    CPU), so the kernel wakes this thread alone when the reply comes. Whatever else
+    arrives on that connection meanwhile is delivered from here."""
+    began = time.perf_counter()
+    fut._arrival = lambda now: gate.record(kind, now - began)
+    span = gate.poll_for(kind) if lone and not others_running() else 0.0
+    if span > 0:
+        limit = span if timeout is None else min(span, timeout)
+        comm.poll_until(lambda: fut._done or others_running(), limit)
+        if fut._done:
+            return
+    left = WAIT_MAX if timeout is None else timeout - (time.perf_counter() - began)
+    comm.wait_until(lambda: fut._done, min(left, WAIT_MAX))

@@ -291,10 +291,10 @@ def test_deleted_user_rrefs_travel_with_the_next_call_or_their_own_soon_after(
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)  # only the next call tells w1
     rrefs, ids = made(10)
     del rrefs
-    assert wait_for(lambda: len(a0._controls_to.get(1, ())) >= 10, 10)
+    assert wait_for(lambda: len(a0.notes.controls_to.get(1, ())) >= 10, 10)
     assert all(i in a1.rrefs.owned for i in ids)  # w1 has not been told yet
     assert a0.rpc_async("w1", all_owned_gone, (ids,)).wait()  # applied before it ran
-    assert 1 not in a0._controls_to and (0, 1) not in sent
+    assert 1 not in a0.notes.controls_to and (0, 1) not in sent
 
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 0.02)  # nothing follows: a flush
     rrefs, ids = made(5)
@@ -320,7 +320,7 @@ def test_child_accept_travels_with_the_next_call_to_the_parent_or_its_own(
     monkeypatch.setattr(_client, "RELEASE_FLUSH_S", 30.0)
     rrefs = [a0.remote("w1", np.full, ((2,), i)) for i in range(10)]
     assert a0.rpc_async("w2", hold, (rrefs,)).wait() == 10  # ran once w1 confirmed
-    assert len(a0.rrefs.holds) == 10 and len(a1._controls_to[0]) == 10
+    assert len(a0.rrefs.holds) == 10 and len(a1.notes.controls_to[0]) == 10
     assert a1.rpc_async("w0", operator.add, (1, 2)).wait() == 3
     assert holds_empty(a0, timeout=0.0)  # applied before that call ran
     for a in agents:  # the notes still waiting for their 30 s timers (w2's deletions)

@@ -325,9 +325,9 @@ def test_release_travels_with_the_next_call_or_its_own_soon_after():
         for _ in range(20):  # a loop of steps: each release rides on the next call
             with dist_autograd.context(a0) as cid:
                 assert a0.rpc_async("w1", has_context, (cid,)).wait()
-            assert a0._released_to == {1: [cid]}  # told nobody yet
+            assert a0.notes.released_to == {1: [cid]}  # told nobody yet
             assert not a0.rpc_async("w1", has_context, (cid,)).wait()
-            assert a0._released_to == {}
+            assert a0.notes.released_to == {}
         assert C.registry(a1).contexts == {}
         assert sent == []  # every release travelled in a call's header
         with dist_autograd.context(a0) as cid:  # the last step: nothing follows
@@ -336,7 +336,7 @@ def test_release_travels_with_the_next_call_or_its_own_soon_after():
         while C.registry(a1).contexts and time.monotonic() - began < 10:
             time.sleep(0.002)
         assert C.registry(a1).contexts == {}
-        assert sent == [1] and a0._released_to == {}
+        assert sent == [1] and a0.notes.released_to == {}
         assert time.monotonic() - began < 2.0  # the flush, not the 10 s bound
     finally:
         _client.CallClient._send_notes = real

@@ -19,10 +19,7 @@ outputs that are not floating arrays, a module that cannot be traced) take the g
 path.
 
 A function marked :func:`jdist.rpc.dist_autograd.pure` gets the same treatment for any
-arguments (:func:`try_record_pure`): the parameter holders ``_params.find_params``
-finds, the received arrays, other arrays and static leaves (numbers, strings,
-functions); the holders' non-parameter state goes in and out of the program, so RNG
-counters and batch statistics advance per call.
+arguments in ``_compiled_pure.py``, which shares :func:`run_program` and ``TRACES``.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ import numpy as np
 from flax import nnx
 
 from jdist.rpc._buckets import padded_call
-from jdist.rpc.autograd import _context as C
 
-__all__ = ["try_record", "try_record_pure", "TRACES"]
+__all__ = ["NotCompilable", "TRACES", "UNTRACEABLE", "run_program", "try_record"]
 
 TRACES: Counter = Counter()
 """How often each program kind was traced (``"forward"``, ``"backward"``): tests count
@@ -53,6 +49,8 @@ _EAGER = object()  # a signature that failed to trace: always the generic path
 class _NotCompilable(Exception):
     """Raised while tracing: this call takes the generic (eager) path."""
 
+
+NotCompilable = _NotCompilable
 
 def _aval(x: Any) -> tuple:
     return (tuple(np.shape(x)), str(x.dtype))
@@ -104,25 +102,15 @@ def _build(gdef: Any, ptdef: Any, nargs: int, diff: tuple, static: dict, kwnames
     return jax.jit(forward), jax.jit(backward)
 
 
-def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict,
-               xs: list) -> tuple[Any, list] | None:
-    """Record a ``RemoteModule`` forward compiled: ``(skeleton, diff outputs)`` as
-    ``_record`` returns them, or None when the generic path must run it.
+def _call_values(args: tuple, kwargs: dict, xs: list) -> tuple[list, dict] | None:
+    """The call's values in order (received arrays for their slots) and each slot
+    argument's position -> slot index, or None when an argument is neither an array nor
+    a number (the generic path runs it)."""
+    from jdist.rpc.autograd._slots import _is_slot
 
-    ``args`` / ``kwargs``: the call's arguments with ``Slot``s where the caller sent
-    traced arrays (``xs``, in slot order).
-    """
-    from jdist.rpc.autograd._params import Tracked
-    from jdist.rpc.autograd._slots import _is_slot, _split_outputs
-
-    module = module_rref.local_value()
-    if not isinstance(module, nnx.Module):
-        return None
-    flat = list(args) + [kwargs[k] for k in kwargs]
-    kwnames = tuple(kwargs)
-    slot_of: dict[int, int] = {}  # argument position -> slot index
+    slot_of: dict[int, int] = {}
     vals: list = []
-    for i, a in enumerate(flat):
+    for i, a in enumerate(list(args) + [kwargs[k] for k in kwargs]):
         if _is_slot(a):
             slot_of[i] = a.index
             vals.append(np.asarray(xs[a.index]))
@@ -132,207 +120,105 @@ def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict
             vals.append(a)
         else:
             return None
-    padded = None if kwargs else padded_call(module, tuple(vals))
-    if padded is not None:
-        vals = list(padded.args)
-    static = {i: v for i, v in enumerate(vals) if not isinstance(v, np.ndarray)}
-    dyn = [v for v in vals if isinstance(v, np.ndarray)]
-    dyn_pos = [i for i, v in enumerate(vals) if isinstance(v, np.ndarray)]
-    diff = tuple(k for k, i in enumerate(dyn_pos)
-                 if i in slot_of and np.issubdtype(dyn[k].dtype, np.inexact))
-    tracked = Tracked.of_module(module, rref=module_rref)  # _build merges its gdef
-    gdef, rest = tracked.gdef, tracked.rest
-    rest_leaves, rest_tdef = jax.tree_util.tree_flatten(rest)
-    try:
-        key = (gdef, tracked._tdef, rest_tdef, tuple(_aval(x) for x in rest_leaves),
-               len(vals), diff, tuple(sorted((i, type(v), v) for i, v in static.items())),
-               kwnames)
-        hash(key)
-    except TypeError:
-        return None
-    prog = _program(key, lambda: _build(gdef, tracked._tdef, len(vals), diff, static,
-                                        kwnames))
-    if prog is _EAGER:
-        return None
-    fwd, bwd = prog
-    try:
-        out, state, vjp_fn = fwd(tracked.values(), rest, dyn)
-    except (_NotCompilable, jax.errors.ConcretizationTypeError,
-            jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError):
-        with _lock:
-            _programs[key] = _EAGER
-        return None
-    nnx.update(module, state)
-    full_shapes = [np.shape(o) for o in jax.tree_util.tree_leaves(out)]
-    if padded is not None:
-        out = padded.cut_output(out)
-    out_leaves, out_tdef = jax.tree_util.tree_flatten(out)
-    slot_pos = {k: slot_of[dyn_pos[k]] for k in diff}
-
-    def vjp(cts: tuple) -> tuple:
-        ct_out = []
-        for c, leaf, shape in zip(cts, out_leaves, full_shapes, strict=True):
-            c = np.asarray(c, np.asarray(leaf).dtype)
-            ct_out.append(c if padded is None else padded.pad_cotangent(c, shape))
-        ct_p, ct_d = bwd(vjp_fn, jax.tree_util.tree_unflatten(out_tdef, ct_out))
-        ct_xs = [np.zeros(np.shape(x), np.asarray(x).dtype) for x in xs]
-        for k, c in zip(diff, ct_d, strict=True):
-            c = np.asarray(c)
-            ct_xs[slot_pos[k]] = c if padded is None else padded.cut_argument(dyn_pos[k], c)
-        return None, ct_xs, [list(ct_p)]
-
-    ctx.keep_vjp(msg, (vjp, [tracked], []))
-    return _split_outputs(out)
+    return vals, slot_of
 
 
-# ---------------------------------------------------------------- pure functions
-_STATIC = (bool, int, float, complex, str, bytes, type(None))
+UNTRACEABLE = (_NotCompilable, jax.errors.ConcretizationTypeError,
+               jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
+               jax.errors.TracerIntegerConversionError)
+"""What a first trace raises when a call cannot be one program (generic path then)."""
 
 
-def _static_key(x: Any) -> Any:
-    """A stand-in for a static leaf, compared by value (hashed with the key), or raise
-    TypeError."""
-    if isinstance(x, _STATIC):
-        return (type(x), x)
-    if callable(x) and not isinstance(x, (nnx.Module, nnx.Variable)):
-        return ("callable", x)  # an unhashable one fails the key's hash check
-    raise TypeError(type(x).__name__)
-
-
-def try_record_pure(ctx: Any, msg: tuple, func: Any, leaves: list, tdef: Any,
-                    slots: list[int], params: list, xs: list,
-                    rref_pos: list[int] = ()) -> tuple[Any, list] | None:
-    """Record a call of a function marked :func:`jdist.rpc.dist_autograd.pure` as one
-    compiled forward+VJP program (the state of its modules as inputs and outputs), or
-    return None when the generic path must run it: an RRef that is not a parameter
-    holder of this worker, a plain object holding modules, a leaf that is neither an
-    array nor a static value (number, string, None, function), or a first trace that
-    failed (then that signature always takes the generic path).
-
-    ``leaves``, ``tdef``, ``slots``, ``params``: the call's flattened arguments, the
-    leaf position of each received array and the parameter holders, as ``_record``
-    found them. An RRef among the arguments that holds an array (owned elsewhere, or
-    here but not a module) is fetched first and its value is an input of the program
-    (its ``to_here()`` inside returns it); for those at ``rref_pos`` (made by a
-    differentiable ``remote()`` of the caller) the value's cotangent goes back with the
-    backward answer, as the generic path's differentiable fetch sends it.
-    """
-    from jdist.rpc._rref import RRef
-    from jdist.rpc.autograd._params import Tracked, _TrackedRRef, rebuild_args
-    from jdist.rpc.autograd._slots import _is_slot, _Link, _split_outputs
-
-    if any(not isinstance(t, Tracked) for _, t in params):
-        return None
-    held = {pos for pos, _ in params}
-    linked = list(rref_pos)
-    dyn_pos, ref_pos, refs, sig = [], [], [], []
-    for i, leaf in enumerate(leaves):
-        if i in held:
-            sig.append(("param",))
-        elif _is_slot(leaf):
-            sig.append(("slot", leaf.index))
-        elif isinstance(leaf, (np.ndarray, jax.Array)):
-            dyn_pos.append(i)
-            sig.append(("array", _aval(leaf)))
-        elif isinstance(leaf, RRef):
-            value = leaf.to_here()  # outside any trace: a plain fetch
-            if not isinstance(value, (np.ndarray, jax.Array)):
-                return None
-            ref_pos.append(i)
-            refs.append(np.asarray(value))
-            sig.append(("rref", _aval(refs[-1]), i in linked))
-        else:
-            try:
-                sig.append(_static_key(leaf))
-            except TypeError:
-                return None
-    xs = [np.asarray(x) for x in xs]
-    dyn = [np.asarray(leaves[i]) for i in dyn_pos]
-    diff = tuple(k for k, x in enumerate(xs) if np.issubdtype(x.dtype, np.inexact))
-    # fetched values differentiated: those of differentiable remote() calls
-    rdiff = tuple(k for k, (i, r) in enumerate(zip(ref_pos, refs, strict=True))
-                  if i in linked and np.issubdtype(r.dtype, np.inexact))
-    try:
-        holders = tuple(
-            (t.gdef, t._tdef, jax.tree_util.tree_structure(t.rest),
-             tuple(_aval(v) for v in jax.tree_util.tree_leaves(t.rest)))
-            if t.gdef is not None else (type(t.holder), _aval(t.values()[0]))
-            for _, t in params)
-        key = ("pure", func, tdef, tuple(sig), holders, tuple(_aval(x) for x in xs), diff,
-               rdiff)
-        hash(key)
-    except TypeError:
-        return None
-    box: dict = {}  # the output skeleton, set when the program is traced
-
-    def build():
-        def forward(pvals, rests, xs_, dyn_, refs_):
-            TRACES["pure forward"] += 1
-            dv = [xs_[k] for k in diff]
-            rv = [refs_[k] for k in rdiff]
-
-            def h(pv, dv_, rv_):
-                xs_in = list(xs_)
-                for k, v in zip(diff, dv_, strict=True):
-                    xs_in[k] = v
-                refs_in = list(refs_)
-                for k, v in zip(rdiff, rv_, strict=True):
-                    refs_in[k] = v
-                new = list(leaves)
-                for i, v in zip(dyn_pos, dyn_, strict=True):
-                    new[i] = v
-                for i, v in zip(ref_pos, refs_in, strict=True):
-                    new[i] = _TrackedRRef(leaves[i], v)
-                for (_, t), rest in zip(params, rests, strict=True):
-                    if t.gdef is not None:  # the state as an input of the program
-                        t.rest = rest
-                args, kwargs = rebuild_args(new, tdef, slots, params, xs_in, list(pv))
-                out = C.call_traced(None, func, args, kwargs)
-                skel, diff_out = _split_outputs(out)
-                if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(skel)):
-                    raise _NotCompilable("an output computed inside is not a floating array")
-                box["skeleton"] = skel
-                return tuple(diff_out), [t.state_after() for _, t in params]
-
-            out, vjp_fn, states = jax.vjp(h, list(pvals), dv, rv, has_aux=True)
-            return out, states, vjp_fn
-
-        def backward(vjp_fn, cts):
-            TRACES["pure backward"] += 1
-            return vjp_fn(cts)
-
-        return jax.jit(forward), jax.jit(backward), box
-
+def run_program(key: tuple, build: Any, *inputs: Any, untraceable: tuple = UNTRACEABLE
+                ) -> tuple[Any, Any] | None:
+    """``(program, its forward's result on inputs)``: ``build()`` compiled once per
+    ``key``; None when this signature cannot be compiled (then it never is again)."""
     prog = _program(key, build)
     if prog is _EAGER:
         return None
-    fwd, bwd, pbox = prog
-    saved = [t.rest for _, t in params]
     try:
-        out, states, vjp_fn = fwd([t.values() for _, t in params], saved, xs, dyn, refs)
-    except Exception:  # noqa: BLE001 - not traceable here: the generic path runs it
+        return prog, prog[0](*inputs)
+    except untraceable:
         with _lock:
             _programs[key] = _EAGER
         return None
-    finally:
-        for (_, t), rest in zip(params, saved, strict=True):
-            t.rest = rest
-    for (_, t), st in zip(params, states, strict=True):
-        t.write_back(st)
-    out_dtypes = [o.dtype for o in out]
 
-    links = {i: _Link() for i in linked}
 
-    def vjp(cts: tuple) -> tuple:
-        ct_p, ct_d, ct_r = bwd(vjp_fn, tuple(np.asarray(c, d) for c, d in zip(
-            cts, out_dtypes, strict=True)))
-        ct_xs = [np.zeros(x.shape, x.dtype) for x in xs]
-        for k, c in zip(diff, ct_d, strict=True):
-            ct_xs[k] = c
-        for k, c in zip(rdiff, ct_r, strict=True):
-            links[ref_pos[k]].add([c])
-        return None, ct_xs, list(ct_p)
+class _ModuleCall:
+    """One compiled ``RemoteModule`` call: its values, slots and padding."""
 
-    ctx.keep_vjp(msg, (vjp, [t for _, t in params], [links[i] for i in linked]))
-    return pbox["skeleton"], list(out)
+    def __init__(self, vals: list, slot_of: dict, padded: Any, kwnames: tuple):
+        self.padded, self.kwnames = padded, kwnames
+        self.vals = list(padded.args) if padded is not None else vals
+        self.static = {i: v for i, v in enumerate(self.vals) if not isinstance(v, np.ndarray)}
+        self.dyn_pos = [i for i, v in enumerate(self.vals) if isinstance(v, np.ndarray)]
+        self.dyn = [self.vals[i] for i in self.dyn_pos]
+        self.diff = tuple(k for k, i in enumerate(self.dyn_pos)
+                          if i in slot_of and np.issubdtype(self.dyn[k].dtype, np.inexact))
+        self.slot_pos = {k: slot_of[self.dyn_pos[k]] for k in self.diff}
+
+    def key(self, tracked: Any) -> tuple | None:
+        rest_leaves, rest_tdef = jax.tree_util.tree_flatten(tracked.rest)
+        try:
+            key = (tracked.gdef, tracked._tdef, rest_tdef,
+                   tuple(_aval(x) for x in rest_leaves), len(self.vals), self.diff,
+                   tuple(sorted((i, type(v), v) for i, v in self.static.items())),
+                   self.kwnames)
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def vjp(self, bwd: Any, vjp_fn: Any, out: Any, xs: list) -> Any:
+        """The backward function ``ctx.keep_vjp`` keeps; cuts ``out`` to the real rows."""
+        padded = self.padded
+        full_shapes = [np.shape(o) for o in jax.tree_util.tree_leaves(out)]
+        out = out if padded is None else padded.cut_output(out)
+        out_leaves, out_tdef = jax.tree_util.tree_flatten(out)
+
+        def vjp(cts: tuple) -> tuple:
+            ct_out = []
+            for c, leaf, shape in zip(cts, out_leaves, full_shapes, strict=True):
+                c = np.asarray(c, np.asarray(leaf).dtype)
+                ct_out.append(c if padded is None else padded.pad_cotangent(c, shape))
+            ct_p, ct_d = bwd(vjp_fn, jax.tree_util.tree_unflatten(out_tdef, ct_out))
+            ct_xs = [np.zeros(np.shape(x), np.asarray(x).dtype) for x in xs]
+            for k, c in zip(self.diff, ct_d, strict=True):
+                c = np.asarray(c)
+                ct_xs[self.slot_pos[k]] = (c if padded is None
+                                           else padded.cut_argument(self.dyn_pos[k], c))
+            return None, ct_xs, [list(ct_p)]
+
+        return vjp, out
+
+
+def try_record(ctx: Any, msg: tuple, module_rref: Any, args: tuple, kwargs: dict,
+               xs: list) -> tuple[Any, list] | None:
+    """Record a ``RemoteModule`` forward compiled: ``(skeleton, diff outputs)`` as
+    ``_record`` returns them, or None when the generic path must run it.
+
+    ``args`` / ``kwargs``: the call's arguments with ``Slot``s where the caller sent
+    traced arrays (``xs``, in slot order).
+    """
+    from jdist.rpc.autograd._params import Tracked
+    from jdist.rpc.autograd._slots import _split_outputs
+
+    module = module_rref.local_value()
+    found = _call_values(args, kwargs, xs) if isinstance(module, nnx.Module) else None
+    if found is None:
+        return None
+    vals, slot_of = found
+    call = _ModuleCall(vals, slot_of, None if kwargs else padded_call(module, tuple(vals)),
+                       tuple(kwargs))
+    tracked = Tracked.of_module(module, rref=module_rref)  # _build merges its gdef
+    key = call.key(tracked)
+    ran = key and run_program(key, lambda: _build(tracked.gdef, tracked._tdef, len(call.vals),
+                                                  call.diff, call.static, call.kwnames),
+                              tracked.values(), tracked.rest, call.dyn)
+    if not ran:
+        return None
+    (_, bwd), (out, state, vjp_fn) = ran
+    nnx.update(module, state)
+    vjp, out = call.vjp(bwd, vjp_fn, out, xs)
+    ctx.keep_vjp(msg, (vjp, [tracked], []))
+    return _split_outputs(out)

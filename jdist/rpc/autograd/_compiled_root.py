@@ -50,7 +50,7 @@ from jdist.errors import DistAutogradError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._compiled import _STATIC
+from jdist.rpc.autograd._compiled_pure import STATIC as _STATIC
 from jdist.rpc.autograd._engine import _callee_backward, _callee_forward, _check_loss
 from jdist.rpc.autograd._params import find_params, flatten_args
 from jdist.rpc.autograd._slots import _is_slot, _Slot
@@ -266,80 +266,25 @@ class _Tracer:
     def _bind(self, i: int, rec: _Call, agent: Any, worker: Any, func: Any, timeout: Any,
               token: Any, skel: list, tdef: Any, xs: list, holes: list,
               hole_pos: list) -> tuple:
-        run, nx = self.run, len(xs)
-        out_specs = tuple(jax.ShapeDtypeStruct(s, d) for s, d in rec.out_avals)
-        if not out_specs:  # nothing to chain the next call to, nor to keep this one
-            raise _NotCompilable(f"call {i} returns no floating array")
+        host = _HostCall(self, i, rec, (agent, worker, func, timeout), (skel, tdef, hole_pos),
+                         xs)
         deps = () if self.last is None else (self.last,)
-        nd = len(deps)
-        x_specs = tuple(jax.ShapeDtypeStruct(*_aval(x)) for x in xs)
-        x_diff = [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]
-        needs_cts = any(x_diff)
-        name = getattr(func, "__qualname__", repr(func))
-        loss_name = self.loss_name
-
-        def host_forward(*operands):
-            vals = operands[nd:]  # before them the previous call's output (an order only)
-
-            def body():
-                ctx = run.ctx
-                sent = list(skel)
-                for p, v in zip(hole_pos, vals[nx:], strict=True):
-                    sent[p] = np.asarray(v)
-                msg = ctx.new_message_id()
-                after = ctx.chain(worker.id, msg)
-                reply = agent.rpc_async(
-                    worker, _callee_forward,
-                    (msg, func, jax.tree_util.tree_unflatten(tdef, sent),
-                     [np.asarray(v) for v in vals[:nx]], [], after), None, timeout)
-                skel_out, diff_out = reply.wait()
-                run.msgs[i] = msg
-                got = [_aval(np.asarray(d)) for d in diff_out]
-                out_tdef = jax.tree_util.tree_structure(skel_out, is_leaf=_is_slot)
-                if got != rec.out_avals or out_tdef != rec.out_tdef:
-                    raise DistAutogradError(
-                        f"the reply of {name} from {worker} (call {i} of {loss_name}) has "
-                        f"arrays {got} in structure "
-                        f"{out_tdef}; the pass this compiled loss function was recorded "
-                        f"from had {rec.out_avals} in {rec.out_tdef}. A loss function "
-                        "marked dist_autograd.pure must get replies of the same shapes "
-                        "for arguments of the same shapes; remove the mark")
-                return tuple(np.asarray(d, s.dtype) for d, s in zip(diff_out, out_specs,
-                                                                    strict=True))
-            return run.guard(body)
-
-        def host_backward(first, *cts):
-            del first
-
-            def body():
-                reply = agent.rpc_async(worker, _callee_backward,
-                                        (run.msgs[i], [np.asarray(c) for c in cts]), None,
-                                        timeout)
-                if not needs_cts:  # nothing to wait for: it stays in flight
-                    run.pending.append(reply)
-                    return (np.ones((), np.float32),
-                            *[np.zeros(s.shape, s.dtype) for s in x_specs])
-                ct_xs, _ = reply.wait()
-                return (np.ones((), np.float32),
-                        *[np.asarray(c, s.dtype) for c, s in zip(ct_xs, x_specs,
-                                                                  strict=True)])
-            return run.guard(body)
 
         def call(tok, deps_, xs_, holes_):
             del tok
-            out = jax.pure_callback(host_forward, out_specs, *deps_, *xs_, *holes_)
-            return tuple(out)
+            return tuple(jax.pure_callback(host.forward, host.out_specs, *deps_, *xs_,
+                                           *holes_))
 
         def fwd(tok, deps_, xs_, holes_):
             out = call(tok, deps_, xs_, holes_)
             return out, out[0]  # the residual orders the backward callback after this one
 
         def bwd(first, cts):
-            back = jax.pure_callback(host_backward,
-                                     (jax.ShapeDtypeStruct((), np.float32), *x_specs),
+            back = jax.pure_callback(host.backward,
+                                     (jax.ShapeDtypeStruct((), np.float32), *host.x_specs),
                                      first, *cts)
             ct_xs = tuple(c if d else np.zeros(np.shape(c), jax.dtypes.float0)
-                          for c, d in zip(back[1:], x_diff, strict=True))
+                          for c, d in zip(back[1:], host.x_diff, strict=True))
             ct_holes = tuple(jnp.zeros_like(h) if jnp.issubdtype(h.dtype, jnp.inexact)
                              else np.zeros(np.shape(h), jax.dtypes.float0) for h in holes)
             return (back[0].astype(token.dtype), tuple(jnp.zeros_like(d) for d in deps),
@@ -350,6 +295,77 @@ class _Tracer:
         out = op(token, deps, tuple(xs), tuple(holes))
         self.last = out[0]
         return out
+
+
+class _HostCall:
+    """The host side of one recorded call inside the compiled pass: its forward
+    callback sends the call and checks the reply against the record, its backward
+    callback sends the cotangents (and waits for the inputs' only when they are
+    differentiable)."""
+
+    def __init__(self, tracer: _Tracer, i: int, rec: _Call, target: tuple, sent: tuple,
+                 xs: list):
+        self.run, self.i, self.rec, self.loss_name = tracer.run, i, rec, tracer.loss_name
+        self.agent, self.worker, self.func, self.timeout = target
+        self.skel, self.tdef, self.hole_pos = sent
+        self.out_specs = tuple(jax.ShapeDtypeStruct(s, d) for s, d in rec.out_avals)
+        if not self.out_specs:  # nothing to chain the next call to, nor to keep this one
+            raise _NotCompilable(f"call {i} returns no floating array")
+        self.nd = 0 if tracer.last is None else 1
+        self.nx = len(xs)
+        self.x_specs = tuple(jax.ShapeDtypeStruct(*_aval(x)) for x in xs)
+        self.x_diff = [jnp.issubdtype(x.dtype, jnp.inexact) for x in xs]
+
+    def forward(self, *operands: Any) -> tuple:
+        vals = operands[self.nd:]  # before them the previous call's output (an order only)
+        return self.run.guard(lambda: self._send(vals))
+
+    def _send(self, vals: tuple) -> tuple:
+        ctx, nx = self.run.ctx, self.nx
+        sent = list(self.skel)
+        for p, v in zip(self.hole_pos, vals[nx:], strict=True):
+            sent[p] = np.asarray(v)
+        msg = ctx.new_message_id()
+        after = ctx.chain(self.worker.id, msg)
+        reply = self.agent.rpc_async(
+            self.worker, _callee_forward,
+            (msg, self.func, jax.tree_util.tree_unflatten(self.tdef, sent),
+             [np.asarray(v) for v in vals[:nx]], [], after), None, self.timeout)
+        skel_out, diff_out = reply.wait()
+        self.run.msgs[self.i] = msg
+        self._check(skel_out, diff_out)
+        return tuple(np.asarray(d, s.dtype) for d, s in zip(diff_out, self.out_specs,
+                                                            strict=True))
+
+    def _check(self, skel_out: Any, diff_out: list) -> None:
+        rec = self.rec
+        got = [_aval(np.asarray(d)) for d in diff_out]
+        out_tdef = jax.tree_util.tree_structure(skel_out, is_leaf=_is_slot)
+        if got != rec.out_avals or out_tdef != rec.out_tdef:
+            name = getattr(self.func, "__qualname__", repr(self.func))
+            raise DistAutogradError(
+                f"the reply of {name} from {self.worker} (call {self.i} of "
+                f"{self.loss_name}) has arrays {got} in structure {out_tdef}; the pass "
+                f"this compiled loss function was recorded from had {rec.out_avals} in "
+                f"{rec.out_tdef}. A loss function marked dist_autograd.pure must get "
+                "replies of the same shapes for arguments of the same shapes; remove the "
+                "mark")
+
+    def backward(self, first: Any, *cts: Any) -> tuple:
+        del first
+        return self.run.guard(lambda: self._send_back(cts))
+
+    def _send_back(self, cts: tuple) -> tuple:
+        reply = self.agent.rpc_async(self.worker, _callee_backward,
+                                     (self.run.msgs[self.i], [np.asarray(c) for c in cts]),
+                                     None, self.timeout)
+        if not any(self.x_diff):  # nothing to wait for: it stays in flight
+            self.run.pending.append(reply)
+            return (np.ones((), np.float32),
+                    *[np.zeros(s.shape, s.dtype) for s in self.x_specs])
+        ct_xs, _ = reply.wait()
+        return (np.ones((), np.float32),
+                *[np.asarray(c, s.dtype) for c, s in zip(ct_xs, self.x_specs, strict=True)])
 
 
 class _Program:

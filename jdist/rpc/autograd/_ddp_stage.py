@@ -40,6 +40,102 @@ from jdist.rpc.autograd._vjp_ops import custom_vjp_of
 __all__ = ["ddp_layer", "ddp_stage"]
 
 
+def _check_ddp(ddp: Any, who: str) -> None:
+    from jdist.ddp import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{who} needs a jdist.ddp.DistributedDataParallel, got "
+                        f"{type(ddp).__name__}")
+
+
+def _pad_sizes(ddp: Any, pad_batch_to: Any) -> Any:
+    if pad_batch_to is None:
+        return None
+    from jdist.ddp.padding import PadSizes
+
+    if not isinstance(pad_batch_to, (int, np.integer)) or isinstance(pad_batch_to, bool):
+        raise TypeError(f"ddp_stage(pad_batch_to=) must be one int (the same on every "
+                        f"process of the DDP group), got {pad_batch_to!r}")
+    g = ddp.process_group
+    return PadSizes(int(pad_batch_to), len(g.local_devices), g.size())
+
+
+def _enter(who: str) -> tuple[Any, Any]:
+    """The current context and trace token; a stage runs only inside a backward."""
+    ctx, token = C.current(), C.tracing()
+    if ctx is None or token is None:
+        raise DistAutogradError(f"a {who} is differentiable only inside a "
+                                "dist_autograd.backward loss function")
+    C.spoil_capture(f"a {who}")  # a compiled loss function runs no DDP stage
+    return ctx, token
+
+
+def _accumulate(ctx: Any, variables: list, grads: list, ct: Any = None) -> None:
+    """DDP's reduced gradients (times the cotangent ``ct``) into the context."""
+    if len(grads) != len(variables):  # pragma: no cover - NNX layout
+        raise RuntimeError("DDP gradients and module parameters disagree")
+    for var, g in zip(variables, grads, strict=True):
+        ctx.accumulate(var, g if ct is None else g * _beside(ct, g))
+
+
+def _per_row_loss(ddp: Any, out: Any, batch: dict, count: tuple) -> Any:
+    """This replica's share of the process's mean over its real (unpadded) rows."""
+    mask = batch["mask"]
+    per = jnp.asarray(out)
+    if per.shape != mask.shape:
+        raise ValueError(
+            f"ddp_stage(pad_batch_to=...): loss_fn must return one loss per row "
+            f"(shape {tuple(mask.shape)} for this replica's shard), got shape "
+            f"{tuple(per.shape)}; return e.g. the per-example cross entropy without .mean()")
+    k = jax.lax.axis_size(ddp.process_group.axis_name) / count[1]
+    return jnp.sum(per * mask.astype(per.dtype)) * (k / count[0])
+
+
+def _stage_program(ddp: Any, loss_fn: Callable, sizes: Any) -> Callable:
+    """DDP's ``value_and_grad`` of the loss, with the gradient of ``x`` as aux."""
+
+    def inner(module, batch, *count):
+        def local(x):
+            out = loss_fn(module, x, *batch["rest"])
+            return out if sizes is None else _per_row_loss(ddp, out, batch, count)
+
+        if not jnp.issubdtype(batch["x"].dtype, jnp.inexact):  # indices: no gradient
+            value = local(batch["x"])
+            return value, (value, jnp.zeros((), value.dtype))
+        value, gx = jax.value_and_grad(local)(batch["x"])
+        return value, (value, gx)
+
+    return ddp.value_and_grad(inner, has_aux=True)
+
+
+def _run_stage(vg: Callable, ddp: Any, sizes: Any, xv: Any, rest: tuple) -> tuple:
+    """One DDP step on ``xv``: ``(this process's loss, gradients, gradient of x)``."""
+    if sizes is None:
+        (_, (losses, gx)), grads = vg({"x": jnp.asarray(xv), "rest": rest})
+        n = None
+    else:
+        from jdist.ddp.padding import pad_batch
+
+        xv = np.asarray(xv)
+        n = xv.shape[0]
+        padded, mask = pad_batch({"x": xv, "rest": tuple(np.asarray(r) for r in rest)},
+                                 sizes)
+        padded["mask"] = mask
+        (_, (losses, gx)), grads = vg(padded, np.float32(n),
+                                      np.float32(ddp.process_group.size()))
+    losses, gx = _local(losses), np.asarray(_local(gx))
+    k = losses.shape[0]  # local replicas
+    gx = gx.reshape((-1,) + gx.shape[2:]) / np.asarray(k, gx.dtype)
+    grads = [_local(g) for g in jax.tree_util.tree_leaves(grads)]
+    return jnp.mean(losses), grads, gx if n is None else gx[:n]  # numpy: no program per shape
+
+
+def _x_cotangent(x: Any, token: Any, gx: Any, ct: Any) -> tuple:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer input: float0 cotangent
+        return np.zeros((), token.dtype), np.zeros(np.shape(x), jax.dtypes.float0)
+    return np.zeros((), token.dtype), to_array((gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
+
+
 def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -> Callable:
     """``stage(x, *rest) -> loss`` running ``loss_fn(module, x, *rest)`` under DDP.
 
@@ -58,98 +154,27 @@ def ddp_stage(ddp: Any, loss_fn: Callable, *, pad_batch_to: int | None = None) -
     Returns:
       ``stage(x, *rest)``; call it inside ``dist_autograd.backward``'s loss function.
     """
-    from jdist.ddp import DistributedDataParallel
-
-    if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError(f"ddp_stage needs a jdist.ddp.DistributedDataParallel, got "
-                        f"{type(ddp).__name__}")
-    sizes = None
-    if pad_batch_to is not None:
-        from jdist.ddp.padding import PadSizes, pad_batch
-
-        if not isinstance(pad_batch_to, (int, np.integer)) or isinstance(pad_batch_to, bool):
-            raise TypeError(f"ddp_stage(pad_batch_to=) must be one int (the same on every "
-                            f"process of the DDP group), got {pad_batch_to!r}")
-        g = ddp.process_group
-        sizes = PadSizes(int(pad_batch_to), len(g.local_devices), g.size())
-
-    def inner(module, batch, *count):
-        rest = batch["rest"]
-
-        def local(x):
-            out = loss_fn(module, x, *rest)
-            if sizes is None:
-                return out
-            mask = batch["mask"]
-            per = jnp.asarray(out)
-            if per.shape != mask.shape:
-                raise ValueError(
-                    f"ddp_stage(pad_batch_to=...): loss_fn must return one loss per row "
-                    f"(shape {tuple(mask.shape)} for this replica's shard), got shape "
-                    f"{tuple(per.shape)}; return e.g. the per-example cross entropy "
-                    "without .mean()")
-            # this replica's share of the process's mean over its real rows
-            k = jax.lax.axis_size(ddp.process_group.axis_name) / count[1]
-            return jnp.sum(per * mask.astype(per.dtype)) * (k / count[0])
-
-        if not jnp.issubdtype(batch["x"].dtype, jnp.inexact):  # indices: no gradient
-            value = local(batch["x"])
-            return value, (value, jnp.zeros((), value.dtype))
-        value, gx = jax.value_and_grad(local)(batch["x"])
-        return value, (value, gx)
-
-    vg = ddp.value_and_grad(inner, has_aux=True)
+    _check_ddp(ddp, "ddp_stage")
+    sizes = _pad_sizes(ddp, pad_batch_to)
+    vg = _stage_program(ddp, loss_fn, sizes)
     variables = param_variables(ddp.module)
 
     def stage(x: Any, *rest: Any) -> Any:
-        ctx = C.current()
-        token = C.tracing()
-        if ctx is None or token is None:
-            raise DistAutogradError("a ddp_stage is differentiable only inside a "
-                                    "dist_autograd.backward loss function")
-        C.spoil_capture("a ddp_stage")  # a compiled loss function runs no DDP stage
+        ctx, token = _enter("ddp_stage")
         rest_c = tuple(jax.lax.stop_gradient(r) for r in rest)
         box: dict = {}
 
-        def forward(xv):
-            if sizes is None:
-                (_, (losses, gx)), grads = vg({"x": jnp.asarray(xv), "rest": rest_c})
-                n = None
-            else:
-                xv = np.asarray(xv)
-                n = xv.shape[0]
-                (padded, mask) = pad_batch({"x": xv, "rest": tuple(
-                    np.asarray(r) for r in rest_c)}, sizes)
-                padded["mask"] = mask
-                procs = float(ddp.process_group.size())
-                (_, (losses, gx)), grads = vg(padded, np.float32(n),
-                                              np.float32(procs))
-            losses, gx = _local(losses), np.asarray(_local(gx))
-            k = losses.shape[0]  # local replicas
-            box["grads"] = [_local(g) for g in jax.tree_util.tree_leaves(grads)]
-            gx = gx.reshape((-1,) + gx.shape[2:]) / np.asarray(k, gx.dtype)
-            box["gx"] = gx if n is None else gx[:n]  # numpy: no program per shape
-            return jnp.mean(losses)
-
         def run(tok, xv):
             del tok
-            return forward(xv)
+            loss, box["grads"], box["gx"] = _run_stage(vg, ddp, sizes, xv, rest_c)
+            return loss
 
         def fwd(tok, xv):
-            del tok
-            return forward(xv), None
+            return run(tok, xv), None
 
         def bwd(_, ct):
-            grads = box.pop("grads")
-            if len(grads) != len(variables):  # pragma: no cover - NNX layout
-                raise RuntimeError("DDP gradients and module parameters disagree")
-            for var, g in zip(variables, grads, strict=True):
-                ctx.accumulate(var, g * _beside(ct, g))
-            gx = box.pop("gx")
-            if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer input: float0 cotangent
-                return np.zeros((), token.dtype), np.zeros(np.shape(x), jax.dtypes.float0)
-            return np.zeros((), token.dtype), to_array(
-                (gx * np.asarray(ct, gx.dtype)).astype(x.dtype))
+            _accumulate(ctx, variables, box.pop("grads"), ct)
+            return _x_cotangent(x, token, box.pop("gx"), ct)
 
         return custom_vjp_of(run, fwd, bwd)(token, x)
 
@@ -196,11 +221,7 @@ def ddp_layer(ddp: Any, fn: Callable | None = None) -> Callable:
       fn: ``fn(module, x, *rest)`` -> array with ``x``'s leading size; default
         ``module(x)``.
     """
-    from jdist.ddp import DistributedDataParallel
-
-    if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError(f"ddp_layer needs a jdist.ddp.DistributedDataParallel, got "
-                        f"{type(ddp).__name__}")
+    _check_ddp(ddp, "ddp_layer")
     call = _module_call if fn is None else fn
     k = len(ddp.process_group.local_devices)
 
@@ -215,12 +236,7 @@ def ddp_layer(ddp: Any, fn: Callable | None = None) -> Callable:
     variables = param_variables(ddp.module)
 
     def layer(x: Any, *rest: Any) -> Any:
-        ctx = C.current()
-        token = C.tracing()
-        if ctx is None or token is None:
-            raise DistAutogradError("a ddp_layer is differentiable only inside a "
-                                    "dist_autograd.backward loss function")
-        C.spoil_capture("a ddp_layer")
+        ctx, token = _enter("ddp_layer")
         rest_c = tuple(jax.lax.stop_gradient(r) for r in rest)
         box: dict = {}
 
@@ -235,11 +251,7 @@ def ddp_layer(ddp: Any, fn: Callable | None = None) -> Callable:
         def bwd(_, ct):
             (_, gx), grads = vg({"x": jnp.asarray(box.pop("x")), "ct": jnp.asarray(ct),
                                  "rest": rest_c})
-            grads = [_local(g) for g in jax.tree_util.tree_leaves(grads)]
-            if len(grads) != len(variables):  # pragma: no cover - NNX layout
-                raise RuntimeError("DDP gradients and module parameters disagree")
-            for var, g in zip(variables, grads, strict=True):
-                ctx.accumulate(var, g)
+            _accumulate(ctx, variables, [_local(g) for g in jax.tree_util.tree_leaves(grads)])
             gx = np.asarray(_local(gx))
             gx = gx.reshape((-1,) + gx.shape[2:]) / np.asarray(k, gx.dtype)
             return np.zeros((), token.dtype), to_array(gx.astype(x.dtype))

@@ -74,63 +74,74 @@ def differentiable_call(ctx: C.DistAutogradContext, to: Any, func: Any, args: An
     cap = C.capture()  # a loss function marked pure (_compiled_root)
     if cap is not None and cap.compiling:
         return cap.call(agent, worker, func, args, kwargs, timeout, token)
-    xs, _, skeleton, links = _prepare(args, kwargs, token)
-    noted = None if cap is None else cap.note_call(worker.id, func, skeleton, xs, links)
-    msg = ctx.new_message_id()
-    fn_name = getattr(func, "__qualname__", repr(func))
-    rref_pos = [pos for pos, _, _ in links]
-    state: dict = {}
+    call = _DiffCall(ctx, worker, func, timeout, token, _prepare(args, kwargs, token), cap)
+    return ReceiveFuture(call.receive, f"differentiable rpc of {call.name}")
 
-    def send(xs_concrete):
-        vals = [_concrete(x, f"rpc of {fn_name}") for x in xs_concrete]
-        after = ctx.chain(worker.id, msg)
-        state["reply"] = agent.rpc_async(
-            worker, _callee_forward, (msg, func, skeleton, vals, rref_pos, after), None,
-            timeout)
-        C.add_pending(state["reply"])
+
+class _DiffCall:
+    """One differentiable RPC of a trace: its send, backward message and receive."""
+
+    def __init__(self, ctx: Any, worker: Any, func: Any, timeout: Any, token: Any,
+                 prepared: tuple, cap: Any):
+        self.ctx, self.worker, self.func, self.timeout, self.token = (ctx, worker, func,
+                                                                      timeout, token)
+        self.xs, _, self.skeleton, self.links = prepared
+        self.cap = cap
+        self.noted = None if cap is None else cap.note_call(worker.id, func, self.skeleton,
+                                                             self.xs, self.links)
+        self.msg = ctx.new_message_id()
+        self.name = getattr(func, "__qualname__", repr(func))
+        self.state: dict = {}
+        # with no traced argument and no RRef sent along, the send has nothing to give a
+        # cotangent to: one custom_vjp in the trace instead of two (each costs about a
+        # third of a millisecond of eager autodiff)
+        self.direct = not self.xs and not self.links
+        if self.direct:
+            self.send([])
+            self.sent = token
+        else:
+            self.sent = bind(token, self.xs, self.send, self.backward, self.links)
+
+    def send(self, xs_concrete: list) -> Any:
+        vals = [_concrete(x, f"rpc of {self.name}") for x in xs_concrete]
+        after = self.ctx.chain(self.worker.id, self.msg)
+        rref_pos = [pos for pos, _, _ in self.links]
+        self.state["reply"] = self.ctx.agent.rpc_async(
+            self.worker, _callee_forward, (self.msg, self.func, self.skeleton, vals,
+                                           rref_pos, after), None, self.timeout)
+        C.add_pending(self.state["reply"])
         return np.zeros((), np.float32)
 
-    def backward(ct):
+    def backward(self, ct: Any) -> Any:
         del ct
-        cts = state.pop("cts", None)
+        cts = self.state.pop("cts", None)
         if cts is None:  # the value never reached the loss
-            return no_answer(xs, links)
-        return agent.rpc_async(worker, _callee_backward, (msg, cts), None, timeout)
+            return no_answer(self.xs, self.links)
+        return self.ctx.agent.rpc_async(self.worker, _callee_backward, (self.msg, cts), None,
+                                        self.timeout)
 
-    # with no traced argument and no RRef sent along, the send has nothing to give a
-    # cotangent to: one custom_vjp in the trace instead of two (each costs about a third
-    # of a millisecond of eager autodiff)
-    direct = not xs and not links
-    if direct:
-        send([])
-        sent = token
-    else:
-        sent = bind(token, xs, send, backward, links)
+    def sink(self, cts: Any) -> None:
+        self.state["cts"] = cts
+        if self.direct:  # no send's rule to send them: the backward message goes now
+            C.add_pending(self.backward(None))
 
-    def sink(cts):
-        state["cts"] = cts
-        if direct:  # no send's rule to send them: the backward message goes now
-            C.add_pending(backward(None))
-
-    def receive() -> Any:
-        if C.tracing() is not token:
+    def receive(self) -> Any:
+        if C.tracing() is not self.token:
             raise DistAutogradError(
-                f"the future of a differentiable rpc of {fn_name} was waited on outside "
+                f"the future of a differentiable rpc of {self.name} was waited on outside "
                 "the loss function that made it; wait for it inside (its value is part "
                 "of the differentiated pass)")
         box: dict = {}
 
         def value():
-            skel_out, diff_out = state["reply"].wait()
+            skel_out, diff_out = self.state["reply"].wait()
             box["skeleton"] = skel_out
-            if noted is not None:
-                cap.note_reply(noted, skel_out, diff_out)
+            if self.noted is not None:
+                self.cap.note_reply(self.noted, skel_out, diff_out)
             return tuple(to_array(d) for d in diff_out)
 
-        diff = from_token(sent, value, sink)
+        diff = from_token(self.sent, value, self.sink)
         return _fill(box["skeleton"], list(diff))
-
-    return ReceiveFuture(receive, f"differentiable rpc of {fn_name}")
 
 
 def _prepare(args: Any, kwargs: Any, token: Any) -> tuple[list, list, Any, list]:
@@ -265,7 +276,7 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
     check_captured(func, params, ctx.agent.info.id,
                    f"{ctx.agent.info}, a differentiable call")
     if _is_pure(func, leaves) and not getattr(func, "_jdist_async_execution", False):
-        from jdist.rpc.autograd._compiled import try_record_pure
+        from jdist.rpc.autograd._compiled_pure import try_record_pure
 
         got = try_record_pure(ctx, msg, func, leaves, tdef, slots, params, xs, rref_pos)
         if got is not None:

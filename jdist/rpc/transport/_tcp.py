@@ -140,6 +140,21 @@ class TCPComm(Comm):
         if status == _EOF:
             self._close_on_loop()
 
+    def _rest_of_large_frame(self) -> list:
+        """Inside a large frame, keep reading while the socket has data (one loop
+        iteration per readiness event is far too slow for megabytes); the messages it
+        completes. Holding the read lock."""
+        decoder, msgs = self._decoder, []
+        while decoder.receiving_large_frame:
+            try:
+                n = self.sock.recv_into(decoder.get_buffer())
+            except OSError:  # EAGAIN (or an error the next read reports)
+                break
+            if n == 0:
+                break  # end of stream: the next read reports it
+            msgs += decoder.buffer_updated(n)
+        return msgs
+
     def _read_once(self) -> int:
         """Read what the socket has (one ``recv``, more inside a large frame) and deliver
         the completed messages, holding the read lock: any thread may call it.
@@ -164,17 +179,7 @@ class TCPComm(Comm):
                     self._error = CommClosedError(f"connection to {self.peer} closed by the peer")
                 return _EOF
             try:
-                msgs = decoder.buffer_updated(n)
-                # inside a large frame, keep reading while the socket has data: one loop
-                # iteration per readiness event is far too slow for megabytes
-                while decoder.receiving_large_frame:
-                    try:
-                        n = self.sock.recv_into(decoder.get_buffer())
-                    except OSError:  # EAGAIN (or an error the next read reports)
-                        break
-                    if n == 0:
-                        break  # end of stream: the next read reports it
-                    msgs += decoder.buffer_updated(n)
+                msgs = decoder.buffer_updated(n) + self._rest_of_large_frame()
             except FrameError as e:
                 if self._error is None:
                     self._error = CommClosedError(
