@@ -1,5 +1,5 @@
-"""pytorch/examples' distributed programs (examples/ports/): jdist's port vs torch's run
-of the same program, time per training step, in the same run.
+"""pytorch/examples' distributed programs (examples/ports/), and two RPC programs of our
+own: jdist's port vs torch's run of the same program, time per step, in the same run.
 
 Each program runs under ``jdist-run`` and its torch twin under ``torchrun``, one after
 the other (never at the same time), with the programs' own batch shapes (the HybridModel's
@@ -65,6 +65,13 @@ def _programs(quick: bool) -> list[tuple[str, int, object, str]]:
          "shape in the jdist run (--pad; torch unpadded)"),
         ("rpc_pipeline", 3, ["--num-batches", "3" if quick else "16"],
          "pipeline step: batch 32 in 4 micro-batches over 2 shards"),
+        # our own programs (not pytorch/examples'): an RNN over a parameter server and
+        # an RPC policy server
+        ("rpc_rnn", 2, ["--steps", str(6 * n)],
+         "trainer step: remote Embed and decoder, local LSTM, dist backward, "
+         "DistributedOptimizer"),
+        ("rpc_policy", 3, ["--episodes", str(max(2, n // 3)), "--steps", "100"],
+         "observer's select_action round trip (4-128-2 policy, 2 observers)"),
     ]
 
 

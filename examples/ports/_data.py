@@ -91,3 +91,40 @@ def pipeline_batches(num_batches: int, batch_size: int, num_classes: int = 10,
     labels[np.arange(batch_size), hot] = 1
     return [(rs.randn(batch_size, 3, image_hw, image_hw).astype(np.float32), labels)
             for _ in range(num_batches)]
+
+
+class ToyEnv:
+    """A cart-pole-like environment in numpy (no gym): 4 numbers of state, two actions;
+    the reward is 1 while the pole stays up. Deterministic per seed."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.state = np.zeros(4)
+
+    def reset(self) -> np.ndarray:
+        self.state = self.rng.uniform(-0.05, 0.05, 4)
+        return self.state.astype(np.float32)
+
+    def step(self, action: int) -> tuple[np.ndarray, float]:
+        x, v, theta, omega = self.state
+        force = 1.0 if action == 1 else -1.0
+        omega = omega + 0.02 * (9.8 * np.sin(theta) - force * np.cos(theta))
+        theta = theta + 0.02 * omega
+        v = v + 0.02 * force
+        x = x + 0.02 * v
+        self.state = np.array([x, v, theta, omega])
+        reward = 1.0 if abs(theta) < 0.21 else 0.0
+        if reward == 0.0:  # fallen: start over, as an episode of fixed length goes on
+            self.state = self.rng.uniform(-0.05, 0.05, 4)
+        return self.state.astype(np.float32), reward
+
+
+def token_batches(steps: int, vocab: int, batch: int = 16, length: int = 20, seed: int = 0):
+    """``(tokens, targets)`` int64 batches of a next-token task: each sequence counts up
+    by a random stride modulo ``vocab``, the targets are the next tokens."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        start = rng.integers(0, vocab, (batch, 1))
+        stride = rng.integers(1, 4, (batch, 1))
+        seq = (start + stride * np.arange(length + 1)) % vocab
+        yield seq[:, :-1].astype(np.int64), seq[:, 1:].astype(np.int64)

@@ -10,6 +10,7 @@ gradients in the context on their owner (see :mod:`jdist.rpc.dist_autograd`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -42,11 +43,28 @@ def _construct(module_cls: Any, args: tuple, kwargs: dict, device: str = "cpu") 
     return module
 
 
-def _call(module: Any, args: tuple, kwargs: dict) -> Any:
-    return module(*args, **kwargs)
+@functools.partial(jax.jit, static_argnums=0)
+def _pure_call(gdef: Any, params: Any, rest: Any, args: tuple, kwargs: dict) -> tuple:
+    """The module's call as a pure program: its output and its non-parameter state
+    after (RNG counters, batch statistics)."""
+    module = nnx.merge(gdef, params, rest)
+    out = module(*args, **kwargs)
+    return out, nnx.split(module, nnx.Param, ...)[2]
 
 
-_jit_call = nnx.jit(_call)
+def owned_call(module: Any, args: tuple, kwargs: dict) -> Any:
+    """``module(*args, **kwargs)`` as one compiled program, safe from several threads.
+
+    RPC runs calls on a pool of threads, and ``nnx.jit`` on one module from two threads
+    at once corrupts it (flax 0.12: "object has no attribute ..."): so the module is
+    split (a read), the program runs on the split state, and only the non-parameter
+    state is written back (a parameter update made meanwhile, by a
+    ``DistributedOptimizer``, is kept, as in torch)."""
+    gdef, params, rest = nnx.split(module, nnx.Param, ...)
+    out, rest_after = _pure_call(gdef, params, rest, args, kwargs)
+    if jax.tree_util.tree_leaves(rest_after):
+        nnx.update(module, rest_after)
+    return out
 
 
 def _jittable(tree: Any) -> bool:
@@ -56,7 +74,7 @@ def _jittable(tree: Any) -> bool:
 
 
 def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
-    """Owner side of ``forward``: one ``nnx.jit`` program when the inputs are arrays
+    """Owner side of ``forward``: one compiled program when the inputs are arrays
     (compiled once per shape, or per shape bucket for a module with ``bucket_call``,
     see ``_buckets.py``; ``autograd/_compiled.py`` also compiles this call with its VJP
     under distributed autograd), otherwise a plain call."""
@@ -64,9 +82,9 @@ def _forward(module_rref: RRef, args: tuple, kwargs: dict) -> Any:
     if _jittable((args, kwargs)):
         padded = None if kwargs or C.tracing() is not None else padded_call(module, args)
         if padded is not None:  # a few shape buckets, cut back exactly
-            out = _jit_call(module, padded.args, {})
+            out = owned_call(module, padded.args, {})
             return jax.tree_util.tree_map(jax.device_put, padded.cut_output(out))
-        return _jit_call(module, args, kwargs)
+        return owned_call(module, args, kwargs)
     return module(*args, **kwargs)
 
 

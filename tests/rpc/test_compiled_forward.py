@@ -292,3 +292,43 @@ def test_embedding_bag_buckets_keep_values_and_gradients(lens, last, mode, weigh
         np.testing.assert_allclose(p.cut_argument(2, got[1][1]), want[1][1], rtol=1e-5,
                                    atol=1e-6)
     np.testing.assert_allclose(p.cut_output(bag(*p.args)), bag(*args), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("module", [RaggedScale, _DropoutNet])
+def test_concurrent_forwards_of_one_remote_module(agents, module):
+    """RPC runs calls on a pool of threads: many callers' forwards of one module at once
+    (nnx.jit on one module from two threads corrupted it: "object has no attribute")
+    all succeed, with the output a local module gives (Dropout: in eval mode, and its
+    RNG state advancing in training mode without an error)."""
+    import threading
+
+    a0, _ = agents
+    net = RemoteModule("w1", module, agent=a0)
+    ref = module()
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(6, 4)[:, :3 if module is RaggedScale
+                                                                 else 4]
+    if module is _DropoutNet:
+        net.eval()
+        ref.eval()
+    want = np.asarray(ref(x))
+    errors, outs = [], []
+
+    def caller():
+        try:
+            for _ in range(60):
+                outs.append(np.asarray(net(x)))
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(repr(e)[:500])
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and len(outs) == 240
+    for o in outs:
+        np.testing.assert_allclose(o, want, rtol=1e-6, atol=1e-7)
+    if module is _DropoutNet:  # training mode: the RNG state is written back, no error
+        net.train()
+        masks = {np.asarray(net(x)).tobytes() for _ in range(3)}
+        assert len(masks) == 3

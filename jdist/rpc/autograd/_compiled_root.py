@@ -19,9 +19,12 @@ pass traces the program (:class:`_Tracer`); every call it meets must match the r
 or the signature stays eager. What the record cannot describe stays eager for good:
 calls that overlap (an ``rpc_async`` waited on after the next call was made),
 ``remote()`` and ``to_here()`` of differentiable RRefs, a DDP stage, plain RPCs,
-replies holding arrays that are not floating (they would become constants), a loss
-function with parameters of this worker among its arguments (the caller's own modules),
-or a trace that fails.
+replies holding arrays that are not floating (they would become constants), or a
+trace that fails. Parameter holders of this worker among the arguments (the caller's
+own modules, Variables, plain objects holding them, its own RRefs to them) are part of
+the program: their parameters and non-parameter state are inputs, their gradients
+(added to the context) and state after (written back) outputs; the signature holds
+them by identity, with their Variables and shapes.
 
 At run time the callbacks run on XLA's threads: they carry the pass's context
 explicitly (the program's :class:`_Run`; passes of one program are serialized by its
@@ -52,7 +55,7 @@ from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._compiled_pure import STATIC as _STATIC
 from jdist.rpc.autograd._engine import _callee_backward, _callee_forward, _check_loss
-from jdist.rpc.autograd._params import find_params, flatten_args
+from jdist.rpc.autograd._params import find_params, flatten_args, rebuild_args
 from jdist.rpc.autograd._slots import _is_slot, _Slot
 
 __all__ = ["MAX_SIGNATURES", "TRACES", "backward"]
@@ -369,21 +372,28 @@ class _HostCall:
 
 
 class _Program:
-    """A signature's compiled pass."""
+    """A signature's compiled pass: the loss, its backward pass through the recorded
+    calls, and the gradients of this worker's parameter holders among the arguments
+    (their parameters and non-parameter state are inputs, the state after an output)."""
 
     def __init__(self, record: _Recorder, loss_fn: Any, leaves: list,
                  tdef: Any, dyn_pos: list, has_aux: bool):
         self.run = _Run()
+        self.params: list = []  # the holders of the pass being traced
+        name = getattr(loss_fn, "__qualname__", repr(loss_fn))
 
-        def program(dyn, tok):
+        def program(dyn, tok, pvals, rests):
             TRACES["root"] += 1
-            tracer = _Tracer(record, self.run, getattr(loss_fn, "__qualname__", repr(loss_fn)))
+            tracer = _Tracer(record, self.run, name)
+            params = self.params
 
-            def g(tok_):
+            def g(tok_, pvals_):
                 new = list(leaves)
                 for p, v in zip(dyn_pos, dyn, strict=True):
                     new[p] = v
-                args, kwargs = jax.tree_util.tree_unflatten(tdef, new)
+                for (_, t), rest in zip(params, rests, strict=True):
+                    t.use_rest(rest)
+                args, kwargs = rebuild_args(new, tdef, [], params, [], pvals_)
                 prev = C.set_capture(tracer)
                 try:
                     out = C.call_traced(tok_, loss_fn, args, kwargs)
@@ -392,21 +402,24 @@ class _Program:
                 if tracer.next != len(record.calls):
                     raise _NotCompilable("fewer calls than the recorded pass made")
                 loss, aux = _check_loss(out, has_aux)
-                return loss, (aux, tracer.last)
+                return loss, (aux, tracer.last, [t.state_after() for _, t in params])
 
-            loss, vjp_fn, (aux, last) = jax.vjp(g, tok, has_aux=True)
-            (ct_tok,) = vjp_fn(jnp.ones(loss.shape, loss.dtype))
-            return loss, aux, last, ct_tok  # last: the last call's callback is never cut
+            loss, vjp_fn, (aux, last, states) = jax.vjp(g, tok, pvals, has_aux=True)
+            ct_tok, ct_p = vjp_fn(jnp.ones(loss.shape, loss.dtype))
+            # last: the last call's callback is never cut
+            return loss, aux, last, ct_tok, ct_p, states
 
         self.fn = jax.jit(program)
 
-    def __call__(self, ctx: Any, dyn: list, has_aux: bool) -> Any:
+    def __call__(self, ctx: Any, dyn: list, params: list, has_aux: bool) -> Any:
         run = self.run
         with run.lock:
             run.reset(ctx)
+            self.params = params
+            rests = [t.rest_state() for _, t in params]
             try:
-                loss, aux, _, _ = jax.block_until_ready(
-                    self.fn(dyn, np.zeros((), np.float32)))
+                loss, aux, _, _, grads, states = jax.block_until_ready(self.fn(
+                    dyn, np.zeros((), np.float32), [t.values() for _, t in params], rests))
             except _NotCompilable:
                 raise
             except Exception as e:
@@ -416,10 +429,16 @@ class _Program:
                     raise _NotCompilable(f"{type(e).__name__}: {e}") from e
                 raise
             finally:
+                for (_, t), rest in zip(params, rests, strict=True):
+                    t.use_rest(rest)  # the trace left tracers there
+                self.params = []
                 pending, run.pending = run.pending, []
                 run.ctx = None
             for fut in pending:  # backward messages still in flight
                 fut.wait()
+        for (_, t), st, g in zip(params, states, grads, strict=True):
+            t.write_back(st)
+            t.accumulate(ctx, g)
         TRACES["root runs"] += 1
         return (loss, aux) if has_aux else loss
 
@@ -427,16 +446,25 @@ class _Program:
 # ---------------------------------------------------------------- entry
 def _signature(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict,
                has_aux: bool) -> tuple | None:
-    """``(key, leaves, tdef, array positions)`` of a pass, or None when it cannot be
-    compiled (parameters of this worker among the arguments, an unhashable leaf)."""
+    """``(key, leaves, tdef, array positions, parameter holders)`` of a pass, or None
+    when it cannot be compiled (a holder of an unsupported kind, an unhashable leaf)."""
     leaves, tdef = flatten_args((tuple(args), dict(kwargs)))
-    if find_params(leaves, ctx.agent.info.id):
-        return None
+    params = find_params(leaves, ctx.agent.info.id)
+    held = {}
+    for p, t in params:
+        if not hasattr(t, "signature"):
+            return None
+        try:
+            held[p] = ("param", _Ident(leaves[p]), t.signature())
+        except TypeError:
+            return None
     sig, dyn_pos = [], []
     for p, leaf in enumerate(leaves):
-        if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, (nnx.Module, nnx.Variable)):
+        if p in held:
+            sig.append(held[p])
+        elif isinstance(leaf, jax.core.Tracer) or isinstance(leaf, (nnx.Module, nnx.Variable)):
             return None
-        if _is_array(leaf):
+        elif _is_array(leaf):
             dyn_pos.append(p)
             sig.append(("array", _aval(leaf)))
         elif isinstance(leaf, RRef):
@@ -448,7 +476,7 @@ def _signature(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict,
         hash(key)
     except TypeError:
         return None
-    return key, leaves, tdef, dyn_pos
+    return key, leaves, tdef, dyn_pos, params
 
 
 class _Table:
@@ -493,7 +521,7 @@ def backward(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
     got = _signature(ctx, loss_fn, args, kwargs, has_aux)
     if got is None:
         return eager()
-    key, leaves, tdef, dyn_pos = got
+    key, leaves, tdef, dyn_pos, params = got
     table = _table(ctx.agent)
     entry = table.get(key)
     if entry is _EAGER:
@@ -509,9 +537,10 @@ def backward(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict, has_aux: bool,
         return out
     if isinstance(entry, _Recorder):
         template = [None if p in dyn_pos else leaf for p, leaf in enumerate(leaves)]
+        # (the holders stay in the template: rebuild_args puts their traced copies there)
         entry = table[key] = _Program(entry, loss_fn, template, tdef, dyn_pos, has_aux)
     try:
-        return entry(ctx, [leaves[p] for p in dyn_pos], has_aux)
+        return entry(ctx, [leaves[p] for p in dyn_pos], params, has_aux)
     except _NotCompilable:
         table[key] = _EAGER
         return eager()

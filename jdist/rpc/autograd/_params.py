@@ -258,7 +258,7 @@ class Tracked:
             if len(self._leaves) != len(self.variables):  # pragma: no cover - flax layout
                 raise RuntimeError("nnx.split and nnx.variables disagree on parameters")
         elif isinstance(holder, nnx.Variable):
-            self.variables = [holder]
+            self.variables, self._tdef = [holder], None
             self._leaves = [holder.get_value()]
         else:
             raise TypeError(f"Tracked holds an NNX module or Variable, got "
@@ -331,6 +331,30 @@ class Tracked:
         """Add ``grads`` (one per Variable) to ``ctx``'s gradients."""
         for var, g in zip(self.variables, grads, strict=True):
             ctx.accumulate(var, g)
+
+    # a compiled program takes the parameters and the non-parameter state as inputs
+    def rest_state(self) -> Any:
+        """The non-parameter state, an input of a compiled program (None: none)."""
+        return self.rest
+
+    def use_rest(self, rest: Any) -> None:
+        """Rebuild from ``rest`` (inside a trace: the program's input) from now on."""
+        if self.gdef is not None:
+            self.rest = rest
+
+    def signature(self) -> tuple:
+        """What a compiled program depends on: the parameter Variables (by identity),
+        the structure and the shapes of parameters and state. Raises TypeError when
+        that is not hashable."""
+        key = (self.gdef, self._tdef, jax.tree_util.tree_structure(self.rest),
+               tuple(_aval_of(v) for v in jax.tree_util.tree_leaves(self.rest)),
+               tuple(_aval_of(v) for v in self._leaves), tuple(map(id, self.variables)))
+        hash(key)
+        return key
+
+
+def _aval_of(x: Any) -> tuple:
+    return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
 
 
 _MAX_DEPTH = 4  # plain objects inside plain objects, searched for modules
@@ -459,6 +483,15 @@ class _ObjectTracked:
 
     def accumulate(self, ctx: Any, grads: Sequence[Any]) -> None:
         self._inner.accumulate(ctx, grads)
+
+    def rest_state(self) -> Any:
+        return self._inner.rest_state()
+
+    def use_rest(self, rest: Any) -> None:
+        self._inner.use_rest(rest)
+
+    def signature(self) -> tuple:
+        return ("object", repr(self._tree), self._inner.signature())
 
 
 def _copy_error(holder: Any, obj: Any, e: Exception) -> DistAutogradError:
