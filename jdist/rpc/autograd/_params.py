@@ -190,6 +190,29 @@ class _PytreeView:
         return jax.tree_util.tree_unflatten(self._treedef, leaves), fresh
 
 
+def _agrees_with_split(holder: Any, flat: tuple | None = None) -> bool:
+    """Whether ``holder``'s pytree flattening finds the Variables ``nnx.split`` finds:
+    checked once per module and structure (``nnx.state`` costs ten flattenings), then
+    remembered; a list of holders (a plain object's) is checked module by module.
+    ``flat``: the holder's ``(Variables, treedef)`` where already flattened."""
+    if isinstance(holder, nnx.Variable):
+        return True
+    variables, treedef = flat or jax.tree_util.tree_flatten(holder, is_leaf=_is_variable)
+    try:
+        if _VERIFIED.get(holder) == treedef:
+            return True
+    except TypeError:  # cannot be weakly referenced: checked every time
+        pass
+    graph = jax.tree.leaves(nnx.state(holder), is_leaf=_is_variable)
+    if sorted(map(id, variables)) != sorted(id(v) for v in graph):
+        return False
+    try:
+        _VERIFIED[holder] = treedef
+    except TypeError:
+        pass
+    return True
+
+
 def _pytree_view(holder: Any) -> _PytreeView | None:
     """The pytree view of ``holder``, or None where it would differ from ``nnx.split``:
     a module that is no pytree (``pytree=False``), a leaf that is no Variable, or a
@@ -204,19 +227,10 @@ def _pytree_view(holder: Any) -> _PytreeView | None:
     ids = [id(v) for v in variables]
     if len(values) != len(variables) or len(set(ids)) != len(ids):
         return None  # a Variable holding a tree of arrays, or one reached twice
-    try:
-        known = _VERIFIED.get(holder)
-    except TypeError:  # a holder that cannot be weakly referenced (a list)
-        known = None
-    if known is not None and known == treedef:
-        return _PytreeView(variables, values, treedef)
-    graph = jax.tree.leaves(nnx.state(holder), is_leaf=_is_variable)
-    if sorted(ids) != sorted(id(v) for v in graph):
+    items = holder if isinstance(holder, list) else [holder]
+    if not all(_agrees_with_split(h, (variables, treedef) if h is holder else None)
+               for h in items):
         return None
-    try:
-        _VERIFIED[holder] = treedef
-    except TypeError:
-        pass
     return _PytreeView(variables, values, treedef)
 
 
