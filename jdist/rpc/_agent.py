@@ -45,12 +45,12 @@ from jdist.rpc._connections import Connections
 from jdist.rpc._futures import Future
 from jdist.rpc._notes import Notes
 from jdist.rpc._options import RpcBackendOptions
-from jdist.rpc._pollgate import WINDOWS, PollGate
+from jdist.rpc._pollgate import NEXT_SLEEP_S, WINDOWS, PollGate
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._releaser import Releaser
 from jdist.rpc._remote_error import failure_payload
 from jdist.rpc._rref import RRef, RRefContext
-from jdist.rpc._serve import NEXT_SLEEP_S, CallServer, quiet
+from jdist.rpc._serve import CallServer, quiet
 from jdist.rpc._workers import WorkerTable
 from jdist.rpc.transport import Comm, get_transport, parse_address
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["PollGate", "WINDOWS", "SPAN", "WEIGHT", "MAX_KINDS"]
 
@@ -99,25 +99,73 @@ class PollGate:
 
 
 WAIT_MAX = 30.0  # seconds a caller reads its reply's connection itself before it waits
+NEXT_SLEEP_S = 0.005  # how long a pool thread that replied sleeps for the next call
+
+
+class WaitFacts(NamedTuple):
+    """What a thread about to wait for a message knows (see :func:`plan_wait`).
+
+    Attributes:
+      for_reply: a caller waiting for its reply (else a pool thread that replied,
+        waiting for the same peer's next call).
+      polling_on: ``busy_poll_us > 0`` and the peer runs in another process (one in
+        this process needs this process's GIL to answer).
+      others_running: other RPC functions run in this process now (polling holds the
+        GIL they need).
+      lone: the caller's only request in flight; for a pool thread, this process has
+        no request of its own in flight.
+      poll_for: the seconds the gate allows this kind of wait to poll (0: its
+        messages have come late).
+      sleep_ok: for a pool thread, such calls have come within ``NEXT_SLEEP_S`` on
+        average and no other call of the peer runs here.
+    """
+
+    for_reply: bool
+    polling_on: bool
+    others_running: bool
+    lone: bool
+    poll_for: float
+    sleep_ok: bool = False
+
+
+class WaitPlan(NamedTuple):
+    """Poll the connection for ``poll_s``, then sleep on it for at most ``sleep_s``
+    (reading it in this thread, so no other thread is woken); 0 skips a phase."""
+
+    poll_s: float
+    sleep_s: float
+
+
+def plan_wait(f: WaitFacts) -> WaitPlan:
+    """The whole poll / sleep / hand-off decision of a waiting thread, in one place.
+
+    A wait that neither polls nor sleeps leaves the message to the I/O thread (a
+    hand-off). A caller's reply: poll only as the lone request while nothing else runs
+    here, then sleep on the connection until the reply (bounded by ``WAIT_MAX``; the
+    caller's timeout bounds it further). A pool thread's next call: poll unless other
+    functions run here, then sleep up to ``NEXT_SLEEP_S`` while the gate says such
+    calls come soon and nothing else waits on this process."""
+    if not f.polling_on:
+        return WaitPlan(0.0, 0.0)
+    if f.for_reply:
+        return WaitPlan(f.poll_for if f.lone and not f.others_running else 0.0, WAIT_MAX)
+    return WaitPlan(0.0 if f.others_running else f.poll_for,
+                    NEXT_SLEEP_S if f.sleep_ok and f.lone else 0.0)
 
 
 def wait_for_reply(comm: Any, gate: PollGate, kind: tuple, fut: Any, timeout: float | None,
                    *, lone: bool, others_running: Any) -> None:
-    """Before ``fut.wait`` blocks: read the reply's connection in this thread, so that no
-    other thread has to be woken to hand the reply over. First, for a ``lone`` request
-    (with several in flight the I/O thread is busy anyway), while no other RPC function
-    runs here (``others_running()``) and while this kind's replies have come soon enough
-    (``gate``: the reply's arrival is timed either way), by polling for as long as the
-    gate says; then by sleeping on the connection (``Comm.wait_until``, which costs no
-    CPU), so the kernel wakes this thread alone when the reply comes. Whatever else
-    arrives on that connection meanwhile is delivered from here."""
+    """Before ``fut.wait`` blocks: read the reply's connection in this thread as
+    :func:`plan_wait` says (the reply's arrival is timed for the gate either way), so
+    that no other thread has to be woken to hand the reply over. Whatever else arrives
+    on that connection meanwhile is delivered from here."""
     began = time.perf_counter()
     fut._arrival = lambda now: gate.record(kind, now - began)
-    span = gate.poll_for(kind) if lone and not others_running() else 0.0
-    if span > 0:
-        limit = span if timeout is None else min(span, timeout)
+    plan = plan_wait(WaitFacts(True, True, others_running(), lone, gate.poll_for(kind)))
+    if plan.poll_s > 0:
+        limit = plan.poll_s if timeout is None else min(plan.poll_s, timeout)
         comm.poll_until(lambda: fut._done or others_running(), limit)
         if fut._done:
             return
-    left = WAIT_MAX if timeout is None else timeout - (time.perf_counter() - began)
-    comm.wait_until(lambda: fut._done, min(left, WAIT_MAX))
+    left = plan.sleep_s if timeout is None else timeout - (time.perf_counter() - began)
+    comm.wait_until(lambda: fut._done, min(left, plan.sleep_s))

@@ -54,6 +54,52 @@ def _jax_array_types() -> tuple:
     return _jax_types
 
 
+_jitted: dict = {}  # "jax" / "flax" -> the types of their jitted functions
+
+
+def _jitted_types() -> tuple:
+    """The types of ``jax.jit`` and ``nnx.jit`` functions, once those libraries are
+    imported (never imports them itself)."""
+    if "jax" not in _jitted and _imported("jax"):
+        import jax
+
+        _jitted["jax"] = type(jax.jit(_identity))
+    if "flax" not in _jitted and _imported("flax.nnx"):
+        from flax import nnx
+
+        _jitted["flax"] = type(nnx.jit(_identity))
+    return tuple(_jitted.values())
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def resolve_name(module: str, qualname: str) -> Any:
+    """The object ``module.qualname`` names (a jitted function sent by reference)."""
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reduce_by_name(obj: Any) -> Any:
+    """A jitted function by reference, as pickle sends a plain function: its module and
+    qualified name must name it (pickle's own reduce looks for the function it wraps
+    under that name, finds the jitted object and refuses)."""
+    module = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None)
+    if module and name and "<" not in name:
+        try:
+            if resolve_name(module, name) is obj:
+                return resolve_name, (module, name)
+        except Exception:  # noqa: BLE001 - not importable by name: pickle's own error
+            pass
+    return obj.__reduce_ex__(5)
+
+
 def _jax_to_host(x: Any) -> Any:
     if not getattr(x, "is_fully_addressable", True):
         raise TypeError(
@@ -155,6 +201,8 @@ def dumps(obj: Any, reducers: Reducers | None = None) -> tuple[bytes, list[memor
     table[np.ndarray] = _reduce_ndarray
     for t in _jax_array_types():
         table[t] = _reduce_jax
+    for t in _jitted_types():
+        table[t] = _reduce_by_name
     table.update(_RPC_REDUCERS)
     if reducers:
         table.update(reducers)
@@ -203,7 +251,7 @@ def check_callable_picklable(func: Any, dest: str) -> None:
             "cannot be pickled by reference. Define the function at module level (in a module "
             "the remote worker can import) and pass that instead.")
     try:
-        pickle.dumps(func, protocol=5)
+        dumps(func)
     except Exception as e:
         raise TypeError(
             f"cannot send {describe_callable(func)} to {dest}: it cannot be pickled ({e}). "

@@ -27,6 +27,7 @@ from jdist.rpc._futures import (
     copy_into,
     others_running,
 )
+from jdist.rpc._pollgate import WaitFacts, plan_wait
 from jdist.rpc._remote_error import failure_payload, rebuild_exception
 from jdist.rpc.transport import Comm, CommClosedError
 
@@ -34,7 +35,6 @@ __all__ = ["CallServer", "quiet"]
 
 log = logging.getLogger("jdist.rpc")
 _INLINE = threading.local()  # .slot: [] while a pool thread polls for its next call
-NEXT_SLEEP_S = 0.005  # how long a pool thread that replied sleeps for the next call
 
 
 class CallServer:
@@ -184,16 +184,20 @@ class CallServer:
         slot: list = []
         _INLINE.slot = slot
         try:
-            span = 0.0 if others_running() else self.poll_gate.poll_for(kind)
-            if span > 0:
+            plan = plan_wait(WaitFacts(False, True, others_running(), True,
+                                       self.poll_gate.poll_for(kind)))
+            if plan.poll_s > 0:
                 comm.poll_until(
                     lambda: bool(slot) or self.state != "running" or others_running(),
-                    span)
-            if not slot and not self._running_from.get(peer) and not self._pending \
-                    and self.sleep_gate.should(kind):
+                    plan.poll_s)
+            if not slot:  # the sleep decided on the facts as they are after the poll
+                plan = plan_wait(WaitFacts(
+                    False, True, others_running(), not self._pending, 0.0,
+                    not self._running_from.get(peer) and self.sleep_gate.should(kind)))
+            if not slot and plan.sleep_s > 0:
                 comm.wait_until(lambda: bool(slot) or peer not in self._next_call_waits
                                 or self.state != "running"
-                                or bool(self._running_from.get(peer)), NEXT_SLEEP_S)
+                                or bool(self._running_from.get(peer)), plan.sleep_s)
         finally:
             _INLINE.slot = None
         return slot[0] if slot else None

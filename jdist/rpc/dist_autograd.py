@@ -198,6 +198,8 @@ def pure(func: Any) -> Any:
     other than parameters (dropout RNG counters, batch statistics) is an input and an
     output of the program, so it advances as in a plain call. A method so marked is
     compiled when called through an RRef proxy of its owner (``rref.remote().forward(x)``).
+    A function (or method) already wrapped by ``jax.jit`` or ``nnx.jit`` has this
+    contract by construction and is compiled without the mark.
     Calls that do not fit (a plain object holding modules, an RRef holding neither a
     module nor an array, another kind of leaf) run the generic way. Outside distributed
     autograd the mark changes nothing. Returns ``func`` itself (it still pickles by

@@ -1,7 +1,10 @@
-"""The busy-poll gate: which waits poll, from how long waits of each kind lasted."""
+"""The busy-poll gate: which waits poll, from how long waits of each kind lasted; and
+the whole poll / sleep / hand-off decision of a waiting thread (``plan_wait``), as a
+table."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -100,3 +103,26 @@ def test_the_average_stays_within_the_samples_and_the_cap(waits, longest):
         assert span == 0.0
     else:
         assert WINDOW <= span <= gate.longest
+
+
+# ---- the whole wait decision (plan_wait): one table ----------------------------------
+W, N = G.WAIT_MAX, G.NEXT_SLEEP_S
+PLANS = [
+    # for_reply, polling_on, others_running, lone, poll_for, sleep_ok -> (poll, sleep)
+    ((True, False, False, True, 0.004, False), (0.0, 0.0)),  # off / peer in this process
+    ((True, True, False, True, 0.004, False), (0.004, W)),   # a lone reply: poll, sleep
+    ((True, True, True, True, 0.004, False), (0.0, W)),      # others run: sleep only
+    ((True, True, False, False, 0.004, False), (0.0, W)),    # more in flight: sleep only
+    ((True, True, False, True, 0.0, False), (0.0, W)),       # its replies came late
+    ((False, False, False, True, 0.004, True), (0.0, 0.0)),  # server, polling off
+    ((False, True, False, True, 0.004, True), (0.004, N)),   # next call: poll, then sleep
+    ((False, True, True, True, 0.004, True), (0.0, N)),      # others run: no poll
+    ((False, True, False, False, 0.004, True), (0.004, 0.0)),  # own request in flight
+    ((False, True, False, True, 0.004, False), (0.004, 0.0)),  # the gate says: late
+    ((False, True, False, True, 0.0, False), (0.0, 0.0)),    # late and not to sleep: hand off
+]
+
+
+@pytest.mark.parametrize("facts,plan", PLANS)
+def test_the_wait_decision_table(facts, plan):
+    assert G.plan_wait(G.WaitFacts(*facts)) == G.WaitPlan(*plan)

@@ -207,7 +207,7 @@ def test_an_idle_server_sleeps_on_the_connection_for_the_next_call(tcp3, monkeyp
     connection for the next call (longer than a poll, shorter than NEXT_SLEEP_S) and runs
     it itself; a kind whose next calls come later than that stops sleeping."""
     a0, a1 = tcp3[0], tcp3[1]
-    monkeypatch.setattr(_serve, "NEXT_SLEEP_S", 0.05)
+    monkeypatch.setattr(_pollgate, "NEXT_SLEEP_S", 0.05)
     a1.sleep_gate = _pollgate.PollGate(0.05 / _pollgate.WINDOWS)
     kept = []  # per call after the first: did the thread that replied run it?
     real = _serve.CallServer._poll_next_call
@@ -242,7 +242,7 @@ def test_a_server_sleeps_for_a_callers_next_call_while_another_callers_call_runs
     parameter server serves two trainers so), but not while another call of w0 itself
     runs there."""
     a0, a1, a2 = tcp3
-    monkeypatch.setattr(_serve, "NEXT_SLEEP_S", 0.05)
+    monkeypatch.setattr(_pollgate, "NEXT_SLEEP_S", 0.05)
     a1.sleep_gate = _pollgate.PollGate(0.05 / _pollgate.WINDOWS)
     kept = []  # per call of w0 after the first: did the thread that replied run it?
     real = _serve.CallServer._poll_next_call

@@ -5,6 +5,7 @@ calls that do not fit take the generic path."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,3 +134,75 @@ def test_calls_that_do_not_fit_take_the_generic_path(agents):
 def test_pure_rejects_non_callables():
     with pytest.raises(TypeError, match="marks a function"):
         dist_autograd.pure(3)
+
+
+# ---- jitted callees are pure by contract: compiled without a marker -----------------
+@jax.jit
+def jit_scaled(w, x):
+    return jnp.tanh(x @ w) * 2.0
+
+
+def test_jitted_callees_compile_without_a_mark(agents):
+    """``rpc_sync(to, jax.jit(f), ...)`` and an ``nnx.jit`` function under dist autograd:
+    jit's contract (Python runs once per trace) is ``pure``'s, so each records its
+    forward and VJP as one compiled program (traced once over four steps) with the
+    gradients and batch statistics of the eager path."""
+    a0, _ = agents
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(6, 4)).astype(np.float32) for _ in range(4)]
+    w = a0.remote("w1", np.asarray, (rng.normal(size=(4, 3)).astype(np.float32),))
+    wv = w.to_here()
+
+    def plain(w, x):  # the same function, unjitted: the eager path
+        return jnp.tanh(x @ w) * 2.0
+
+    for fn, ref in ((jit_scaled, plain),):
+        before = dict(_compiled.TRACES)
+        for x in xs:
+            with dist_autograd.context(a0) as cid:
+                def loss_fn(s, x=x, fn=fn):
+                    y = a0.rpc_async("w1", fn, (wv, jnp.asarray(x) * s)).wait()
+                    return jnp.sum(y ** 2)
+
+                loss = dist_autograd.backward(cid, loss_fn, jnp.float32(1.5), agent=a0)
+                g = dist_autograd.get_gradients(cid, agent=a0)
+            want = jnp.sum(ref(wv, jnp.asarray(x) * 1.5) ** 2)
+            np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+            assert g == {}  # no parameter of the caller's
+        assert _compiled.TRACES["pure forward"] - before.get("pure forward", 0) == 1
+
+    # a module method under nnx.jit, called through an RRef proxy: compiled as well, with
+    # the eager path's losses, gradients and batch statistics
+    runs = {}
+    for name, cls in (("eager", ProxyNet), ("jitted", JitProxyNet)):
+        rref = a0.remote("w1", cls)
+        before = dict(_compiled.TRACES)
+        out = []
+        for x in xs:
+            with dist_autograd.context(a0) as cid:
+                def loss_fn2(s, x=x, rref=rref):
+                    y = rref.rpc_async().forward(jnp.asarray(x) * s).wait()
+                    return jnp.sum(y * w_)
+
+                loss = dist_autograd.backward(cid, loss_fn2, jnp.float32(1.0), agent=a0)
+                out.append((float(loss), *a0.rpc_async("w1", grads_and_stats, (rref,)).wait()))
+        runs[name] = out
+        traced = _compiled.TRACES["pure forward"] - before.get("pure forward", 0)
+        assert traced == (1 if name == "jitted" else 0), (name, traced)
+    for e, j in zip(runs["eager"], runs["jitted"], strict=True):
+        for a, b in zip(j, e, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+w_ = np.arange(18, dtype=np.float32).reshape(6, 3) / 10
+
+
+class ProxyNet(Net):
+    def forward(self, x):
+        return self(x) * 2.0
+
+
+class JitProxyNet(Net):
+    @nnx.jit
+    def forward(self, x):
+        return self(x) * 2.0

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jdist.errors import DistAutogradError
 from jdist.rpc import dist_autograd
 from jdist.rpc.autograd import _compiled_root
 from jdist.rpc.autograd import _context as C
+from tests.differential import scaled
 from tests.rpc.conftest import make_agents, stop_all
 
 
@@ -317,14 +318,15 @@ _pure_local_loss = dist_autograd.pure(_local_loss)
 
 @given(st.lists(st.sampled_from(["module", "variable", "object", "own_rref"]), min_size=1,
                 max_size=4, unique=True), st.integers(0, 50))
-@settings(max_examples=8, deadline=None)
+@example(["module", "variable", "object", "own_rref"], 0)
+@settings(max_examples=scaled(3), deadline=None)
 def test_local_parameter_holders_compile_and_match_the_eager_path(agents, kinds, seed):
     """A generated family: the caller's own modules, Variables, plain objects holding
     modules and RRefs it owns, in any combination after a remote stage: the compiled
     pass gives the eager path's losses, local and remote gradients and dropout masks
     (the local modules' RNG state goes in and out of the program), pass after pass."""
     a0 = agents[0]
-    batches = _batches(4, seed=seed)
+    batches = _batches(3, seed=seed)
     runs = {}
     for name, fn in (("eager", _local_loss), ("pure", _pure_local_loss)):
         net, made = _fresh(a0, seed), _locals(a0, kinds, seed)
@@ -340,7 +342,7 @@ def test_local_parameter_holders_compile_and_match_the_eager_path(agents, kinds,
         runs[name] = out
         if name == "pure":  # recorded, traced once, then compiled passes only
             assert _compiled_root.TRACES["root"] - before.get("root", 0) == 1
-            assert _compiled_root.TRACES["root runs"] - before.get("root runs", 0) == 3
+            assert _compiled_root.TRACES["root runs"] - before.get("root runs", 0) == 2
     for e, p in zip(runs["eager"], runs["pure"], strict=True):
         np.testing.assert_allclose(p[0], e[0], rtol=1e-5)
         for a, b in zip(p[1] + list(p[2]), e[1] + list(e[2]), strict=True):

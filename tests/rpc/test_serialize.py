@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
@@ -80,3 +81,32 @@ def test_describe_and_check_callables():
     with pytest.raises(TypeError, match="lambdas"):
         S.check_callable_picklable(lambda: 0, "w1")
     S.check_callable_picklable(np.add, "w1")
+
+
+@jax.jit
+def _jitted_double(x):
+    return x * 2
+
+
+@nnx.jit
+def _nnx_jitted_double(x):
+    return x * 2
+
+
+def _nested():
+    @jax.jit
+    def inner(x):
+        return x
+    return inner
+
+
+@pytest.mark.parametrize("fn", [_jitted_double, _nnx_jitted_double])
+def test_jitted_functions_travel_by_reference(fn):
+    """``@jax.jit`` / ``@nnx.jit`` module-level functions are sent by name, as plain
+    functions are (pickle alone refuses them: the name resolves to the jitted object,
+    not the function it wraps); a nested one is refused with the fix named."""
+    payload, bufs = S.dumps((fn, np.ones(3)))
+    back, x = S.loads(payload, bufs)
+    assert back is fn and np.asarray(back(x)).tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(TypeError, match="module level"):
+        S.check_callable_picklable(_nested(), "w1")

@@ -307,16 +307,22 @@ def _record(msg: tuple, func: Any, skeleton: Any, xs: list,
     return skel_out, diff
 
 
+def _pure_by_contract(func: Any) -> bool:
+    """Marked :func:`jdist.rpc.dist_autograd.pure`, or jitted (``jax.jit``, ``nnx.jit``:
+    a ``jax.stages.Wrapped``), whose contract is the same: Python runs once per trace,
+    so compiling its forward and VJP changes nothing."""
+    return bool(getattr(func, "_jdist_pure", False)) or isinstance(func, jax.stages.Wrapped)
+
+
 def _is_pure(func: Any, leaves: list) -> bool:
-    """Whether ``func`` is marked :func:`jdist.rpc.dist_autograd.pure`, or is an RRef
+    """Whether ``func`` is pure by contract (:func:`_pure_by_contract`), or is an RRef
     proxy's call (``rref.rpc_sync().name(...)``, ``rref.remote().name(...)``) of a
-    method so marked."""
-    if getattr(func, "_jdist_pure", False):
+    method that is."""
+    if _pure_by_contract(func):
         return True
     if func is rref_method_call and len(leaves) >= 2 and isinstance(leaves[0], RRef) \
             and isinstance(leaves[1], str) and leaves[0].is_owner():
-        method = getattr(type(leaves[0].local_value()), leaves[1], None)
-        return bool(getattr(method, "_jdist_pure", False))
+        return _pure_by_contract(getattr(type(leaves[0].local_value()), leaves[1], None))
     return False
 
 
