@@ -2,7 +2,9 @@
 their torch twins: one jdist-run launch and one torchrun launch per program, short
 mode, the same data and initial weights (torch's init, converted with
 ``jdist.testing.state_dict_to_nnx``), compared to 1e-5 where the program is
-deterministic.
+deterministic. A twin's results are recorded per torch version and inputs
+(``tests/examples/_torch_results.py``; ``JDIST_TORCH_RERUN=1`` runs them again and
+checks the record).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from examples.ports._common import save_init
-from examples.ports._run import HERE, run_both
+from examples.ports._run import HERE
+from tests.examples._torch_results import run_both_cached
 
 TOL = 1e-5
 sys.path.insert(0, HERE)  # the twins import their siblings (_common, _data) by name
@@ -52,8 +55,8 @@ def test_ddp_example(tmp_path):
     torch.manual_seed(0)
     start = ToyModel()
     init = init_file(tmp_path, start)
-    mine, theirs = run_both("ddp_example", 2, ["--smoke", "--init", init], timeout=150,
-                            tmp=str(tmp_path / "runs"))
+    mine, theirs = run_both_cached("ddp_example", 2, ["--smoke", "--init", init], timeout=150,
+                                   tmp=str(tmp_path / "runs"))
     for r in (0, 1):
         assert "training completed in rank" in mine["log"]
         np.testing.assert_allclose(mine[r]["losses"], theirs[r]["losses"], rtol=TOL)
@@ -74,8 +77,8 @@ def test_ddp_tutorial_crash_and_resume_from_snapshot(tmp_path):
         return ["3", "1", "--smoke", "--crash-after-epoch", "1", "--init", init,
                 "--snapshot-path", os.path.join(out, "snapshot")]
 
-    mine, theirs = run_both("ddp_tutorial", 2, args, timeout=240, tmp=str(tmp_path / "runs"),
-                            launcher_args=["--max-restarts", "1"], relaunch_torch=True)
+    mine, theirs = run_both_cached("ddp_tutorial", 2, args, timeout=240, tmp=str(tmp_path / "runs"),
+                                   launcher_args=["--max-restarts", "1"], relaunch_torch=True)
     assert "rank 0 crashes after epoch 1" in mine["log"]
     assert "Resuming training from snapshot at Epoch 1" in mine["log"]
     assert "RepeatedEpochWarning" not in mine["log"]
@@ -95,9 +98,9 @@ def test_rpc_parameter_server(tmp_path):
     torch.manual_seed(0)
     start = Net()
     init = init_file(tmp_path, start)
-    mine, theirs = run_both("rpc_parameter_server", 2,
-                            ["--smoke", "--no-dropout", "--init", init], timeout=240,
-                            tmp=str(tmp_path / "runs"))
+    mine, theirs = run_both_cached("rpc_parameter_server", 2,
+                                   ["--smoke", "--no-dropout", "--init", init], timeout=240,
+                                   tmp=str(tmp_path / "runs"))
     assert "RPC shutdown on parameter server." in mine["log"]
     np.testing.assert_allclose(mine[1]["losses"], theirs[1]["losses"], rtol=TOL)
     assert mine[1]["accuracy"] == theirs[1]["accuracy"]
@@ -122,8 +125,8 @@ def test_rpc_batch_parameter_server(tmp_path):
         port = ["--master-port", str(fresh_port())] if lib == "torch" else []
         return ["--smoke", "--batch-update-size", "2", "--init", init, *port]
 
-    mine, theirs = run_both("rpc_batch_ps", 3, args, timeout=240, spawn=True,
-                            tmp=str(tmp_path / "runs"))
+    mine, theirs = run_both_cached("rpc_batch_ps", 3, args, timeout=240, spawn=True,
+                                   tmp=str(tmp_path / "runs"))
     assert mine["log"].count("PS updated model") == 3
     assert "[rank 1]" in mine["log"]  # spawn forwards the children's output
     for a, b in zip(mine[0]["trainers"], theirs[0]["trainers"], strict=True):
@@ -152,7 +155,7 @@ def test_ddp_rpc_hybrid_model(tmp_path):
         return ["--smoke", "--deterministic", "--init", init,
                 "--pg-port", str(fresh_port()), "--rpc-port", str(fresh_port())]
 
-    mine, theirs = run_both("ddp_rpc", 4, args, timeout=300, tmp=str(tmp_path / "runs"))
+    mine, theirs = run_both_cached("ddp_rpc", 4, args, timeout=300, tmp=str(tmp_path / "runs"))
     padded = run_one("jdist", "ddp_rpc", 4, args() + ["--pad"], timeout=240,
                      tmp=str(tmp_path / "padded"))
     assert np.abs(theirs[2]["table"] - start).max() > 1e-3
@@ -178,8 +181,8 @@ def test_rpc_pipeline(tmp_path):
     init = save_init(str(tmp_path / "init.npz"), {
         **{f"p1.{k}": v for k, v in s1.state_dict().items()},
         **{f"p2.{k}": v for k, v in s2.state_dict().items()}})
-    mine, theirs = run_both("rpc_pipeline", 3, ["--smoke", "--init", init], timeout=300,
-                            tmp=str(tmp_path / "runs"))
+    mine, theirs = run_both_cached("rpc_pipeline", 3, ["--smoke", "--init", init], timeout=300,
+                                   tmp=str(tmp_path / "runs"))
     np.testing.assert_allclose(mine[0]["losses"], theirs[0]["losses"], rtol=TOL)
     for shard, start in (("p1", s1), ("p2", s2)):
         assert_params_close(mine[0][shard], theirs[0][shard])
