@@ -1,6 +1,9 @@
-"""RpcAgent: one worker's lifecycle, worker table, connections and message dispatch.
+"""RpcAgent: one worker's lifecycle and message dispatch, composed of small parts.
 
-One agent per worker. An asyncio loop in a daemon thread accepts and authenticates
+Its parts, each with one job and one lock: the worker table (``_workers.WorkerTable``),
+the connections (``_connections.Connections``), the queued notes (``_notes.Notes``),
+the RRef releaser (``_releaser.Releaser``) and the poll gates (``_pollgate``). One agent
+per worker. An asyncio loop in a daemon thread accepts and authenticates
 connections and reads messages; incoming messages are dispatched in arrival order on
 each connection (which keeps RRef bookkeeping ordered; messages that arrive before our
 own rendezvous finished wait in one ordered backlog). The caller side (requests,
