@@ -128,3 +128,38 @@ def token_batches(steps: int, vocab: int, batch: int = 16, length: int = 20, see
         stride = rng.integers(1, 4, (batch, 1))
         seq = (start + stride * np.arange(length + 1)) % vocab
         yield seq[:, :-1].astype(np.int64), seq[:, 1:].astype(np.int64)
+
+
+def discounted_returns(rewards: list, gamma: float) -> np.ndarray:
+    """REINFORCE's returns of an episode, normalized (mean 0, std 1), float32."""
+    ret, out = 0.0, []
+    for r in reversed(rewards):
+        ret = r + gamma * ret
+        out.insert(0, ret)
+    out = np.asarray(out, np.float32)
+    return (out - out.mean()) / (out.std() + 1e-6)
+
+
+def observe(rpc_sync, select_action, finish_episode, rank: int, episodes: int,
+            steps: int, agent: str = "agent") -> dict:
+    """An observer of the policy-server programs: steps a ``ToyEnv``, asking the agent
+    for each action by ``rpc_sync`` (timed), and ends each episode with
+    ``finish_episode``. ``rpc_sync`` is jdist's or torch's."""
+    import time
+
+    env = ToyEnv(seed=rank)
+    rng = np.random.default_rng(100 + rank)
+    times, losses, total = [], [], 0.0
+    for _ in range(episodes):
+        obs, rewards = env.reset(), []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            action = rpc_sync(agent, select_action, args=(rank, obs, float(rng.random())))
+            times.append(time.perf_counter() - t0)
+            obs, reward = env.step(action)
+            rewards.append(reward)
+        total += sum(rewards)
+        losses.append(rpc_sync(agent, finish_episode, args=(rank, rewards)))
+    print(f"observer {rank}: {episodes} episodes, mean reward {total / episodes:.2f}",
+          flush=True)
+    return {"times": times, "losses": losses}

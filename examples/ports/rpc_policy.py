@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from _common import save
-from _data import ToyEnv
+from _data import discounted_returns, observe
 from flax import nnx
 
 from jdist import rpc
@@ -91,12 +90,7 @@ class Agent:
 
     def finish_episode(self, observer: int, rewards: list) -> float:
         steps = self.episodes.pop(observer)
-        ret, returns = 0.0, []
-        for r in reversed(rewards):
-            ret = r + self.gamma * ret
-            returns.insert(0, ret)
-        returns = np.asarray(returns, np.float32)
-        returns = (returns - returns.mean()) / (returns.std() + 1e-6)
+        returns = discounted_returns(rewards, self.gamma)
         obs = np.stack([o for o, _ in steps]).astype(np.float32)
         actions = np.asarray([a for _, a in steps], np.int32)
         with self.lock:
@@ -116,25 +110,6 @@ def finish_episode(observer: int, rewards: list) -> float:
     return _agent.finish_episode(observer, rewards)
 
 
-def observe(rank: int, episodes: int, steps: int) -> dict:
-    env = ToyEnv(seed=rank)
-    rng = np.random.default_rng(100 + rank)
-    times, losses, total = [], [], 0.0
-    for _ in range(episodes):
-        obs, rewards = env.reset(), []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            action = rpc.rpc_sync(AGENT, select_action, args=(rank, obs, float(rng.random())))
-            times.append(time.perf_counter() - t0)
-            obs, reward = env.step(action)
-            rewards.append(reward)
-        total += sum(rewards)
-        losses.append(rpc.rpc_sync(AGENT, finish_episode, args=(rank, rewards)))
-    print(f"observer {rank}: {episodes} episodes, mean reward {total / episodes:.2f}",
-          flush=True)
-    return {"times": times, "losses": losses}
-
-
 def main():
     p = argparse.ArgumentParser(description="RPC policy server (REINFORCE)")
     p.add_argument("--episodes", type=int, default=10)
@@ -152,7 +127,8 @@ def main():
     if rank == 0:
         _agent = Agent()
     rpc.init_rpc(AGENT if rank == 0 else f"observer{rank}", rank=rank, world_size=world_size)
-    result = {} if rank == 0 else observe(rank, args.episodes, args.steps)
+    result = {} if rank == 0 else observe(rpc.rpc_sync, select_action, finish_episode,
+                                          rank, args.episodes, args.steps)
     rpc.shutdown()
     if rank == 0:
         result = {"params": {k: np.asarray(v) for k, v in

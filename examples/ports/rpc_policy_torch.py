@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-import time
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ import torch.distributed.rpc as rpc
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import save
-from _data import ToyEnv
+from _data import discounted_returns, observe
 
 AGENT = "agent"
 
@@ -51,12 +50,7 @@ class Agent:
 
     def finish_episode(self, observer: int, rewards: list) -> float:
         steps = self.episodes.pop(observer)
-        ret, returns = 0.0, []
-        for r in reversed(rewards):
-            ret = r + self.gamma * ret
-            returns.insert(0, ret)
-        returns = torch.tensor(returns)
-        returns = (returns - returns.mean()) / (returns.std(unbiased=False) + 1e-6)
+        returns = torch.from_numpy(discounted_returns(rewards, self.gamma))
         obs = torch.from_numpy(np.stack([o for o, _ in steps])).float()
         actions = torch.tensor([a for _, a in steps])
         with self.lock:  # the log-probabilities of this policy (another update may be past)
@@ -79,25 +73,6 @@ def finish_episode(observer: int, rewards: list) -> float:
     return _agent.finish_episode(observer, rewards)
 
 
-def observe(rank: int, episodes: int, steps: int) -> dict:
-    env = ToyEnv(seed=rank)
-    rng = np.random.default_rng(100 + rank)
-    times, losses, total = [], [], 0.0
-    for _ in range(episodes):
-        obs, rewards = env.reset(), []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            action = rpc.rpc_sync(AGENT, select_action, args=(rank, obs, float(rng.random())))
-            times.append(time.perf_counter() - t0)
-            obs, reward = env.step(action)
-            rewards.append(reward)
-        total += sum(rewards)
-        losses.append(rpc.rpc_sync(AGENT, finish_episode, args=(rank, rewards)))
-    print(f"observer {rank}: {episodes} episodes, mean reward {total / episodes:.2f}",
-          flush=True)
-    return {"times": times, "losses": losses}
-
-
 def main():
     p = argparse.ArgumentParser(description="RPC policy server (REINFORCE), torch")
     p.add_argument("--episodes", type=int, default=10)
@@ -112,7 +87,8 @@ def main():
     if rank == 0:
         _agent = Agent()
     rpc.init_rpc(AGENT if rank == 0 else f"observer{rank}", rank=rank, world_size=world_size)
-    result = {} if rank == 0 else observe(rank, args.episodes, args.steps)
+    result = {} if rank == 0 else observe(rpc.rpc_sync, select_action, finish_episode,
+                                          rank, args.episodes, args.steps)
     rpc.shutdown()
     if rank == 0:
         result = {"params": {k: v.detach().numpy() for k, v in

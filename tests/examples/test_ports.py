@@ -194,3 +194,23 @@ def test_rpc_pipeline(tmp_path):
     # in torch too)
     for a in mine[0]["means"]:
         assert np.abs(a["bn"]).max() > 1e-3
+
+
+def test_our_rpc_programs_run(tmp_path):
+    """The two RPC programs of our own that benchmarks/ports.py times against torch (an
+    RNN over a parameter server, a policy server), smoke mode, jdist side: they train
+    (compiled passes from the second step: the RNN's loss falls) and time their steps."""
+    from examples.ports._run import run_one
+
+    rnn = run_one("jdist", "rpc_rnn", 2, ["--smoke"], timeout=240, tmp=str(tmp_path / "rnn"))
+    losses = rnn[1]["losses"]
+    assert len(losses) == len(rnn[1]["times"]) == 6 and np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0]
+    policy = run_one("jdist", "rpc_policy", 3, ["--smoke"], timeout=240,
+                     tmp=str(tmp_path / "policy"))
+    for r in (1, 2):
+        assert len(policy[r]["times"]) == 2 * 20 and len(policy[r]["losses"]) == 2
+        assert np.all(np.isfinite(policy[r]["losses"]))
+    assert "observer 2: 2 episodes" in policy["log"]
+    assert sorted(policy[0]["params"]) and all(
+        np.all(np.isfinite(v)) for v in policy[0]["params"].values())
