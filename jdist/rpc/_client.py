@@ -11,7 +11,6 @@ completes the Future; ``_expire_timers`` fails the ones whose deadline passed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import heapq
 import logging
 import time
@@ -22,11 +21,11 @@ from jdist.rpc import _protocol as P
 from jdist.rpc import _serialize as S
 from jdist.rpc._futures import Future, others_running
 from jdist.rpc._options import resolve_timeout
-from jdist.rpc._pollgate import wait_for_reply
+from jdist.rpc._pollgate import ReplyWait
 from jdist.rpc._protocol import WorkerInfo
 from jdist.rpc._remote_error import rebuild_exception
 from jdist.rpc._rref import RRef, collect_fork_acks, collect_reply_holds
-from jdist.rpc.transport import Comm, CommClosedError
+from jdist.rpc.transport import CommClosedError
 
 __all__ = ["CallClient", "Pending", "same_process", "LOCAL_ADDRESSES"]
 
@@ -220,20 +219,14 @@ class CallClient:
         self._send_request(worker, rid, frames, t)
         comm = self._conns.get(worker.id)
         if comm is not None and self.polls(worker.id):  # the reply's connection
-            fut._poll = functools.partial(self._poll_reply, comm, ("reply", worker.id, fn))
+            fut.set_waiter(ReplyWait(comm, self.poll_gate, ("reply", worker.id, fn),
+                                     lambda: len(self._pending) <= 1, others_running))
         return fut
 
     def polls(self, rank: int) -> bool:
         """Whether a thread waiting for a message from ``rank`` polls first: not for a
         peer in this process (it needs this process's GIL to answer)."""
         return self._poll_s > 0 and not same_process(self._workers.addresses.get(rank))
-
-    def _poll_reply(self, comm: Comm, kind: tuple, fut: Future,
-                    timeout: float | None) -> None:
-        """Before ``fut.wait`` blocks: ``_pollgate.wait_for_reply`` (poll, then sleep on
-        the reply's connection)."""
-        wait_for_reply(comm, self.poll_gate, kind, fut, timeout,
-                       lone=len(self._pending) <= 1, others_running=others_running)
 
     def _register_rid(self, rid: int, worker: WorkerInfo, fn: str, timeout: float | None,
                       desc: str) -> Future:

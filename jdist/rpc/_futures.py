@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from jdist.errors import RpcError, RpcTimeoutError
 
@@ -33,6 +33,16 @@ def others_running() -> bool:
     return _busy[0] > getattr(_in_call, "depth", 0)
 
 
+class Waiter(Protocol):
+    """A future's way of waiting (given with :meth:`Future.set_waiter`)."""
+
+    def before_wait(self, fut: Future, timeout: float | None) -> None:
+        """Called by ``fut.wait()`` before it blocks (not when ``fut`` is done)."""
+
+    def arrived(self, now: float) -> None:
+        """``fut`` completed at ``now`` (``time.perf_counter()``)."""
+
+
 class Future(Generic[T]):
     """The eventual result of an RPC (or of anything you complete yourself).
 
@@ -50,10 +60,7 @@ class Future(Generic[T]):
         self._callbacks: list[Callable[[Future], Any]] = []
         self._executor = _executor
         self._desc = _desc
-        #: set by the agent: ``_poll(self, timeout)`` may read the reply in this thread
-        self._poll: Callable[[Future, float | None], None] | None = None
-        #: set by the agent's ``_poll``: told the time (``perf_counter``) of completion
-        self._arrival: Callable[[float], None] | None = None
+        self._waiter: Waiter | None = None  # see set_waiter
 
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("failed" if self._exc else "done")
@@ -68,6 +75,16 @@ class Future(Generic[T]):
         """Whether a result or an error is set."""
         return self._done
 
+    def set_waiter(self, waiter: Waiter | None) -> None:
+        """How a ``wait()`` on this future waits first (the agent's reply wait: it may
+        read the reply's connection in the waiting thread), and whom its completion is
+        told (:class:`Waiter`)."""
+        self._waiter = waiter
+
+    @property
+    def waiter(self) -> Waiter | None:
+        return self._waiter
+
     def wait(self, timeout: float | None = None) -> T:
         """Block until done; return the value or raise the error.
 
@@ -78,8 +95,9 @@ class Future(Generic[T]):
         Raises:
           RpcTimeoutError: not done within ``timeout`` seconds.
         """
-        if not self._done and self._poll is not None:
-            self._poll(self, timeout)  # may read the reply in this thread (see the agent)
+        waiter = self._waiter
+        if not self._done and waiter is not None:
+            waiter.before_wait(self, timeout)  # may read the reply in this thread
         with self._cond:
             if not self._done and not self._cond.wait_for(lambda: self._done, timeout):
                 raise RpcTimeoutError(f"Future.wait timed out after {timeout} s waiting for "
@@ -113,10 +131,10 @@ class Future(Generic[T]):
             self._value, self._exc, self._done = value, exc, True
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
-        arrival, self._arrival = self._arrival, None
-        if arrival is not None:  # the agent's bookkeeping: never fails the completion
+        waiter = self._waiter
+        if waiter is not None:  # the agent's bookkeeping: never fails the completion
             try:
-                arrival(time.perf_counter())
+                waiter.arrived(time.perf_counter())
             except Exception:
                 log.exception("jdist.rpc: timing a reply's arrival failed")
         for cb in callbacks:

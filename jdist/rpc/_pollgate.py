@@ -16,7 +16,7 @@ polled or not (so a pattern that speeds up is seen again). A wait polls while th
 average is at most ``limit`` (a few poll windows: a wait that does not poll also pays
 a thread's wake-up, which the next measurement includes). The gate is pure
 bookkeeping: no clock, no I/O, no locks (updates race benignly under the GIL: a lost
-update only delays learning by one wait); :func:`wait_for_reply` is a caller's wait
+update only delays learning by one wait); :class:`ReplyWait` is a caller's wait
 that asks it.
 
 How long a wait polls (:meth:`PollGate.poll_for`): one window, unless the gate was
@@ -153,19 +153,32 @@ def plan_wait(f: WaitFacts) -> WaitPlan:
                     NEXT_SLEEP_S if f.sleep_ok and f.lone else 0.0)
 
 
-def wait_for_reply(comm: Any, gate: PollGate, kind: tuple, fut: Any, timeout: float | None,
-                   *, lone: bool, others_running: Any) -> None:
-    """Before ``fut.wait`` blocks: read the reply's connection in this thread as
-    :func:`plan_wait` says (the reply's arrival is timed for the gate either way), so
-    that no other thread has to be woken to hand the reply over. Whatever else arrives
-    on that connection meanwhile is delivered from here."""
-    began = time.perf_counter()
-    fut._arrival = lambda now: gate.record(kind, now - began)
-    plan = plan_wait(WaitFacts(True, True, others_running(), lone, gate.poll_for(kind)))
-    if plan.poll_s > 0:
-        limit = plan.poll_s if timeout is None else min(plan.poll_s, timeout)
-        comm.poll_until(lambda: fut._done or others_running(), limit)
-        if fut._done:
-            return
-    left = plan.sleep_s if timeout is None else timeout - (time.perf_counter() - began)
-    comm.wait_until(lambda: fut._done, min(left, plan.sleep_s))
+class ReplyWait:
+    """A caller's wait for one reply (a :class:`jdist.rpc._futures.Waiter`): before the
+    future blocks it reads the reply's connection in this thread as :func:`plan_wait`
+    says, so that no other thread has to be woken to hand the reply over (whatever
+    else arrives on that connection meanwhile is delivered from here); the reply's
+    arrival is timed for the gate either way."""
+
+    def __init__(self, comm: Any, gate: PollGate, kind: tuple, lone: Any,
+                 others_running: Any):
+        self.comm, self.gate, self.kind = comm, gate, kind
+        self.lone, self.others_running = lone, others_running
+        self.began: float | None = None
+
+    def arrived(self, now: float) -> None:
+        began, self.began = self.began, None
+        if began is not None:  # only a wait that began counts, once
+            self.gate.record(self.kind, now - began)
+
+    def before_wait(self, fut: Any, timeout: float | None) -> None:
+        self.began = began = time.perf_counter()
+        plan = plan_wait(WaitFacts(True, True, self.others_running(), self.lone(),
+                                   self.gate.poll_for(self.kind)))
+        if plan.poll_s > 0:
+            limit = plan.poll_s if timeout is None else min(plan.poll_s, timeout)
+            self.comm.poll_until(lambda: fut.done() or self.others_running(), limit)
+            if fut.done():
+                return
+        left = plan.sleep_s if timeout is None else timeout - (time.perf_counter() - began)
+        self.comm.wait_until(fut.done, min(left, plan.sleep_s))

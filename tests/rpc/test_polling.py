@@ -70,7 +70,7 @@ def test_back_to_back_calls_run_on_pool_threads_with_results_in_order(tcp3, monk
 
     monkeypatch.setattr(_serve.CallServer, "_poll_next_call", spy)
     fut = a0.rpc_async("w1", echo, (0,))
-    assert fut._poll is not None and fut.wait() == 0  # a remote peer: the wait polls first
+    assert fut.waiter is not None and fut.wait() == 0  # a remote peer: the wait polls first
     names = {a0.rpc_async("w1", thread_name).wait() for _ in range(200)}
     # user code never runs on the I/O thread, polled or not (pool threads: jdist-rpc-w1_N)
     assert names and all(n.startswith("jdist-rpc-w1_") for n in names), names
@@ -133,7 +133,7 @@ def test_when_nothing_polls():
         RpcBackendOptions(busy_poll_max_us="4000")
     agents = make_agents(2, transport="tcp")  # same process: no polling
     try:
-        assert agents[0].rpc_async("w1", echo, (1,))._poll is None
+        assert agents[0].rpc_async("w1", echo, (1,)).waiter is None
         assert not agents[0].polls(1) and not agents[1].polls(0)
     finally:
         stop_all(agents, graceful=False)
@@ -153,7 +153,7 @@ def test_busy_poll_us_zero_turns_polling_off(monkeypatch):
     agents = make_agents(2, transport="tcp", busy_poll_us=0)
     try:
         fut = agents[0].rpc_async("w1", echo, (2,))
-        assert fut._poll is None and fut.wait() == 2
+        assert fut.waiter is None and fut.wait() == 2
         assert not agents[0].polls(1)
     finally:
         stop_all(agents, graceful=False)
