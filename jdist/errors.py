@@ -26,6 +26,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "UnsupportedOpError",
+    "ImmutableTargetError",
     "PeerFailedError",
     "BucketLayoutError",
     "NoParametersError",
@@ -175,6 +176,20 @@ class UnsupportedOpError(JdistError, TypeError, ValueError, RuntimeError):
     ReduceOp.BAND with non-integral dtype") or, for complex arrays, ``ValueError``
     ("all_reduce does not support ... on complex tensors"); this error is both, and a
     ``TypeError``. Fix: cast the array, or pick an op its dtype supports.
+    """
+
+
+class ImmutableTargetError(JdistError, TypeError, RuntimeError):
+    """An eager collective was asked to fill a ``jax.Array`` in place and its result
+    was thrown away.
+
+    torch's ``all_reduce(t)``, ``broadcast(t)``, ``recv(t)`` and the collectives with an
+    output tensor update that tensor in place and return nothing; a JAX array cannot be
+    changed, so jdist returns the result, and a call written as a statement would leave
+    the old value to be read next (a silent wrong result). Raised on the calling rank
+    when the output argument is a ``jax.Array`` and the call's result is not used. Fix:
+    use the result (``x = jdist.all_reduce(x)``), or pass a numpy array, which is
+    updated in place as in torch.
     """
 
 

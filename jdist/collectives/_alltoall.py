@@ -27,6 +27,7 @@ from jdist.collectives._eager import (
     dispatch,
 )
 from jdist.collectives._group import ProcessGroup
+from jdist.collectives._inplace import check_kept
 from jdist.collectives._result import as_results
 from jdist.collectives._types import ReduceOp
 
@@ -130,6 +131,7 @@ def all_to_all_single(output, input, output_split_sizes=None,  # noqa: A002
     With uneven sizes the received pieces are ``output_split_sizes`` rows each (default:
     ``output``'s dim 0 split equally; without ``output``, pass the sizes).
     """
+    check_kept(output, "all_to_all_single", "output")
     g = eng.member_group(group, "all_to_all_single")
     if g is None:
         return None

@@ -32,6 +32,7 @@ from jdist.collectives import _engine as eng
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives import functional as F
 from jdist.collectives._group import ProcessGroup, group_state
+from jdist.collectives._inplace import check_kept
 from jdist.collectives._result import as_result, as_results
 from jdist.collectives._types import ReduceOp, check_op_dtype
 from jdist.collectives._work import Queues, Work
@@ -189,6 +190,7 @@ def all_reduce(tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None =
       CollectiveMismatchError: members called with different shapes/dtypes/ops.
       PeerFailedError: a member died; names it.
     """
+    check_kept(tensor, "all_reduce", "tensor")
     g = eng.member_group(group, "all_reduce")
     if g is None:
         return None
@@ -214,6 +216,7 @@ def broadcast(tensor, src: int | None = None, group: ProcessGroup | None = None,
     ``src`` is a global rank, ``group_src`` a rank inside ``group``; give one (default
     global rank 0). Other members pass an array of the same shape and dtype.
     """
+    check_kept(tensor, "broadcast", "tensor")
     g = eng.member_group(group, "broadcast")
     if g is None:
         return None
@@ -239,6 +242,7 @@ def reduce(tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
 
     Returns the reduced array on ``dst``; other members get their input back unchanged.
     """
+    check_kept(tensor, "reduce", "tensor")
     g = eng.member_group(group, "reduce")
     if g is None:
         return None
@@ -306,6 +310,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: ProcessGroup | No
 
     ``output_tensor`` (or None) is filled in place when it is a numpy array of that size.
     """
+    check_kept(output_tensor, "all_gather_into_tensor", "output_tensor")
     g = eng.member_group(group, "all_gather_into_tensor")
     if g is None:
         return None
@@ -379,6 +384,7 @@ def scatter(tensor, scatter_list=None, src: int | None = None,
     ``scatter_list`` is passed on ``src`` only (None or ``[]`` elsewhere, as in torch).
     Returns this member's piece (a numpy ``tensor`` is also filled in place).
     """
+    check_kept(tensor, "scatter", "tensor")
     g = eng.member_group(group, "scatter")
     if g is None:
         return None
@@ -457,6 +463,7 @@ def reduce_scatter_tensor(output, input, op: ReduceOp = ReduceOp.SUM,  # noqa: A
     member i gets the i-th ``output``-sized block; without one, member i gets rows
     ``[i*k, (i+1)*k)`` of the ``[n * k, ...]`` input.
     """
+    check_kept(output, "reduce_scatter_tensor", "output")
     g = eng.member_group(group, "reduce_scatter_tensor")
     if g is None:
         return None

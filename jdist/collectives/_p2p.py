@@ -27,6 +27,7 @@ from jdist.collectives import _engine as eng
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._eager import _prep, _write_back, queues
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh
+from jdist.collectives._inplace import check_kept
 from jdist.errors import CollectiveTimeoutError, GroupMismatchError, NotInitializedError
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
@@ -176,6 +177,7 @@ def recv(tensor, src: int | None = None, group=None, tag: int = 0,
     (torch returns only the sender rank and fills ``tensor``; jax arrays are immutable,
     hence the pair).
     """
+    check_kept(tensor, "recv", "tensor")
     world = _world("recv")
     if src is not None or group_src is not None:
         src = _peer(world, group, src, group_src, "src", "recv")
