@@ -52,6 +52,10 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     # dtype"); all_reduce(complex, MAX): ValueError("all_reduce does not support ...");
     # Python's own convention for a bad argument type: TypeError
     "UnsupportedOpError": (RuntimeError, ValueError, TypeError),
+    # no torch counterpart (torch updates the tensor in place): a jdist departure that a
+    # torch user's `except RuntimeError` around a collective still catches; TypeError
+    # for the argument's type
+    "ImmutableTargetError": (RuntimeError, TypeError),
     # a peer died inside a collective: DistBackendError("Connection closed by peer")
     "PeerFailedError": (RuntimeError,),
     # DDP's reducer when buckets and parameters disagree: RuntimeError
