@@ -13,6 +13,7 @@ from jdist.rpc._api import remote as remote
 from jdist.rpc._api import rpc_async as rpc_async
 from jdist.rpc._api import rpc_sync as rpc_sync
 from jdist.rpc._api import shutdown as shutdown
+from jdist.rpc._buckets import next_bucket as next_bucket
 from jdist.rpc._futures import Future as Future
 from jdist.rpc._futures import collect_all as collect_all
 from jdist.rpc._futures import wait_all as wait_all
@@ -55,6 +56,7 @@ __all__ = [
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "next_bucket",
     "remote",
     "rpc_async",
     "rpc_sync",

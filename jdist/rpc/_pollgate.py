@@ -34,7 +34,8 @@ import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-__all__ = ["PollGate", "WINDOWS", "SPAN", "WEIGHT", "MAX_KINDS"]
+__all__ = ["MAX_KINDS", "NEXT_SLEEP_S", "PollGate", "ReplyWait", "SPAN", "WAIT_MAX", "WEIGHT",
+           "WINDOWS", "WaitFacts", "WaitPlan", "plan_wait"]
 
 WINDOWS = 3.0
 """A wait polls while its kind's average wait is at most this many poll windows."""

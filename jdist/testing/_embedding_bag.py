@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdist.rpc import next_bucket
+
 __all__ = ["MIN_BUCKET", "EmbeddingBag", "embedding_bag"]
 
 MODES = ("sum", "mean", "max")
@@ -121,10 +123,6 @@ MIN_BUCKET = 64
 """The smallest padded size of a bucketed call's indices or bags."""
 
 
-def _bucket(n: int) -> int:
-    return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
-
-
 def _paddable(idx, off=None, psw=None) -> bool:
     """1-D integer indices and offsets (numpy) with valid offsets: the calls
     ``bucket_call`` pads (the layer's own checks name bad offsets)."""
@@ -188,7 +186,7 @@ class EmbeddingBag(nnx.Module):
         n = idx.shape[0]
         starts, end = (off[:-1], int(off[-1])) if self.include_last_offset else (off, n)
         b = starts.shape[0]
-        big_n, big_k = _bucket(n), _bucket(b + 1)
+        big_n, big_k = next_bucket(n, MIN_BUCKET), next_bucket(b + 1, MIN_BUCKET)
         fill = self.padding_idx if self.padding_idx is not None else 0
         pidx = np.full(big_n, fill, idx.dtype)
         pidx[:end] = idx[:end]  # indices past the last offset stay out of every bag

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jdist.rpc._buckets import padded_call
+from jdist.rpc.autograd._params import aval
 
 __all__ = ["NotCompilable", "TRACES", "UNTRACEABLE", "run_program", "try_record"]
 
@@ -46,14 +47,8 @@ _programs: dict = {}
 _EAGER = object()  # a signature that failed to trace: always the generic path
 
 
-class _NotCompilable(Exception):
+class NotCompilable(Exception):
     """Raised while tracing: this call takes the generic (eager) path."""
-
-
-NotCompilable = _NotCompilable
-
-def _aval(x: Any) -> tuple:
-    return (tuple(np.shape(x)), str(x.dtype))
 
 
 def _program(key: tuple, build: Any) -> Any:
@@ -89,7 +84,7 @@ def _build(gdef: Any, ptdef: Any, nargs: int, diff: tuple, static: dict, kwnames
             leaves = jax.tree_util.tree_leaves(out)
             if not leaves or not all(isinstance(x, jax.Array)
                                      and jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves):
-                raise _NotCompilable("an output leaf is not a floating array")
+                raise NotCompilable("an output leaf is not a floating array")
             return out, nnx.split(module, nnx.Param, ...)[2]
 
         out, vjp_fn, state = jax.vjp(h, list(pvals), dv, has_aux=True)
@@ -123,7 +118,7 @@ def _call_values(args: tuple, kwargs: dict, xs: list) -> tuple[list, dict] | Non
     return vals, slot_of
 
 
-UNTRACEABLE = (_NotCompilable, jax.errors.ConcretizationTypeError,
+UNTRACEABLE = (NotCompilable, jax.errors.ConcretizationTypeError,
                jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError,
                jax.errors.TracerIntegerConversionError)
 """What a first trace raises when a call cannot be one program (generic path then)."""
@@ -161,7 +156,7 @@ class _ModuleCall:
         rest_leaves, rest_tdef = jax.tree_util.tree_flatten(tracked.rest)
         try:
             key = (tracked.gdef, tracked._tdef, rest_tdef,
-                   tuple(_aval(x) for x in rest_leaves), len(self.vals), self.diff,
+                   tuple(aval(x) for x in rest_leaves), len(self.vals), self.diff,
                    tuple(sorted((i, type(v), v) for i, v in self.static.items())),
                    self.kwnames)
             hash(key)

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jdist.rpc.autograd import _context as C
-from jdist.rpc.autograd._compiled import TRACES, NotCompilable, _aval, run_program
+from jdist.rpc.autograd._compiled import TRACES, NotCompilable, run_program
+from jdist.rpc.autograd._params import aval
 
 __all__ = ["STATIC", "try_record_pure"]
 
@@ -65,14 +66,14 @@ class _PureCall:
             return ("slot", leaf.index)
         if isinstance(leaf, (np.ndarray, jax.Array)):
             self.dyn_pos.append(i)
-            return ("array", _aval(leaf))
+            return ("array", aval(leaf))
         if isinstance(leaf, RRef):
             value = leaf.to_here()  # outside any trace: a plain fetch
             if not isinstance(value, (np.ndarray, jax.Array)):
                 return None
             self.ref_pos.append(i)
             self.refs.append(np.asarray(value))
-            return ("rref", _aval(self.refs[-1]), i in linked)
+            return ("rref", aval(self.refs[-1]), i in linked)
         try:
             return _static_key(leaf)
         except TypeError:
@@ -80,13 +81,10 @@ class _PureCall:
 
     def key(self, func: Any, tdef: Any, params: list) -> tuple | None:
         try:
-            holders = tuple(
-                (t.gdef, t._tdef, jax.tree_util.tree_structure(t.rest),
-                 tuple(_aval(v) for v in jax.tree_util.tree_leaves(t.rest)))
-                if t.gdef is not None else (type(t.holder), _aval(t.values()[0]))
-                for _, t in params)
+            # by structure: a program serves any holders of the same structure
+            holders = tuple(t.signature(by_identity=False) for _, t in params)
             key = ("pure", func, tdef, tuple(self.sig), holders,
-                   tuple(_aval(x) for x in self.xs), self.diff, self.rdiff)
+                   tuple(aval(x) for x in self.xs), self.diff, self.rdiff)
             hash(key)
         except TypeError:
             return None

@@ -356,18 +356,22 @@ class Tracked:
         if self.gdef is not None:
             self.rest = rest
 
-    def signature(self) -> tuple:
-        """What a compiled program depends on: the parameter Variables (by identity),
-        the structure and the shapes of parameters and state. Raises TypeError when
-        that is not hashable."""
-        key = (self.gdef, self._tdef, jax.tree_util.tree_structure(self.rest),
-               tuple(_aval_of(v) for v in jax.tree_util.tree_leaves(self.rest)),
-               tuple(_aval_of(v) for v in self._leaves), tuple(map(id, self.variables)))
+    def signature(self, by_identity: bool = True) -> tuple:
+        """What a compiled program depends on: the holder's structure and type, the
+        shapes of its parameters and state and, ``by_identity``, its parameter
+        Variables themselves (a program that closes over this holder). Raises
+        TypeError when that is not hashable."""
+        key = (self.gdef, self._tdef, type(self.holder),
+               jax.tree_util.tree_structure(self.rest),
+               tuple(aval(v) for v in jax.tree_util.tree_leaves(self.rest)),
+               tuple(aval(v) for v in self._leaves),
+               tuple(map(id, self.variables)) if by_identity else ())
         hash(key)
         return key
 
 
-def _aval_of(x: Any) -> tuple:
+def aval(x: Any) -> tuple:
+    """An array's shape and dtype name, a compiled program's key for it."""
     return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
 
 
@@ -504,8 +508,8 @@ class _ObjectTracked:
     def use_rest(self, rest: Any) -> None:
         self._inner.use_rest(rest)
 
-    def signature(self) -> tuple:
-        return ("object", repr(self._tree), self._inner.signature())
+    def signature(self, by_identity: bool = True) -> tuple:
+        return ("object", repr(self._tree), self._inner.signature(by_identity))
 
 
 def _copy_error(holder: Any, obj: Any, e: Exception) -> DistAutogradError:
