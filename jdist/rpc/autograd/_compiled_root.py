@@ -447,13 +447,11 @@ class _Program:
 def _signature(ctx: Any, loss_fn: Any, args: tuple, kwargs: dict,
                has_aux: bool) -> tuple | None:
     """``(key, leaves, tdef, array positions, parameter holders)`` of a pass, or None
-    when it cannot be compiled (a holder of an unsupported kind, an unhashable leaf)."""
+    when it cannot be compiled (an unhashable leaf or holder)."""
     leaves, tdef = flatten_args((tuple(args), dict(kwargs)))
     params = find_params(leaves, ctx.agent.info.id)
     held = {}
     for p, t in params:
-        if not hasattr(t, "signature"):
-            return None
         try:
             held[p] = ("param", _Ident(leaves[p]), t.signature())
         except TypeError:
