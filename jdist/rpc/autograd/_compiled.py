@@ -155,7 +155,7 @@ class _ModuleCall:
     def key(self, tracked: Any) -> tuple | None:
         rest_leaves, rest_tdef = jax.tree_util.tree_flatten(tracked.rest)
         try:
-            key = (tracked.gdef, tracked._tdef, rest_tdef,
+            key = (tracked.graph_key(), tracked._tdef, rest_tdef,
                    tuple(aval(x) for x in rest_leaves), len(self.vals), self.diff,
                    tuple(sorted((i, type(v), v) for i, v in self.static.items())),
                    self.kwnames)

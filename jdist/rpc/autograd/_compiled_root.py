@@ -7,9 +7,9 @@ jitted ``nll``), where the work itself takes microseconds. A marked loss functio
 keeps ``jax.jit``'s contract, so per *signature* (the arguments' structure, their
 static leaves by value or identity, the arrays' shapes and dtypes) it becomes one
 jitted program computing the loss and its backward pass. Each differentiable RPC in
-it is a ``custom_vjp`` of two ``jax.pure_callback`` s: the forward one makes the call
-(``_callee_forward``, as the eager path sends it) and returns the reply's arrays; the
-backward one sends their cotangents (``_callee_backward``) and returns the cotangents
+it is a ``custom_vjp`` of two host callbacks (``_host.host_call``): the forward one
+makes the call (``_callee_forward``, as the eager path sends it) and returns the reply's
+arrays; the backward one sends their cotangents (``_callee_backward``) and returns the cotangents
 of the arrays sent.
 
 A reply's shapes are not known while tracing, so the first pass of a signature runs
@@ -55,6 +55,7 @@ from jdist.rpc._rref import RRef
 from jdist.rpc.autograd import _context as C
 from jdist.rpc.autograd._compiled_pure import STATIC as _STATIC
 from jdist.rpc.autograd._engine import _callee_backward, _callee_forward, _check_loss
+from jdist.rpc.autograd._host import host_call
 from jdist.rpc.autograd._params import find_params, flatten_args, rebuild_args
 from jdist.rpc.autograd._slots import _is_slot, _Slot
 
@@ -275,17 +276,15 @@ class _Tracer:
 
         def call(tok, deps_, xs_, holes_):
             del tok
-            return tuple(jax.pure_callback(host.forward, host.out_specs, *deps_, *xs_,
-                                           *holes_))
+            return host_call(host.forward, host.out_specs, *deps_, *xs_, *holes_)
 
         def fwd(tok, deps_, xs_, holes_):
             out = call(tok, deps_, xs_, holes_)
             return out, out[0]  # the residual orders the backward callback after this one
 
         def bwd(first, cts):
-            back = jax.pure_callback(host.backward,
-                                     (jax.ShapeDtypeStruct((), np.float32), *host.x_specs),
-                                     first, *cts)
+            back = host_call(host.backward,
+                             (jax.ShapeDtypeStruct((), np.float32), *host.x_specs), first, *cts)
             ct_xs = tuple(c if d else np.zeros(np.shape(c), jax.dtypes.float0)
                           for c, d in zip(back[1:], host.x_diff, strict=True))
             ct_holes = tuple(jnp.zeros_like(h) if jnp.issubdtype(h.dtype, jnp.inexact)

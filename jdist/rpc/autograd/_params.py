@@ -19,6 +19,7 @@ resulting gradients to the original Variables.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
 import types
@@ -33,8 +34,8 @@ from flax import nnx
 from jdist.errors import DistAutogradError
 from jdist.rpc._rref import RRef
 
-__all__ = ["Tracked", "is_holder_leaf", "flatten_args", "find_params", "param_variables",
-           "read_variable", "rebuild_args", "track", "write_variable"]
+__all__ = ["HashOnce", "Tracked", "is_holder_leaf", "flatten_args", "find_params",
+           "param_variables", "read_variable", "rebuild_args", "track", "write_variable"]
 
 
 def is_holder_leaf(x: Any) -> bool:
@@ -154,6 +155,23 @@ _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # holder -> 
 _SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+class HashOnce:
+    """A hashable value whose hash is computed once; equal to a ``HashOnce`` of an
+    equal value (by identity first)."""
+
+    __slots__ = ("obj", "_hash")
+
+    def __init__(self, obj: Any) -> None:
+        self.obj, self._hash = obj, hash(obj)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HashOnce) and self._hash == other._hash and (
+            self.obj is other.obj or self.obj == other.obj)
+
+
 class _PytreeView:
     """A module (or list of modules) through its pytree flattening, its Variables as
     leaves: about a tenth of ``nnx.split``'s cost, which a recorded call pays on every
@@ -213,6 +231,19 @@ def _agrees_with_split(holder: Any, flat: tuple | None = None) -> bool:
     return True
 
 
+def _per_item(holder: Any, variables: list, treedef: Any) -> list[tuple[Any, tuple]]:
+    """``(item, (its Variables, its treedef))`` for each module of a list of holders
+    (a plain object's), cut from the list's own flattening; ``[(holder, ...)]`` for one
+    module."""
+    if not isinstance(holder, list):
+        return [(holder, (variables, treedef))]
+    out, start = [], 0
+    for item, sub in zip(holder, treedef.children(), strict=True):
+        out.append((item, (variables[start:start + sub.num_leaves], sub)))
+        start += sub.num_leaves
+    return out
+
+
 def _pytree_view(holder: Any) -> _PytreeView | None:
     """The pytree view of ``holder``, or None where it would differ from ``nnx.split``:
     a module that is no pytree (``pytree=False``), a leaf that is no Variable, or a
@@ -227,9 +258,7 @@ def _pytree_view(holder: Any) -> _PytreeView | None:
     ids = [id(v) for v in variables]
     if len(values) != len(variables) or len(set(ids)) != len(ids):
         return None  # a Variable holding a tree of arrays, or one reached twice
-    items = holder if isinstance(holder, list) else [holder]
-    if not all(_agrees_with_split(h, (variables, treedef) if h is holder else None)
-               for h in items):
+    if not all(_agrees_with_split(h, flat) for h, flat in _per_item(holder, variables, treedef)):
         return None
     return _PytreeView(variables, values, treedef)
 
@@ -279,6 +308,14 @@ class Tracked:
                             f"{type(holder).__name__}")
         self._copy: Any = None  # the last rebuilt copy (its state after the call)
         self._copy_rest: list = []  # that copy's non-parameter Variables
+        self._graph_key: HashOnce | None = None
+
+    def graph_key(self) -> HashOnce:
+        """:attr:`gdef` for a cache key, its hash computed once (a GraphDef's hash
+        walks the whole graph: tens of microseconds per call)."""
+        if self._graph_key is None:
+            self._graph_key = HashOnce(self.gdef)
+        return self._graph_key
 
     @classmethod
     def of_module(cls, module: nnx.Module, rref: RRef | None = None) -> Tracked:
@@ -297,6 +334,8 @@ class Tracked:
             return cls(module, rref, graph=True)
         if known is None or known[0] != treedef or known[1] != ids:
             known = (treedef, ids, cls(module, None, graph=True))
+            with contextlib.suppress(TypeError):  # an unhashable graph: no key at all
+                known[2].graph_key()  # shared by the copies below
             _SPLITS[module] = known
         out = copy.copy(known[2])
         out.rref = rref
@@ -370,9 +409,21 @@ class Tracked:
         return key
 
 
+_DTYPE_NAMES: dict = {}  # dtype -> its name (str() of a dtype costs microseconds)
+
+
 def aval(x: Any) -> tuple:
     """An array's shape and dtype name, a compiled program's key for it."""
-    return tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return tuple(np.shape(x)), type(x).__name__
+    try:
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype)
+    except TypeError:  # an unhashable dtype-like attribute
+        name = str(dtype)
+    return tuple(np.shape(x)), name
 
 
 _MAX_DEPTH = 4  # plain objects inside plain objects, searched for modules
