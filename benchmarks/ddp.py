@@ -319,6 +319,103 @@ def jdist_worker(kind, steps, opts=None, flat=None):
     return ms, compile_s
 
 
+# ----------------------------------------------------------------------------- (d)
+SMALL_WIDTH, SMALL_LAYERS, SMALL_BATCH = 200, 5, 32
+
+
+def _small_batch(rank):
+    rng = np.random.default_rng(rank)
+    return (rng.standard_normal((SMALL_BATCH, SMALL_WIDTH)).astype(np.float32),
+            rng.standard_normal((SMALL_BATCH, SMALL_WIDTH)).astype(np.float32))
+
+
+def _times_ms(step, steps, warmup=20):
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        out.append(1e3 * (time.perf_counter() - t))
+    return out
+
+
+def torch_small_worker(steps):
+    """torch DDP, 5 x Linear(200, 200), SGD: every step's time (ms)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    st = {"ddp": TorchDDP(nn.Sequential(*[nn.Linear(SMALL_WIDTH, SMALL_WIDTH)
+                                          for _ in range(SMALL_LAYERS)]))}
+    st["opt"] = torch.optim.SGD(st["ddp"].parameters(), lr=0.01)
+    x, y = (torch.from_numpy(a) for a in _small_batch(dist.get_rank()))
+
+    def step():
+        st["opt"].zero_grad()
+        loss = nn.functional.mse_loss(st["ddp"](x), y)
+        loss.backward()
+        st["opt"].step()
+        return float(loss.detach())
+
+    times = _times_ms(step, steps)
+    st.clear()
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return times
+
+
+def jdist_small_worker(steps):
+    """jdist DDP, 5 x Linear(200, 200), SGD: every step's time (ms)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jdist
+    from jdist.ddp import DistributedDataParallel as DDP
+
+    class Stack(nnx.Module):
+        def __init__(self):
+            r = nnx.Rngs(0)
+            self.layers = nnx.List([nnx.Linear(SMALL_WIDTH, SMALL_WIDTH, rngs=r)
+                                    for _ in range(SMALL_LAYERS)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    jdist.collectives.init_process_group()
+    model = Stack()
+    step = DDP(model).train_step(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2),
+                                 nnx.Optimizer(model, optax.sgd(0.01), wrt=nnx.Param))
+    b = _small_batch(jdist.collectives.get_rank())
+    times = _times_ms(lambda: float(step(b)), steps)
+    jdist.collectives.destroy_process_group()
+    return times
+
+
+def small_steps(steps):
+    """(d): median and p99 of every step, both ranks' times pooled, torch then jdist."""
+    from benchmarks import ddp as me
+    from jdist.launch import spawn
+
+    env = _one_thread_env()
+    out = {}
+    for lib, fn in (("torch", me.torch_small_worker), ("jdist", me.jdist_small_worker)):
+        res = spawn(fn, args=(steps,), nprocs=2, timeout=900, env=env)
+        t = np.concatenate([np.asarray(r) for r in res])
+        out[lib] = (float(np.median(t)), float(np.percentile(t, 99)), float(t.max()))
+    return out
+
+
 def compute_only(kind, steps):
     """One process, one device, no communication: jit(grad) step vs torch fwd+bwd+SGD."""
     import jax
@@ -397,6 +494,9 @@ def main(argv=None):
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="5 steps, only the default jdist variant (for benchmarks/run_all.py)")
+    ap.add_argument("--small-steps", type=int, default=2000,
+                    help="(d): steps of the small model per side (>= 1000 for its p99)")
+    ap.add_argument("--only-small", action="store_true", help="run only (d)")
     args = ap.parse_args(argv)
     variants = VARIANTS[:1] if args.quick else VARIANTS
     if args.quick:
@@ -408,8 +508,13 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""),
                                                          args.devices)
 
-    print(f"(a)+(c) one process, {args.devices} devices, MLP 784-1024x3-10, batch {BATCH}")
     from benchmarks._parse import bench_json, row, table
+
+    small = [] if args.skip_torch else _small_rows(args, row)
+    if args.only_small:
+        print(bench_json("ddp", [_small_table(small, table)]))
+        return
+    print(f"(a)+(c) one process, {args.devices} devices, MLP 784-1024x3-10, batch {BATCH}")
 
     o = overhead("mlp", args.steps, variants)
     print(f"  {'hand-written shard_map+pmean step':34s} {o['hand']:8.2f} ms   "
@@ -471,7 +576,31 @@ def main(argv=None):
                          "JAX / torch", attr, subject="plain JAX")]
     tables.append(table("(c) first step (trace + compile)", "hand-written",
                         "jdist / hand-written", comp))
+    if small:
+        tables.append(_small_table(small, table))
     print(bench_json("ddp", tables, {"ddp": series} if series else {}))
+
+
+def _small_rows(args, row) -> list:
+    n = 200 if args.quick else max(1000, args.small_steps)
+    print(f"(d) 2 processes x 1 device, {SMALL_LAYERS} x Linear({SMALL_WIDTH}, "
+          f"{SMALL_WIDTH}), batch {SMALL_BATCH} per process, SGD: {n} steps per rank "
+          "after 20 warm-up steps, both ranks pooled", flush=True)
+    got = small_steps(n)
+    (jm, jp, jx), (tm, tp, tx) = got["jdist"], got["torch"]
+    print(f"  median  jdist {jm:7.2f} ms  torch {tm:7.2f} ms  ratio {jm / tm:.2f}x")
+    print(f"  p99     jdist {jp:7.2f} ms  torch {tp:7.2f} ms  ratio {jp / tp:.2f}x  "
+          f"(goal <= 1.5)")
+    print(f"  max     jdist {jx:7.2f} ms  torch {tx:7.2f} ms", flush=True)
+    return [row("small model: median step", "ms", jm, tm, jm / tm, f"{n} steps x 2 ranks"),
+            row("small model: p99 step", "ms", jp, tp, jp / tp, f"{n} steps x 2 ranks"),
+            row("small model: slowest step", "ms", jx, tx, jx / tx, f"{n} steps x 2 ranks")]
+
+
+def _small_table(rows, table) -> dict:
+    return table(f"(d) small DDP steps ({SMALL_LAYERS} x Linear({SMALL_WIDTH}, "
+                 f"{SMALL_WIDTH}), 2 processes): median and tail", "torch DDP",
+                 "jdist / torch (lower is better; p99 goal <= 1.5)", rows)
 
 
 if __name__ == "__main__":

@@ -374,7 +374,8 @@ class DistributedDataParallel(EngineShell):
         return self._joinable_step(f)  # numbered for join
 
     def train_step(self, loss_fn: Callable, optimizer: nnx.Optimizer,
-                   has_aux: bool = False, pad_batch_to: Any = None) -> Callable:
+                   has_aux: bool = False, pad_batch_to: Any = None,
+                   donate: bool = True) -> Callable:
         """``step(batch, *args) -> loss``: forward, bucketed reduction, optimizer update.
 
         ``pad_batch_to`` (shape buckets, :mod:`jdist.ddp._padding`): every new batch
@@ -397,6 +398,17 @@ class DistributedDataParallel(EngineShell):
         loading a checkpoint), but after replacing a submodule or a Variable object build
         a new step with ``train_step`` (torch likewise binds DDP to the parameters that
         exist when it is wrapped).
+
+        ``donate`` (default): the step consumes the parameter and optimizer-state arrays
+        DDP made (after its init sync or a previous step) and the optimizer's state as
+        bound here, and writes the new values into their memory (one copy of each, as
+        torch's in-place update); arrays from elsewhere (the module's own parameters on
+        one process, ``nnx.update`` from another module or a checkpoint after this
+        call) are copied first and stay valid. A reference kept to an array read from the
+        module between steps raises "Array has been deleted" after the next step (torch
+        would show the new value; a stale read would be silently wrong): keep
+        ``jnp.copy`` / ``np.asarray`` of a value you need later, or pass
+        ``donate=False`` (old and new arrays then coexist during a step).
         """
         if isinstance(optimizer, nnx.ModelAndOptimizer) or not isinstance(
                 optimizer, nnx.Optimizer):
@@ -406,10 +418,15 @@ class DistributedDataParallel(EngineShell):
                 "wrt=nnx.Param)")
 
         if pad_batch_to is not None:
-            return self._padded_step(loss_fn, optimizer, has_aux, pad_batch_to)
+            return self._padded_step(loss_fn, optimizer, has_aux, pad_batch_to, donate)
         sharded, upd_kw = _sharded_optimizer(optimizer.tx, self.process_group)
         flat = not sharded  # a sharded (ZeRO) state needs its tree for its PartitionSpecs
         binder = Binder(self.module, optimizer)
+        if donate:  # the optimizer's state is its own (see jdist/_donation.py), but
+            # not the module's arrays it may hold (lookahead's slow weights at init)
+            mine = {id(x) for x in jax.tree.leaves(nnx.state(self.module))}
+            self._engine.donation.made([x for x in jax.tree.leaves(nnx.state(optimizer))
+                                        if id(x) not in mine])
 
         def step(batch, *args):
             self._engine.remember(step, batch, args)
@@ -422,7 +439,8 @@ class DistributedDataParallel(EngineShell):
             params, buffers, ostate = b.read(flat)
             specs = optimizer.tx.state_partition_specs(ostate) if sharded else None
             out = self._engine.grad_step(key, pure, params, buffers, batch, nodes.extra,
-                                         update=update, opt_state=ostate, opt_specs=specs)
+                                         update=update, opt_state=ostate, opt_specs=specs,
+                                         donate=donate)
             if self._engine.require_backward_grad_sync:
                 binder.write(b, out["buffers"], out["params"], out["opt_state"])
             else:  # no_sync: gradients only accumulate, parameters stay
@@ -433,14 +451,14 @@ class DistributedDataParallel(EngineShell):
         return self._joinable_step(step)  # numbered for join
 
     def _padded_step(self, loss_fn: Callable, optimizer: nnx.Optimizer, has_aux: bool,
-                     pad_batch_to: Any) -> Callable:
+                     pad_batch_to: Any, donate: bool) -> Callable:
         """``train_step`` over batches padded to a few sizes, with an exact mask."""
         from jdist.ddp._padding import PadSizes, masked_mean, pad_batch
 
         g = self.process_group
         sizes = PadSizes(pad_batch_to, len(g.local_devices), g.size())
         inner = self.train_step(masked_mean(loss_fn, g.axis_name, has_aux), optimizer,
-                                has_aux=has_aux)
+                                has_aux=has_aux, donate=donate)
 
         def step(batch, *args):
             return inner(pad_batch(batch, sizes), *args)

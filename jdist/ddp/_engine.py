@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from jdist._donation import Donation
 from jdist.collectives import prefers_flat
 from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp import _buckets, _placement, _program, _reducer
@@ -88,6 +89,7 @@ class Engine:
         self._records: dict = {}  # program key -> what its trace found (unused leaves)
         self._warned_unused = False
         self.checks = ProcessChecks(group)  # across processes: batch sizes, replicas
+        self.donation = Donation()  # the arrays a train step may consume (jdist/_donation.py)
         self._user_options = None if compiler_options is None else dict(compiler_options)
         if flat_buckets is None:  # see DistributedDataParallel's flat_buckets
             flat_buckets = prefers_flat(self._platform, group.size())
@@ -186,11 +188,13 @@ class Engine:
     # ----------------------------------------------------------------- programs
     def grad_step(self, key: Any, loss: Callable, params: Any, module_buffers: Any,
                   batch: Any, extra: tuple, update: Callable | None = None,
-                  opt_state: Any = None, opt_specs: Any = None) -> dict:
+                  opt_state: Any = None, opt_specs: Any = None, donate: bool = False) -> dict:
         """Run one gradient (or train) step; returns the program's outputs by name.
 
         ``opt_specs``: PartitionSpecs of a sharded optimizer state (ZeRO), ``None`` for a
-        replicated one.
+        replicated one. ``donate``: a train step consumes the parameters, optimizer
+        state and comm-hook state it replaces (``jdist/_donation.py``); accumulated
+        ``no_sync`` gradients are always consumed.
         """
         g = self.group
         sync = self.require_backward_grad_sync
@@ -198,8 +202,9 @@ class Engine:
         module_params, params = params, _placement.replicated(params, g)
         # (under join, joined processes could not pair it)
         self.checks.replicas(module_params, params, collective=self.join_state is None)
-        opt_state = (_placement.replicated(opt_state, g) if opt_specs is None
-                     else _placement.with_specs(opt_state, opt_specs, g))
+        held_opt, opt_state = opt_state, (_placement.replicated(opt_state, g)
+                                          if opt_specs is None
+                                          else _placement.with_specs(opt_state, opt_specs, g))
         extra = _placement.replicated(tuple(extra), g)
         self.checks.rows(batch)
         batch = _placement.shard_batch(batch, g)
@@ -215,20 +220,29 @@ class Engine:
         js = self.join_state
         mode = None if js is None else js.mode
         had_grad = self.acc_had_grad if has_acc and sync else frozenset()
+        donating = donate and update is not None and sync
+        run_params, hstate = params, self.hooks.state
+        if donating:  # copies of what DDP did not make (jdist/_donation.py)
+            seen: set[int] = set()
+            run_params = self.donation.own(params, module_params, seen)
+            opt_state = self.donation.own(opt_state, held_opt, seen)
+            hstate = self.donation.own(hstate, hstate, seen)
         pkey = ("grad", key, sync, self.sync_buffers, has_acc, update is not None, mode,
-                opt_specs is not None, had_grad)
+                opt_specs is not None, had_grad, donating)
         prog, record = self._programs.get(pkey), self._records.setdefault(pkey, {})
         if prog is None:
             prog = _program.grad_program(self._config(), loss, update, sync=sync,
                                          sync_buffers=self.sync_buffers, has_acc=has_acc,
                                          join=mode, opt_specs=opt_specs, had_grad=had_grad,
-                                         record=record)
+                                         record=record, donate=donating)
             self._programs[pkey] = prog
         active = None if js is None else _placement.per_replica(
             jax.numpy.float32(1.0 if js.active else 0.0), g)
-        out = self._run(prog, "DDP step", params, buffers, self.hooks.state, self.acc,
+        out = self._run(prog, "DDP step", run_params, buffers, hstate, self.acc,
                         opt_state, batch, extra, active)
         value, aux, grads, new_buffers, hstate, acc, new_params, new_opt, n_active = out
+        if donating:
+            self.donation.made(new_params, new_opt, hstate, replace=True)
         self.hooks.state = hstate
         self.acc = acc
         # the leaves with a gradient in this program: derived once per trace from what it

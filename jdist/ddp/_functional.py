@@ -95,8 +95,12 @@ class FunctionalDDP(EngineShell):
         return self._joinable_step(f)  # numbered for join
 
     def train_step(self, loss_fn: Callable, tx: optax.GradientTransformation,
-                   has_aux: bool = False) -> Callable:
-        """``step(batch, *args) -> loss`` updating ``self.params`` and ``self.opt_state``."""
+                   has_aux: bool = False, donate: bool = True) -> Callable:
+        """``step(batch, *args) -> loss`` updating ``self.params`` and ``self.opt_state``.
+
+        ``donate``: as :meth:`DistributedDataParallel.train_step`: a step consumes the
+        arrays DDP made that it replaces (``self.params`` and ``self.opt_state`` after
+        a step or the init sync); read the new ones from ``self.params``."""
 
         def update(p, grads, opt_state, buffers, skip=()):
             del buffers
@@ -109,10 +113,11 @@ class FunctionalDDP(EngineShell):
             self._engine.remember(step, batch, args)
             if self.opt_state is None:
                 self.opt_state = tx.init(self.params)
+                self._engine.donation.made(self.opt_state)
             out = self._engine.grad_step(("train", loss_fn, tx, has_aux),
                                          self._pure(loss_fn, has_aux), self.params,
                                          self.buffers, batch, args, update=update,
-                                         opt_state=self.opt_state)
+                                         opt_state=self.opt_state, donate=donate)
             if self._has_buffers:
                 self.buffers = out["buffers"]
             if self._engine.require_backward_grad_sync:

@@ -88,7 +88,7 @@ class JoinMode(NamedTuple):
 def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: bool,
                  sync_buffers: bool, has_acc: bool, join: JoinMode | None = None,
                  opt_specs: Any = None, had_grad: frozenset = frozenset(),
-                 record: dict | None = None) -> Callable:
+                 record: dict | None = None, donate: bool = False) -> Callable:
     """``f(params, buffers, hstate, acc, opt_state, batch, extra, active) -> outputs``.
 
     Outputs ``(loss, aux, grads, buffers, hstate, acc, params, opt_state, n_active)``:
@@ -102,7 +102,9 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
     in and out instead of replicating it.
 
     Parameters without a gradient (the loss does not reach them: symbolic zeros) are
-    found at trace time and written to ``record["unused"]`` (leaf indices). The update
+    found at trace time and written to ``record["unused"]`` (leaf indices). ``donate``
+    (with ``update`` and ``sync``): ``params``, ``hstate`` and ``opt_state`` are donated
+    to the outputs replacing them; ``acc`` is donated whenever given. The update
     leaves those untouched (``_untouched.py``, torch's ``grad is None``) unless they are
     in ``had_grad``: the parameters that got gradients in the accumulated ``no_sync``
     steps.
@@ -174,8 +176,11 @@ def grad_program(cfg: Config, loss: Callable, update: Callable | None, *, sync: 
     in_specs = (rep, row, row, row, ospec, row, rep, row)
     out_ospec = ospec if update is not None and sync else rep  # else the output is None
     out_specs = (rep if sync else row, row, rep, row, row, row, rep, out_ospec, rep)
+    donated = ((0, 2, 4) if donate and update is not None and sync else ()) + \
+        ((3,) if has_acc else ())
     return jax.jit(jax.shard_map(body, mesh=cfg.mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=True), compiler_options=cfg.compiler_options or None)
+                                 check_vma=True), compiler_options=cfg.compiler_options or None,
+                   donate_argnums=donated)
 
 
 def forward_program(cfg: Config, apply: Callable, *, sync_buffers: bool) -> Callable:

@@ -58,27 +58,45 @@ DIVERGED_MSG = (
 
 
 def _bits(x: jax.Array) -> jax.Array:
-    """``x``'s bits as a flat uint32 vector (exact: any change of a value changes it)."""
+    """``x``'s bits as uint32 words, in ``x``'s shape (8-byte values: a trailing axis of
+    two words); exact: any change of a value changes them. Not flattened: a reshape
+    would make XLA materialize the words (a copy of every parameter)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    x = jnp.ravel(x)
     size = jnp.dtype(x.dtype).itemsize
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
-    if size >= 4:  # 8-byte values become two 32-bit words each
-        return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint32))
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+
+
+def _flat_index(shape: tuple) -> jax.Array:
+    """Each element's row-major position, as uint32, in ``shape`` (from iotas: fused into
+    the reduction, never materialized)."""
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(
+            stride % (1 << 32))
+        stride *= shape[d]
+    return idx
 
 
 def fingerprint(leaves: Sequence[jax.Array]) -> jax.Array:
     """Two uint32 words over every leaf's bits: their sum and a position-weighted sum
-    (both wrapping), so a change of any value, or values swapped, changes the result."""
+    (both wrapping), so a change of any value, or values swapped, changes the result.
+    One variadic reduction per leaf over its own shape: no temporary of its size."""
     total = jnp.zeros((2,), jnp.uint32)
     for k, x in enumerate(leaves):
         u = _bits(x)
-        w = jnp.arange(u.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(2 * k + 1)
-        total = total + jnp.stack([jnp.sum(u, dtype=jnp.uint32),
-                                   jnp.sum(u * w, dtype=jnp.uint32)])
+        if u.ndim == 0:
+            u = u[None]
+        w = _flat_index(u.shape) * jnp.uint32(2) + jnp.uint32(2 * k + 1)
+        s1, s2 = jax.lax.reduce((u, u * w), (jnp.uint32(0), jnp.uint32(0)),
+                                lambda p, q: (p[0] + q[0], p[1] + q[1]),
+                                tuple(range(u.ndim)))
+        total = total + jnp.stack([s1, s2])
     return total
 
 

@@ -61,6 +61,8 @@ class EngineShell(JoinableDDP):
                               broadcast_buffers=broadcast_buffers,
                               compiler_options=compiler_options,
                               flat_buckets=flat_buckets)
+        if synced:
+            self._engine.donation.made(params)
         if comm_hook is not None:
             state, hook = comm_hook if isinstance(comm_hook, tuple) else (None, comm_hook)
             self.register_comm_hook(state, hook)

@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jdist._donation import trim_host_memory
 from jdist.collectives.runtime import ProcessGroup
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._placement import local_first, per_replica
 from jdist.errors import ModelMismatchError
 
-__all__ = ["describe", "first_difference", "gather_bytes", "check_same_model",
+__all__ = ["CHUNK_BYTES", "describe", "first_difference", "gather_bytes", "check_same_model",
            "broadcast_from_rank0", "init_sync"]
 
 
@@ -126,6 +127,45 @@ def _uncommitted(x: Any) -> Any:
     return jnp.asarray(np.asarray(x))
 
 
+CHUNK_BYTES = 64 << 20
+"""Init sync broadcasts the model in groups of leaves of at most this many bytes (a
+leaf larger than that alone): each group's staging copies are freed before the next, so
+the sync's peak memory is the model twice (the old values and rank 0's) plus a few
+groups, not the model five times."""
+
+
+def _nbytes(x: Any) -> int:
+    try:
+        return int(x.nbytes)
+    except Exception:  # noqa: BLE001 - a key array, a Python scalar: small
+        return 0
+
+
+def _chunks(leaves: list, limit: int) -> list[list[int]]:
+    """Leaf indices in consecutive groups of at most ``limit`` bytes (one leaf at least)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, x in enumerate(leaves):
+        n = _nbytes(x)
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return [g for g in groups if g]
+
+
+def _synced(group: ProcessGroup, tree: Any) -> Any:
+    """Rank 0's values of ``tree``, uncommitted, broadcast group of leaves by group."""
+    leaves, tdef = jax.tree.flatten(tree)
+    out: list = [None] * len(leaves)
+    for idx in _chunks(leaves, CHUNK_BYTES):
+        got = broadcast_from_rank0(group, [leaves[i] for i in idx])
+        for i, x in zip(idx, got, strict=True):
+            out[i] = _uncommitted(x)
+    return jax.tree.unflatten(tdef, out)
+
+
 def init_sync(group: ProcessGroup, leaves: Sequence[LeafInfo], params: Any,
               buffers: Any) -> tuple[Any, Any]:
     """Check the model across processes, then return rank 0's ``(params, buffers)``.
@@ -135,5 +175,6 @@ def init_sync(group: ProcessGroup, leaves: Sequence[LeafInfo], params: Any,
     ``ddp.shard_batch`` batch (global arrays on the group's mesh), or an optimizer fed
     gradients on this process's device (distributed autograd)."""
     check_same_model(group, leaves)
-    return tuple(jax.tree.map(_uncommitted, broadcast_from_rank0(group, t))
-                 for t in (params, buffers))
+    out = tuple(_synced(group, t) for t in (params, buffers))
+    trim_host_memory()  # the staging copies' pages (see jdist/_donation.py)
+    return out

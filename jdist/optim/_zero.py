@@ -53,6 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdist._donation import Donation
 from jdist.algorithms.join import Join, Joinable
 from jdist.collectives.runtime import ProcessGroup, bound_size, is_bound, resolve_group
 from jdist.optim._param_groups import ParamGroupsState, check_param_group, groups_of
@@ -145,6 +146,7 @@ class ZeroRedundancyOptimizer(Joinable):
         self._steps: dict = {}
         super().__init__()
         self.latest = None  # (params, state) of the last eager step (the join hook's)
+        self._donation = Donation()  # what an eager step may consume
         self.join_grads = None  # what a joined process steps with (a tree or a callable)
 
     # ---- the pure transformation -------------------------------------------------
@@ -186,7 +188,9 @@ class ZeroRedundancyOptimizer(Joinable):
         specs = self.state_partition_specs(self._state_shapes())
         fn = jax.jit(jax.shard_map(self._init_local, mesh=self.group.mesh,
                                    in_specs=(P(),), out_specs=specs, check_vma=False))
-        return fn(_replicated(params, self.group.mesh))
+        state = fn(_replicated(params, self.group.mesh))
+        self._donation.made(state)  # the optimizer's own: its steps consume it
+        return state
 
     def update(self, grads, state: ZeroState, params=None, *,
                average_gradients: bool | None = None, **extra):
@@ -207,6 +211,10 @@ class ZeroRedundancyOptimizer(Joinable):
         replicated trees (e.g. ``nnx.state(model, nnx.Param)`` and the grads from
         ``ddp.value_and_grad``); returns ``(new_params, new_state)``. ``extra``: keyword
         arguments of ``tx.update`` (torch's ``step(**kwargs)``; optax's extra args).
+        The step consumes the arrays this optimizer made (the state from :meth:`init`,
+        the parameters and state a previous step returned) and writes the new values
+        into them, as torch's in-place step; other arrays (your initial parameters) are
+        copied first and stay valid (``jdist/_donation.py``).
         Inside a :class:`~jdist.algorithms.join.Join` it first notifies the context.
         """
         Join.notify_join_context(self)
@@ -238,10 +246,14 @@ class ZeroRedundancyOptimizer(Joinable):
                 return jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u), s
 
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs, P()),
-                                       out_specs=(P(), specs), check_vma=False))
+                                       out_specs=(P(), specs), check_vma=False),
+                         donate_argnums=(0, 2))
             self._steps[key] = fn
-        self.latest = fn(_on_mesh(params, mesh), _on_mesh(grads, mesh), state,
-                         _on_mesh(extra, mesh))
+        seen: set[int] = set()  # arrays this optimizer did not make are copied first
+        placed = self._donation.own(_on_mesh(params, mesh), params, seen)
+        state = self._donation.own(state, state, seen)
+        self.latest = fn(placed, _on_mesh(grads, mesh), state, _on_mesh(extra, mesh))
+        self._donation.made(self.latest, replace=True)
         return self.latest
 
     def _update(self, grads, state, params, average, **extra):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdist._donation import Donation
 from jdist.errors import DistAutogradError, RRefError
 from jdist.rpc._futures import Future
 from jdist.rpc._rref import RRef
@@ -83,7 +84,11 @@ class LocalOptimizer:
                                 "DistributedOptimizer sends each RRef to its owner")
             self.variables.extend(param_variables(r.local_value()))
         self.opt_state = self.tx.init(self._values())
-        self._update = jax.jit(self._pure_update)
+        # the state is this optimizer's own and replaced by each step: donated (the
+        # parameters are not: other RPC threads may be running the module on them)
+        self._donation = Donation()
+        self._donation.made(self.opt_state)
+        self._update = jax.jit(self._pure_update, donate_argnums=(1,))
 
     def _values(self) -> list:
         return [read_variable(v) for v in self.variables]
@@ -110,7 +115,12 @@ class LocalOptimizer:
             if all(g is None for g in found):
                 return 0
             grads = [None if g is None else g[1] for g in found]
-            new, self.opt_state = self._update(grads, self.opt_state, params)
+            # an optimizer state holding the parameters themselves (lookahead) gets a
+            # copy of them: the parameters must survive the step (jdist/_donation.py)
+            state = self._donation.own(self.opt_state, self.opt_state,
+                                       {id(p) for p in params})
+            new, self.opt_state = self._update(grads, state, params)
+            self._donation.made(self.opt_state, replace=True)
             for var, value in zip(self.variables, new, strict=True):
                 write_variable(var, value)
         return sum(g is not None for g in found)
