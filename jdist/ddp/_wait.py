@@ -10,11 +10,16 @@ raises :class:`~jdist.errors.CollectiveTimeoutError` naming the step (the thread
 that step is abandoned; the next wait starts a fresh one).
 
 Short steps (a small model: well under a millisecond of compute and one all-reduce) are
-first polled for a little while (``SPIN_S``), yielding the core between polls: handing
-the wait to the thread and being woken by it costs two thread hand-offs a step, a large
-part of such a step on a busy CPU. A kind of step (its description without the step
-number, and its group) is polled while the average time its steps took to be ready is
-within the poll's budget, so long steps never burn a core polling.
+first polled for a little while (``SPIN_S``), yielding the core between polls, where the
+host has a core to spare (more usable cores than the job's processes on it,
+``jdist/_cores.py``): handing the wait to the thread and being woken by it costs two
+thread hand-offs a step. Without a spare core the poll takes the core the peer process
+or this step's own threads need: measured on 2 cores and 2 processes (5 x Linear(200,
+200), ``benchmarks/ddp.py`` (d)), polling made the median step 3.9 ms instead of 3.5 ms,
+and 7.3 ms instead of 5.0 ms with a third busy process (torch: 3.6 / 4.6 ms). A kind
+of step (its description without the step number, and its group) is polled while the
+average time its steps took to be ready is within the poll's budget, so long steps never
+burn a core polling.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import jax
 
+from jdist._cores import local_processes, spare_core
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
 
 __all__ = ["wait_ready"]
@@ -58,10 +64,10 @@ def _record(kind: tuple[str, str], waited: float) -> None:
     _waits[kind] = sample if avg is None else avg + _WEIGHT * (sample - avg)
 
 
-def _spin(leaves, kind: tuple[str, str]) -> bool:
-    """Poll ``leaves`` for up to SPIN_S while ``kind``'s steps are that short; whether
-    they became ready."""
-    if _waits.get(kind, 0.0) > SPIN_S:
+def _spin(leaves, kind: tuple[str, str], spare: bool) -> bool:
+    """Poll ``leaves`` for up to SPIN_S while ``kind``'s steps are that short and the
+    host has a core to spare (``spare``); whether they became ready."""
+    if not spare or _waits.get(kind, 0.0) > SPIN_S:
         return False
     end = time.perf_counter() + SPIN_S
     while True:
@@ -144,7 +150,8 @@ def wait_ready(out: Any, group: Any, what: str, *, watchdog: Any = None,
     leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "is_ready")]
     kind, began = _kind(group, what), time.perf_counter()
     try:
-        if _ready(leaves) or _spin(leaves, kind):
+        if _ready(leaves) or _spin(leaves, kind, spare_core(local_processes(
+                len(getattr(group, "ranks", ())) or 1))):
             _record(kind, time.perf_counter() - began)
             jax.block_until_ready(leaves)  # raises the runtime error of a failed step
             return

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jdist._cores import usable_cores
 from jdist.errors import (
     RpcError,
     WorkerUnavailableError,
@@ -72,14 +72,6 @@ def co_located(address: str, addresses: list[str]) -> int:
 
     mine = host(address)
     return sum(host(a) == mine for a in addresses)
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class RpcAgent(CallClient, CallServer):

@@ -74,7 +74,13 @@ def fresh_gate(monkeypatch):
     return started
 
 
-def test_a_short_step_is_polled_without_the_waiter_thread(fresh_gate, monkeypatch):
+@pytest.fixture
+def spare(monkeypatch):
+    """This host has a core to spare (see jdist/_cores.py): polling is allowed."""
+    monkeypatch.setattr(W, "spare_core", lambda processes: True)
+
+
+def test_a_short_step_is_polled_without_the_waiter_thread(fresh_gate, monkeypatch, spare):
     monkeypatch.setattr(W, "SPIN_S", 5.0)  # a loaded machine may take the core a while
     leaf = _ReadyAfter(50)
     wait_ready([leaf], _Group2(), "DDP step #1")
@@ -83,7 +89,27 @@ def test_a_short_step_is_polled_without_the_waiter_thread(fresh_gate, monkeypatc
     assert 0.0 <= W._waits[kind] <= W.SPIN_S
 
 
-def test_a_long_kind_of_step_goes_to_the_thread_at_once_and_is_learnt(fresh_gate):
+@pytest.mark.parametrize("cores, local, polls", [(2, "2", False), (3, "2", True),
+                                                  (1, None, False), (8, None, True),
+                                                  (4, "4", False), (16, "8", True)])
+def test_polling_needs_a_core_to_spare(fresh_gate, monkeypatch, cores, local, polls):
+    """No more usable cores than the job's processes here (LOCAL_WORLD_SIZE, else the
+    group's size): the wait goes to the thread at once, polling nothing."""
+    from jdist import _cores
+
+    monkeypatch.setattr(_cores, "usable_cores", lambda: cores)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setattr(W, "SPIN_S", 5.0)
+    leaf = _ReadyAfter(50)
+    wait_ready([leaf], _Group2(), "DDP step #1")
+    assert fresh_gate == ([] if polls else [1])  # polled here, or handed to the thread
+    assert leaf.asked == 50
+
+
+def test_a_long_kind_of_step_goes_to_the_thread_at_once_and_is_learnt(fresh_gate, spare):
     kind = ("polled", "DDP step")
     W._waits[kind] = 3 * W.SPIN_S  # its steps took longer than a poll lasts
     leaf = _ReadyAfter(3)  # the first look, then the waiter thread's polls
