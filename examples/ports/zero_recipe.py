@@ -14,7 +14,6 @@ compares it with torch's).
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import time
 

@@ -190,43 +190,68 @@ def checked_program(group: ProcessGroup, key: tuple, build: Callable[[], Callabl
     return _compile(group, full_key, fused, args)
 
 
-STAGE_MIN = 256 << 10  # bytes; host arrays from this size go through a staging buffer
 STAGE_CAP = 512 << 20  # bytes of staging buffers kept per group (least recently used go)
 
 
-def _staged(group: ProcessGroup, x, shape: tuple, dtype) -> np.ndarray:
-    """``x`` copied into this group's reusable 64-byte-aligned host buffer for
-    ``(shape, dtype)``, as ``[1, *shape]``.
-
-    On CPU, ``jax.device_put`` of a 64-byte-aligned numpy array aliases its memory
-    instead of copying it into a freshly allocated buffer, whose first touch costs a page
-    fault per 4 KiB (several times the cost of copying into warm memory). Calls
-    on a group run one at a time and each waits for its program, so one buffer per
-    ``(shape, dtype)`` is never read and written at once.
-    """
+def _stage(group: ProcessGroup, shape: tuple, dtype) -> list:
+    """This group's staging entry for ``(shape, dtype)``: ``[buffer, global array]``, the
+    buffer a 64-byte-aligned ``[1, *shape]`` host array, the global array (made at the
+    first call) ``None`` until made, or ``False`` where it could not alias the buffer."""
     pool = group.extra.setdefault("staging", collections.OrderedDict())
     key = (tuple(shape), np.dtype(dtype).str)
-    buf = pool.pop(key, None)
-    if buf is None:
+    entry = pool.pop(key, None)
+    if entry is None:
         nbytes = np.dtype(dtype).itemsize * int(np.prod(shape))
         raw = np.empty(nbytes + 64, np.uint8)
         start = (-raw.ctypes.data) % 64
-        buf = raw[start:start + nbytes].view(dtype).reshape((1, *shape))
-        while pool and sum(b.nbytes for b in pool.values()) + nbytes > STAGE_CAP:
+        entry = [raw[start:start + nbytes].view(dtype).reshape((1, *shape)), None]
+        while pool and sum(e[0].nbytes for e in pool.values()) + nbytes > STAGE_CAP:
             pool.popitem(last=False)
-    pool[key] = buf
-    np.copyto(buf[0], x, casting="unsafe")
-    return buf
+    pool[key] = entry
+    return entry
+
+
+def _staged_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array | None:
+    """The global ``[n, *shape]`` input holding ``x``, by a copy into this group's
+    staging buffer, whose global array is made once and then reused (CPU only); ``x``
+    may be a function that fills the buffer's row itself.
+
+    On CPU, ``jax.device_put`` of a 64-byte-aligned numpy array aliases its memory; a
+    global array over that buffer therefore reads whatever the buffer holds when a
+    program runs. Making a fresh input array per call cost about half a millisecond
+    per eager collective on 2 processes (a new buffer's readiness and the array's
+    assembly; ``benchmarks/collectives.py``), several times the collective itself.
+    Calls on a group run one at a time and each waits for its program's outputs, and
+    no eager program donates its input, so one buffer per ``(shape, dtype)`` is never
+    read and written at once. None when the device did not alias the buffer (then
+    every call makes its own array)."""
+    entry = _stage(group, shape, dtype)
+    buf = entry[0]
+    if callable(x):
+        x(buf[0])  # fills the row itself (see _pack_into)
+    else:
+        np.copyto(buf[0], x if isinstance(x, np.ndarray) else np.asarray(x),
+                  casting="unsafe")
+    if entry[1] is None:
+        block = jax.device_put(buf, local_device(group))
+        if block.unsafe_buffer_pointer() != buf.ctypes.data:
+            entry[1] = False
+        else:
+            sharding = NamedSharding(process_mesh(group), PartitionSpec(group.axis_name))
+            entry[1] = jax.make_array_from_single_device_arrays(
+                (group.size(), *shape), sharding, [block])
+    return entry[1] if entry[1] is not False else None
 
 
 def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
     """Stack this member's ``x`` (``shape``) into the global ``[n, *shape]`` array."""
     dev = local_device(group)
+    if dev.platform == "cpu":
+        staged = _staged_global(group, x, shape, dtype)
+        if staged is not None:
+            return staged
     if isinstance(x, jax.Array):
         block = jax.device_put(x, dev).astype(dtype).reshape((1, *shape))
-    elif (dev.platform == "cpu" and np.dtype(dtype).itemsize * int(np.prod(shape))
-          >= STAGE_MIN):
-        block = jax.device_put(_staged(group, x, shape, dtype), dev)
     else:
         block = jax.device_put(np.asarray(x, dtype=dtype).reshape((1, *shape)), dev)
     pm = process_mesh(group)
@@ -362,6 +387,17 @@ def _pack(fp: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.concatenate([fp.astype(np.int32).view(np.uint8), data])
 
 
+def _pack_into(fp: np.ndarray, x: np.ndarray, dtype) -> Callable[[np.ndarray], None]:
+    """:func:`_pack`'s bytes written straight into a staging row (no packed copy)."""
+    def fill(row: np.ndarray) -> None:
+        n = 4 * fpr.FP_LEN
+        row[:n] = fp.astype(np.int32).view(np.uint8)
+        view = row[n:].view(np.dtype(dtype)).reshape(np.shape(x))
+        np.copyto(view, x, casting="unsafe")
+
+    return fill
+
+
 def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
                    shape: tuple, dtype) -> Callable:
     """:func:`checked_program` taking one packed uint8 input (see :func:`_pack`)."""
@@ -429,13 +465,19 @@ def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable
         note(group, seq, what)
     with x64(dtype):
         small = np.dtype(dtype).itemsize * int(np.prod(shape)) <= FUSE_LIMIT
-        if (fp is not None and small and not isinstance(x, jax.Array)
-                and fpr.debug_enabled()):
+        host = not isinstance(x, jax.Array) or local_device(group).platform == "cpu"
+        if fp is not None and small and host and fpr.debug_enabled():
+            # (a jax array on CPU reads as numpy without a copy)
             fn = packed_program(group, key, build, shape, dtype)
             stats(group)["checked"] += 1
-            packed = _pack(fp, np.asarray(x, dtype=dtype))
-            fps, block = execute(group, what, fn,
-                                 to_global(group, packed, packed.shape, np.uint8), seq)
+            nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * int(np.prod(shape))
+            fill = _pack_into(fp, np.asarray(x), dtype)
+            staged = _staged_global(group, fill, (nbytes,), np.uint8) if (
+                local_device(group).platform == "cpu") else None
+            if staged is None:
+                packed = _pack(fp, np.asarray(x, dtype=dtype))
+                staged = to_global(group, packed, packed.shape, np.uint8)
+            fps, block = execute(group, what, fn, staged, seq)
             fpr.check(np.asarray(fps)[0].reshape(group.size(), fpr.FP_LEN), group.ranks,
                       group.name)
             return from_block(block, as_jax)
