@@ -39,7 +39,7 @@ import numpy as np
 from jdist.errors import JoinError
 
 __all__ = ["Join", "JoinConfig", "JoinHook", "Joinable", "EXHAUSTED_MSG", "DETECTED_MSG",
-           "WARN_THRESHOLD"]
+           "LEFT_OUT_MSG", "WARN_THRESHOLD"]
 
 EXHAUSTED_MSG = "Rank {rank} exhausted all inputs."
 DETECTED_MSG = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
@@ -176,6 +176,8 @@ class Join:
         self._rank = group.rank if isinstance(group, c.ProcessGroup) else c.get_rank(group)
 
     def __enter__(self) -> Join:
+        if self._enable:
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -204,6 +206,8 @@ class Join:
                 hook.post_hook(is_last_joiner)
         finally:
             self._reset_joinable_configs()
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
 
     def _get_num_nonjoined_procs(self) -> int:
         """Shadow the notification all-reduce: the number of processes with inputs."""
@@ -230,7 +234,10 @@ class Join:
                 f"Check that the {type(joinable)} constructor calls the ``Joinable`` "
                 "constructor")
         config = joinable._join_config
-        if not config.is_first_joinable or not config.enable:
+        if not config.enable:
+            _check_not_left_out(joinable)
+            return None
+        if not config.is_first_joinable:
             return None
         c = _collectives()
         group = joinable.join_process_group
@@ -243,6 +250,30 @@ class Join:
             if float(np.asarray(flag)[0]) != 0.0:
                 raise JoinError(DETECTED_MSG)
         return work
+
+
+_ACTIVE: list = []  # the enabled join contexts this process is inside, innermost last
+
+LEFT_OUT_MSG = (
+    "{what} ran its collectives inside a join context that does not list it (the "
+    "context's joinables: {listed}). When a process runs out of inputs, the context "
+    "shadows only the collectives of the joinables it lists, so the processes still "
+    "training would wait for this one's partners until the timeout. List every joinable "
+    "whose collectives run in the loop, in their order, e.g. `with Join([ddp, zero]):` "
+    "instead of `with ddp.join():` (jdist.algorithms.join.Join; torch requires the "
+    "same, and hangs without it).")
+
+
+def _check_not_left_out(joinable: Any) -> None:
+    """Raise :class:`~jdist.errors.JoinError` when ``joinable`` communicates inside an
+    enabled join context on its group that does not list it (it would hang there)."""
+    for ctx in _ACTIVE:
+        if joinable in ctx._joinables or not _same_group(
+                ctx._process_group, joinable.join_process_group):
+            continue
+        raise JoinError(LEFT_OUT_MSG.format(
+            what=type(joinable).__name__,
+            listed=", ".join(type(j).__name__ for j in ctx._joinables)))
 
 
 def _same_group(a: Any, b: Any) -> bool:

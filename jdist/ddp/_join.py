@@ -29,8 +29,10 @@ input) has nothing of its own to replay: it answers the flags all-reduce with a 
 step" flag, and then the highest-ranked process still training broadcasts its current
 call (the step's number, batch and extra arguments; steps are numbered as the wrappers
 make them, in the same order on every process) to it. That costs one object broadcast,
-once, and only then. A step this process never made raises
-:class:`~jdist.errors.JoinError` instead.
+once, and only then. A step this process never made (a step made inside the loop, which
+a process without inputs never runs) raises :class:`~jdist.errors.JoinError` on every
+process, naming the rank (one more small all-reduce decides it together), instead of
+leaving the processes still training to wait in their step until the group's timeout.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ MISSING_STEP_MSG = (
     "rank {rank} ran no DDP step inside the join context and has not made step #{number} "
     "that the other processes run (steps are numbered in the order ddp.train_step / "
     "ddp.value_and_grad make them): make the same steps, in the same order, on every "
-    "process before the join context")
+    "process before the join context (step = ddp.value_and_grad(loss_fn) before the "
+    "loop, not ddp.value_and_grad(loss_fn)(batch) inside it)")
 
 
 class StepNumbers:
@@ -133,10 +136,20 @@ class JoinState:
         number, batch, args = payload[0]
         if number is None:  # on every process: nobody can replay it
             raise JoinError(NO_STEP_MSG.format(src=src))
+        step = None
         if not self.active and self.last is None:
             step = self.steps.get(number)
-            if step is None:
-                raise JoinError(MISSING_STEP_MSG.format(rank=self.rank, number=number))
+        # every process learns whether each one without a step can replay it: one MAX
+        # all-reduce, so that the processes still training raise with it instead of
+        # waiting in their step for a partner that raised (until the group's timeout)
+        cannot = float(self.rank + 1) if (not self.active and self.last is None
+                                          and step is None) else 0.0
+        worst = int(np.asarray(collectives.all_reduce(
+            np.asarray([cannot], np.float32), op=collectives.ReduceOp.MAX,
+            group=self.engine.group))[0])
+        if worst:
+            raise JoinError(MISSING_STEP_MSG.format(rank=worst - 1, number=number))
+        if step is not None:
             self.last = (step, batch, args)
 
     def after_step(self, n_active: int, num_replicas: int) -> None:

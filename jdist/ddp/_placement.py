@@ -313,26 +313,27 @@ def local_first(tree: Any) -> Any:
 def placed_like(tree: Any, like: Any) -> Any:
     """Each replicated leaf of ``tree`` placed where the matching leaf of ``like`` lives.
 
-    DDP's gradients come out of the step replicated over the group's devices; a module
-    whose parameters still live on one device (before any ``train_step``, or after the
-    user updated them eagerly, torch's ``p.data += p.grad``) gets gradients on that
-    device, so ``p + g`` works. Leaves of ``like`` already laid out like ``tree``'s (the
-    previous step's outputs) and uncommitted ones (JAX moves them to the gradient's
-    devices in ``p + g``) keep the replicated gradient; across processes, where the
-    replicated gradient spans other processes' devices, a parameter with no device
-    (numpy) gets the first local replica's copy. No transfer is made unless the
-    parameter is committed to a device outside the group's local ones.
+    DDP's gradients come out of the step replicated over the group's devices, and stay
+    so unless the parameter is committed to other devices: leaves of ``like`` laid out
+    like ``tree``'s (after a ``train_step``), uncommitted ones and numpy ones (JAX moves
+    them to the gradient's devices in ``p + g``, and a replicated array reads as numpy)
+    keep the replicated gradient, on one process and across processes alike. So the
+    gradients of every call are laid out alike whatever the parameters went through in
+    between (before a ``train_step`` or after it, an eager update, a jitted one), and
+    gradients of several calls can be summed (accumulation across optimizer steps:
+    ``tests/ddp/test_accumulate_mp.py``). A parameter committed to one local device
+    (the user's ``jax.device_put``) gets the replica on that device, so ``p + g``
+    works; one committed elsewhere gets a copy there.
     """
 
     def one(g, p):
         if not isinstance(g, jax.Array) or (isinstance(p, jax.Array) and p.sharding == g.sharding):
             return g
-        local = g.is_fully_addressable
-        if local and not (isinstance(p, jax.Array) and p.committed):
+        if not (isinstance(p, jax.Array) and p.committed):
             return g  # JAX moves an uncommitted p (or a numpy one) to g's devices itself
         shards = {s.device: s.data for s in g.addressable_shards}
-        if not isinstance(p, jax.Array) or not p.is_fully_addressable:
-            return g if isinstance(p, jax.Array) else g.addressable_shards[0].data
+        if not p.is_fully_addressable:
+            return g
         devs = p.sharding.device_set
         if len(devs) == 1 and next(iter(devs)) in shards:
             return shards[next(iter(devs))]  # no copy: the replica on that device
