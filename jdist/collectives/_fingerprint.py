@@ -14,14 +14,17 @@ root (src/dst, -1 if none), count (list length, -1 if none), ndim, then the firs
 from __future__ import annotations
 
 import os
+import threading
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from jdist.collectives._types import ReduceOp
 from jdist.errors import CollectiveMismatchError
 
-__all__ = ["FP_LEN", "KINDS", "encode", "describe", "check", "debug_enabled"]
+__all__ = ["FP_LEN", "KINDS", "encode", "describe", "check", "debug_enabled", "issued"]
 
 FP_LEN = 16
 _MAGIC = 0x6A64  # "jd"
@@ -42,9 +45,36 @@ _DTYPES = (
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
+_PINNED = threading.local()
+
+
 def debug_enabled() -> bool:
-    """Mismatch detection is on unless ``JDIST_DEBUG=OFF`` (read on every call)."""
+    """Mismatch detection is on unless ``JDIST_DEBUG=OFF``: read on every call, or the
+    value pinned when a queued operation was issued (:func:`issued`)."""
+    pinned = getattr(_PINNED, "mode", None)
+    if pinned is not None:
+        return pinned
     return os.environ.get("JDIST_DEBUG", "").upper() != "OFF"
+
+
+def issued(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` to run later on another thread under the check mode in force now.
+
+    Whether a call is checked changes the programs it runs (one fused program, or two,
+    or none), so every member must decide alike. A program that switches
+    ``JDIST_DEBUG`` between issuing an async collective and its execution on the
+    group's worker thread would otherwise have ranks run different programs: a hang.
+    """
+    mode = debug_enabled()
+
+    def run() -> Any:
+        _PINNED.mode = mode
+        try:
+            return fn()
+        finally:
+            _PINNED.mode = None
+
+    return run
 
 
 def _clip(v: int) -> int:

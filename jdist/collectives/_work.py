@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jdist.collectives import _fingerprint as fpr
 from jdist.errors import CollectiveTimeoutError
 
 __all__ = ["Work", "Queues", "Future"]
@@ -98,6 +99,8 @@ class Work:
         try:
             return self._future.result(timeout)
         except cf.TimeoutError:
+            if self._future.done():
+                raise  # the operation's own error (a timeout it diagnosed), unchanged
             raise CollectiveTimeoutError(
                 f"{self._what} did not complete within {timeout} s; check that every "
                 f"member rank issued it (Work.wait(timeout=None) waits without limit)"
@@ -140,13 +143,14 @@ class Queues:
         self._last: dict[Any, cf.Future] = {}
 
     def submit(self, key: Any, fn: Callable[[], Any]) -> cf.Future:
-        """Queue ``fn`` on ``key``'s thread; return its future."""
+        """Queue ``fn`` on ``key``'s thread; return its future. ``fn`` runs under the
+        mismatch-check mode in force now (:func:`_fingerprint.issued`)."""
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
                 pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"jdist-{key}")
                 self._pools[key] = pool
-            fut = pool.submit(fn)
+            fut = pool.submit(fpr.issued(fn))
             self._last[key] = fut
         return fut
 
