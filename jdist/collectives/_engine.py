@@ -168,7 +168,8 @@ def checked_program(group: ProcessGroup, key: tuple, build: Callable[[], Callabl
                     shape: tuple, dtype) -> Callable:
     """``program`` fused with the fingerprint check: ``(fp, x) -> (fps, out)``.
 
-    The members all-gather their fingerprints first; the collective itself runs under
+    The members all-gather their fingerprints first (:func:`_slot_gather`, the same
+    first collective for every checked call); the collective itself runs under
     ``lax.cond`` only when every fingerprint is equal, so members whose calls differ
     (and whose programs therefore differ after the shared first step) all skip it and
     no mismatched bytes are ever exchanged. One dispatch instead of two.
@@ -180,14 +181,51 @@ def checked_program(group: ProcessGroup, key: tuple, build: Callable[[], Callabl
     body, axis = build(), group.axis_name
 
     def fused(fp, x):
-        fps = jax.lax.all_gather(fp, axis, axis=1, tiled=True)
-        ok = jax.numpy.all(fps.reshape(-1, fpr.FP_LEN) == fps[0, :fpr.FP_LEN])
-        out_type = jax.eval_shape(body, x)
-        skip = lambda v: jax.numpy.zeros(out_type.shape, out_type.dtype)  # noqa: E731
-        return fps, jax.lax.cond(ok, body, skip, x)
+        _, fps, ok = _slot_gather(axis, _fp_bytes(fp))
+        return fps, jax.lax.cond(ok, body, _skip(body, x), x)
 
     args = (_arg(group, (fpr.FP_LEN,), np.int32), _arg(group, shape, dtype))
     return _compile(group, full_key, fused, args)
+
+
+SLOT = 4096  # bytes: the first collective of every checked call gathers this many per member
+
+
+def _fp_bytes(fp):
+    """An int32 ``[1, FP_LEN]`` fingerprint as its ``[1, 4 * FP_LEN]`` bytes."""
+    return jax.lax.bitcast_convert_type(fp, jax.numpy.uint8).reshape(1, -1)
+
+
+def _slot_gather(axis: str, head):
+    """All-gather each member's ``head`` (``[1, k]`` uint8, ``k <= SLOT``, the fingerprint
+    in its first ``4 * FP_LEN`` bytes) padded to ``SLOT`` bytes.
+
+    Every checked call starts with this collective, whatever its kind, shape or dtype,
+    so the members' first collectives match even when their calls do not; a call whose
+    fingerprint and data fit in one slot needs no other (:func:`packed_program`).
+    Returns ``(rows [n, SLOT], fps [1, n * FP_LEN] int32, all fingerprints equal)``.
+    """
+    jnp = jax.numpy
+    row = jnp.pad(head, ((0, 0), (0, SLOT - head.shape[1])))
+    rows = jax.lax.all_gather(row, axis, axis=0, tiled=True)
+    fps = jax.lax.bitcast_convert_type(rows[:, : 4 * fpr.FP_LEN].reshape(-1, fpr.FP_LEN, 4),
+                                       jnp.int32)
+    return rows, fps.reshape(1, -1), jnp.all(fps == fps[0])
+
+
+def _batches(body: Callable, axis: str, n: int, shape: tuple, dtype) -> bool:
+    """Whether ``vmap`` can run ``body`` for all ``n`` members on one process."""
+    try:
+        jax.eval_shape(jax.vmap(body, axis_name=axis),
+                       jax.ShapeDtypeStruct((n, 1, *shape), dtype))
+    except Exception:  # no batching rule for one of its collectives: not one trip
+        return False
+    return True
+
+
+def _skip(body: Callable, x) -> Callable:
+    out_type = jax.eval_shape(body, x)
+    return lambda *_: jax.numpy.zeros(out_type.shape, out_type.dtype)
 
 
 STAGE_CAP = 512 << 20  # bytes of staging buffers kept per group (least recently used go)
@@ -261,8 +299,10 @@ def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
 
 
 def from_block(block: jax.Array, as_jax: bool):
-    """Drop the leading member axis of this process's output block."""
-    if as_jax:
+    """Drop the leading member axis of this process's output block: a numpy view of a
+    host block (what :func:`~jdist.collectives._result.as_result` places in one step),
+    else a jax.Array when ``as_jax``."""
+    if as_jax and next(iter(block.devices())).platform != "cpu":
         return block.reshape(block.shape[1:])
     return np.asarray(block)[0]
 
@@ -346,7 +386,7 @@ def fingerprint_check(group: ProcessGroup, what: str, fp: np.ndarray) -> None:
     axis = group.axis_name
 
     def build():
-        return lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+        return lambda x: _slot_gather(axis, _fp_bytes(x))[1]
 
     seq = int(fp[1])
     note(group, seq, what)
@@ -400,22 +440,37 @@ def _pack_into(fp: np.ndarray, x: np.ndarray, dtype) -> Callable[[np.ndarray], N
 
 def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
                    shape: tuple, dtype) -> Callable:
-    """:func:`checked_program` taking one packed uint8 input (see :func:`_pack`)."""
+    """:func:`checked_program` taking one packed uint8 input (see :func:`_pack`).
+
+    When the packed bytes fit in one slot, the slot gather is the whole exchange: each
+    member then computes every member's result of the body locally (the body's
+    collectives batched over the gathered rows by ``vmap`` under the group's axis
+    name) and keeps its own. One collective round trip instead of two. A body that
+    ``vmap`` cannot batch (a partial ``ppermute``) runs as its own collective.
+    """
     full_key = ("packed", key, tuple(shape), np.dtype(dtype).name)
     cache = group.extra.get("programs")
     if cache is not None and full_key in cache:
         return cache[full_key]
     body, axis = build(), group.axis_name
+    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * int(np.prod(shape))
+
+    one_trip = nbytes <= SLOT and _batches(body, axis, group.size(), shape, dtype)
 
     def fused(raw):
-        fp, x = _unpack(raw, shape, dtype)
-        fps = jax.lax.all_gather(fp, axis, axis=1, tiled=True)
-        ok = jax.numpy.all(fps.reshape(-1, fpr.FP_LEN) == fps[0, :fpr.FP_LEN])
-        out_type = jax.eval_shape(body, x)
-        skip = lambda v: jax.numpy.zeros(out_type.shape, out_type.dtype)  # noqa: E731
-        return fps, jax.lax.cond(ok, body, skip, x)
+        x = _unpack(raw, shape, dtype)[1]
+        if not one_trip:
+            _, fps, ok = _slot_gather(axis, raw[:, : 4 * fpr.FP_LEN])
+            return fps, jax.lax.cond(ok, body, _skip(body, x), x)
+        rows, fps, ok = _slot_gather(axis, raw)
 
-    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * int(np.prod(shape))
+        def local(rows):
+            xs = jax.vmap(lambda r: _unpack(r[None, :nbytes], shape, dtype)[1])(rows)
+            outs = jax.vmap(body, axis_name=axis)(xs)
+            return outs[jax.lax.axis_index(axis)]
+
+        return fps, jax.lax.cond(ok, local, _skip(body, x), rows)
+
     spec = PartitionSpec(axis)
     mapped = jax.shard_map(fused, mesh=process_mesh(group), in_specs=spec,
                            out_specs=(spec, spec), check_vma=False)

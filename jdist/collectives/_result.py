@@ -41,8 +41,13 @@ def as_result(value, like, as_jax: bool, shape: tuple | None = None):
     """``value`` as the caller's kind: a numpy ``ndarray`` of ``shape`` (default: its
     own), or a jax.Array placed like the input ``like`` (see the module doc)."""
     if as_jax:
-        value = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
-        if shape is not None:
+        if not isinstance(value, jax.Array):  # a host block: placed once, no reshape op
+            host = np.asarray(value)
+            host = host if shape is None else host.reshape(shape)
+            if not isinstance(like, jax.Array) or not like.committed:
+                return jax.device_put(host)
+            value = jax.device_put(host, like.addressable_shards[0].device)
+        elif shape is not None:
             value = value.reshape(shape)
         return _jax_like(value, like)
     out = np.asarray(value)
