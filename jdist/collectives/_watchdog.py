@@ -11,8 +11,12 @@ collective fails (gloo reports "Connection closed by peer") or a store wait runs
 
 The caller raises :class:`jdist.errors.PeerFailedError` naming those ranks. The beat
 also publishes which collective (group, sequence number) this rank last entered, so a
-collective that times out names the ranks that never reached it (:meth:`behind`). All
-store traffic of the runtime after init goes through :attr:`Watchdog.lock` (one client).
+collective that times out names the ranks that never reached it (:meth:`behind`), each
+with the Python stack of its main thread as that rank last published it (every beat,
+when it changed; ``JDIST_STACKS=0`` turns it off) and, on this host, whether its
+process is stopped (``SIGSTOP``, a debugger): a stuck rank is named with where it is,
+even when it can no longer answer. All store traffic of the runtime after init goes
+through :attr:`Watchdog.lock` (one client).
 """
 
 from __future__ import annotations
@@ -20,28 +24,49 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 
-__all__ = ["Watchdog", "process_alive"]
+__all__ = ["Watchdog", "process_alive", "process_state", "main_stack"]
+
+STACK_FRAMES = 12  # innermost frames of the main thread a beat publishes
+STACK_CHARS = 4000
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` on this host (``/proc``), or "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def main_stack(limit: int = STACK_FRAMES) -> str:
+    """The main thread's current Python stack, innermost frames last (as a traceback)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    text = "".join(traceback.format_stack(frame, limit=limit))
+    return text[-STACK_CHARS:]
 
 
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` on this host exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+    state = process_state(pid)
+    if state:
         return state not in ("Z", "X")
-    except FileNotFoundError:
+    if os.path.isdir("/proc/self"):  # /proc works and has no such process
         return False
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 class Watchdog:
@@ -68,6 +93,7 @@ class Watchdog:
         self.dead: dict[int, str] = {}
         self.progress: dict[str, tuple[int, str]] = {}
         self._published = ""
+        self.stacks = os.environ.get("JDIST_STACKS", "1") != "0"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jdist-heartbeat", daemon=True)
 
@@ -92,6 +118,9 @@ class Watchdog:
                 if progress != self._published:
                     self.store.set(self.prefix + f"progress/{self.rank}", progress)
                     self._published = progress
+                if self.stacks:
+                    self.store.set(self.prefix + f"stack/{self.rank}",
+                                   json.dumps({"t": time.time(), "stack": main_stack()}))
             return True
         except Exception:  # the store host may be gone; diagnosis reports it
             return False
@@ -117,14 +146,35 @@ class Watchdog:
         """Ranks (of ``ranks``) that have not entered ``noun`` ``seq`` of ``group`` (a
         group's name, or a channel of its compiled steps: :func:`_engine.enter_step`).
 
-        Values say where each of them is, from the progress they last published.
+        Values say where each of them is, from the progress they last published, and
+        what its main thread was running (:meth:`where`).
         """
         out = {}
         for r, at in self.positions(ranks, group).items():
             if at is None or at[0] < seq:
                 out[r] = (f"has not entered any {noun} on this group" if at is None
-                          else f"is still at {noun} #{at[0]} ({at[1]})")
+                          else f"is still at {noun} #{at[0]} ({at[1]})") + self.where(r)
         return out
+
+    def where(self, rank: int) -> str:
+        """``"; its process is stopped ...; its main thread 0.4 s ago:\n  File ..."``:
+        rank ``rank``'s process state (on this host) and last published stack."""
+        info = self.infos[rank] if rank < len(self.infos) else {}
+        state = (process_state(int(info["pid"])) if info.get("host") == socket.gethostname()
+                 and "pid" in info else "")
+        text = ("; its process is stopped (SIGSTOP, a debugger or job control): it "
+                "cannot answer until it is continued" if state in ("T", "t") else "")
+        try:
+            with self.lock:
+                key = self.prefix + f"stack/{rank}"
+                rec = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        except Exception:
+            rec = None
+        if rec and rec.get("stack"):
+            age = max(0.0, time.time() - float(rec["t"]))
+            lines = "\n".join("    " + ln for ln in str(rec["stack"]).rstrip().splitlines())
+            text += f"; its main thread {age:.1f} s ago:\n{lines}\n"
+        return text
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

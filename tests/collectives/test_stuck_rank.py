@@ -1,7 +1,9 @@
 """A rank that is alive but stuck (a long host computation, a deadlock in user code)
 is named by every other rank, on each path that waits for it: an eager collective, a
 DDP step and an RPC (issue 41's fault tests). Three processes, so that two survivors
-must each name the same rank.
+must each name the same rank. The collective paths also show the stuck rank's main
+thread stack (published by its heartbeat, ``jdist/collectives/_watchdog.py``), even
+when that rank was stopped with ``SIGSTOP`` and cannot answer (issue 44).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ def _stall(x):
     return x
 
 
-def _eager_or_ddp(path: str) -> dict:
+def _eager_or_ddp(path: str, pid_file: str = "") -> dict:
+    import os
+    import signal
+
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -33,7 +38,7 @@ def _eager_or_ddp(path: str) -> dict:
 
     jdist.init_process_group(timeout=TIMEOUT)
     rank = jdist.get_rank()
-    if path == "eager":
+    if path.startswith("eager"):
         def step():
             return jdist.all_reduce(np.ones(3, np.float32))
     else:
@@ -47,15 +52,26 @@ def _eager_or_ddp(path: str) -> dict:
             return np.asarray(train(batch))
     step()
     step()  # connections made, programs compiled: the next call can only wait for peers
+    if rank == STUCK and path == "eager-stopped":
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(1.5)  # (a heartbeat publishes this line's stack)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return {}
     if rank == STUCK:
         time.sleep(_STALL_S)
         return {}
     t = time.monotonic()
     try:
         step()
-        return {"error": "none", "took": time.monotonic() - t}
+        out = {"error": "none", "took": time.monotonic() - t}
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t}
+        out = {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - t}
+    if path == "eager-stopped":
+        time.sleep(0.5)  # (both survivors have read its state)
+        with open(pid_file) as f:
+            os.kill(int(f.read()), signal.SIGCONT)
+    return out
 
 
 def _rpc() -> dict:
@@ -79,22 +95,28 @@ def _rpc() -> dict:
     return out
 
 
+STACK = "in _eager_or_ddp\n        time.sleep("
 EXPECTED = {
-    "eager": ("CollectiveTimeoutError", f"rank {STUCK} is still at collective #"),
-    "ddp": ("CollectiveTimeoutError", f"rank {STUCK} is still at step #2 (DDP step #2)"),
-    "rpc": ("RpcTimeoutError", f"name=w{STUCK}"),
+    "eager": ("CollectiveTimeoutError", f"rank {STUCK} is still at collective #", STACK),
+    "eager-stopped": ("CollectiveTimeoutError", f"rank {STUCK} is still at collective #",
+                      STACK),
+    "ddp": ("CollectiveTimeoutError", f"rank {STUCK} is still at step #2 (DDP step #2)",
+            STACK),
+    "rpc": ("RpcTimeoutError", f"name=w{STUCK}", ""),
 }
 
 
-@pytest.mark.parametrize("path", ["eager", "ddp", "rpc"])
-def test_every_survivor_names_the_stuck_rank(path):
+@pytest.mark.parametrize("path", ["eager", "eager-stopped", "ddp", "rpc"])
+def test_every_survivor_names_the_stuck_rank(path, tmp_path):
     if path == "rpc":
         results = run_procs(_rpc, 3, timeout=120)
     else:
-        results = run_procs(_eager_or_ddp, 3, args=(path,), timeout=120)
-    kind, names = EXPECTED[path]
+        results = run_procs(_eager_or_ddp, 3, args=(path, str(tmp_path / "pid")), timeout=120)
+    kind, names, stack = EXPECTED[path]
     for rank, res in enumerate(results):
         if rank == STUCK:
             continue
         assert res["error"].startswith(kind) and names in res["error"], (rank, res)
-        assert TIMEOUT - 0.5 <= res["took"] < TIMEOUT + 3, (rank, res)
+        assert stack in res["error"], (rank, res)
+        assert ("its process is stopped" in res["error"]) == (path == "eager-stopped"), res
+        assert TIMEOUT - 0.5 <= res["took"] < 2 * TIMEOUT + 1, (rank, res)
