@@ -5,7 +5,8 @@
 and ``ScheduleInterleavedZeroBubble`` follow torch's action orders (``pipeline_order``)
 and ``step(*args, target=, losses=)``; ``split_args_kwargs_into_chunks`` and
 ``merge_chunks`` are torch's micro-batching; ``pipeline`` groups a list of layers into
-stages. All stages of a pipeline run in one process for now (docs/pipelining.md).
+stages. Stages run in one process or in several (one pipeline rank each), see
+docs/pipelining.md.
 
 | file | job |
 |---|---|
@@ -14,6 +15,8 @@ stages. All stages of a pipeline run in one process for now (docs/pipelining.md)
 | ``_microbatch.py`` | split a step's arguments, merge outputs |
 | ``_stage.py`` | ``PipelineStage``: compiled forward/backward of one stage |
 | ``_schedules.py`` | the schedules: run an order over the stages |
+| ``_remote.py`` | one rank's share of a pipeline over processes |
+| ``_links.py`` | activations and gradients between processes |
 | ``_split.py`` | ``pipeline``: layers grouped into stages |
 """
 

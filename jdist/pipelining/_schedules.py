@@ -8,10 +8,10 @@ each micro-batch's loss. Each stage's :attr:`~PipelineStage.grads` then holds it
 gradients, averaged over the micro-batches (``scale_grads=True``, torch's default) or
 summed.
 
-Every stage runs in this process (on this process's devices, ``PipelineStage(device=)``):
-the ranks of the order are walked together, each rank's next action running as soon as
-its inputs exist. A schedule whose stages are not all here raises; stages in separate
-processes are not built yet (docs/pipelining.md).
+When every stage is in this process (on its devices, ``PipelineStage(device=)``), the
+ranks of the order are walked together, each rank's next action running as soon as its
+inputs exist. Otherwise each process holds the stages of its pipeline rank (``s % pp``)
+and runs its own list (``jdist/pipelining/_remote.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax
 from jdist.pipelining._actions import Action, Kind
 from jdist.pipelining._microbatch import merge_chunks, split_args_kwargs_into_chunks
 from jdist.pipelining._orders import ORDERS
+from jdist.pipelining._remote import raise_in, run_rank
 from jdist.pipelining._stage import PipelineStage
 
 __all__ = ["ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
@@ -37,13 +38,38 @@ def _stages(stages: PipelineStage | Sequence[PipelineStage]) -> list[PipelineSta
     n = {s.num_stages for s in out}
     if len(n) != 1:
         raise ValueError(f"the stages disagree on num_stages: {sorted(n)}")
-    have = sorted(s.stage_index for s in out)
-    if have != list(range(n.pop())):
-        raise ValueError(
-            f"jdist.pipelining runs every stage of a pipeline in one process; this "
-            f"process has stages {have} of {out[0].num_stages}. Build a PipelineStage for "
-            f"each stage here (each may sit on its own device) and pass them all")
+    idx = [s.stage_index for s in out]
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"stage indices repeat: {sorted(idx)}")
     return sorted(out, key=lambda s: s.stage_index)
+
+
+def _layout(stages: list[PipelineStage], pp_size, one_stage_per_rank: bool, name: str,
+            group):
+    """``(pp, my pipeline rank or None, group)``: None when every stage is here."""
+    n = stages[0].num_stages
+    if len(stages) == n:
+        pp = pp_size if pp_size is not None else (n if one_stage_per_rank else 1)
+        if not isinstance(pp, int) or pp < 1 or n % pp:
+            raise ValueError(f"{name}: pp_size {pp!r} must divide the {n} stages (stage s "
+                             f"runs on rank s % pp_size)")
+        return pp, None, None
+    import jdist
+
+    if not jdist.is_initialized():
+        raise ValueError(f"{name}: this process has stages "
+                         f"{[s.stage_index for s in stages]} of {n}; either build every "
+                         f"stage here, or call jdist.init_process_group() in every process "
+                         f"of the pipeline")
+    group = group if group is not None else jdist.get_default_group()
+    pp, me = group.size(), group.rank
+    if pp_size is not None and pp_size != pp:
+        raise ValueError(f"{name}: pp_size={pp_size} but the pipeline group has {pp} ranks")
+    want = list(range(me, n, pp))
+    if n % pp or [s.stage_index for s in stages] != want:
+        raise ValueError(f"{name}: pipeline rank {me} of {pp} must hold stages {want} (stage "
+                         f"s runs on rank s % {pp}), got {[s.stage_index for s in stages]}")
+    return pp, me, group
 
 
 class _Schedule:
@@ -53,17 +79,15 @@ class _Schedule:
     one_stage_per_rank = False
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None,
-                 scale_grads: bool = True, pp_size: int | None = None) -> None:
+                 scale_grads: bool = True, pp_size: int | None = None, group=None) -> None:
         self._stages = _stages(stages)
-        n = len(self._stages)
-        pp = pp_size if pp_size is not None else (n if self.one_stage_per_rank else 1)
-        if not isinstance(pp, int) or pp < 1 or n % pp:
-            raise ValueError(f"{type(self).__name__}: pp_size {pp!r} must divide the "
-                             f"{n} stages (stage s runs on rank s % pp_size)")
-        self.pp_size, self.n_microbatches = pp, n_microbatches
+        n = self._stages[0].num_stages
+        self.pp_size, self._rank, self._group = _layout(
+            self._stages, pp_size, self.one_stage_per_rank, type(self).__name__, group)
+        self.n_microbatches = n_microbatches
         self.loss_fn, self.scale_grads = loss_fn, scale_grads
         self.pipeline_order: dict[int, list[Action | None]] = ORDERS[self.order_name](
-            pp, n // pp, n_microbatches)
+            self.pp_size, n // self.pp_size, n_microbatches)
 
     def step(self, *args, target: Any = None, losses: list | None = None, **kwargs):
         """One training step; returns the last stage's output for the whole batch."""
@@ -74,26 +98,53 @@ class _Schedule:
         return self._run(args, kwargs, target, losses, train=False)
 
     def _run(self, args, kwargs, target, losses, train: bool):
-        m = self.n_microbatches
-        chunks, kw = split_args_kwargs_into_chunks(args, kwargs, m)
+        m, first = self.n_microbatches, self._stages[0]
+        holds_first = first.stage_index == 0
+        holds_last = self._stages[-1].is_last
+        if holds_first and not args:
+            raise ValueError("the rank holding stage 0 passes the step's inputs: "
+                             "schedule.step(x, ...)")
+        chunks, kw = (split_args_kwargs_into_chunks(args, kwargs, m) if holds_first
+                      else ([()] * m, [{}] * m))
         if any(kw):
             raise ValueError("pipeline stages take positional inputs only; pass "
                              f"{sorted(kw[0])} positionally")
         if target is not None and self.loss_fn is None:
             raise ValueError("a target needs the schedule's loss_fn; pass loss_fn=")
         targets = (split_args_kwargs_into_chunks((target,), None, m)[0]
-                   if target is not None else [(None,)] * m)
-        _same_rows(chunks, targets)
-        backward = train and self.loss_fn is not None and target is not None
-        run = _Run(self._stages, chunks, [t[0] for t in targets], self.loss_fn, backward)
+                   if target is not None and holds_last else [(None,)] * m)
+        if holds_first and holds_last:
+            _same_rows(chunks, targets)
+        backward = train and self.loss_fn is not None and (target is not None
+                                                           or not holds_last)
         for st in self._stages:
             st.begin(self.loss_fn)
-        run.drive(self.pipeline_order)
+        targets = [t[0] for t in targets]
+        if self._rank is None:
+            run = _Run(self._stages, chunks, targets, self.loss_fn, backward)
+            run.drive(self.pipeline_order)
+            outputs, step_losses = run.outputs[len(self._stages) - 1], run.losses
+        else:
+            done = self._run_here(chunks, targets, backward)
+            outputs, step_losses = done.outputs, done.losses
         for st in self._stages if backward else ():
             st.finish(m if self.scale_grads else 1)
+        if not holds_last:
+            return None
         if losses is not None and target is not None:
-            losses.extend(run.losses[i] for i in range(m))
-        return merge_chunks([run.outputs[len(self._stages) - 1][i] for i in range(m)])
+            losses.extend(step_losses[i] for i in range(m))
+        return merge_chunks([outputs[i] for i in range(m)])
+
+    def _run_here(self, chunks, targets, backward: bool):
+        import jdist
+
+        if self._stages[-1].is_last and backward and targets[0] is None:
+            raise ValueError("the rank holding the last stage passes the target: "
+                             "schedule.step(target=y, losses=...)")
+        return run_rank(jdist, self._group, self._rank, self.pipeline_order,
+                        {s.stage_index: s for s in self._stages},
+                        self._stages[0].num_stages, chunks, targets, self.loss_fn,
+                        backward, self._group.timeout)
 
 
 def _same_rows(chunks: list, targets: list) -> None:
@@ -155,8 +206,7 @@ class _Run:
                 fn = st.backward if a.kind is Kind.BACKWARD else st.backward_input
                 self.grads[s][i] = fn(i, None if ct is None else _one(ct))
         except Exception as exc:
-            raise type(exc)(f"pipeline stage {s}, action {a} (micro-batch {i}): "
-                            f"{exc}") from exc
+            raise_in(exc, f"pipeline stage {s}, action {a} (micro-batch {i}): {exc}")
         self.done.add((s, a.kind, i))
 
     def _forward(self, st: PipelineStage, s: int, i: int) -> None:

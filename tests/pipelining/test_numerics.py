@@ -125,7 +125,7 @@ def _stages(n=STAGES):
     (lambda: pp.Schedule1F1B(_stages(), 2, loss_fn=mse), "greater than or equal to"),
     (lambda: pp.ScheduleInterleaved1F1B(_stages(), 5, loss_fn=mse, pp_size=2),
      "multiple of the number of rounds"),
-    (lambda: pp.ScheduleGPipe(_stages()[1:], 4, loss_fn=mse), "in one process"),
+    (lambda: pp.ScheduleGPipe(_stages()[1:], 4, loss_fn=mse), "build every stage here"),
     (lambda: pp.ScheduleLoopedBFS(_stages(), 4, loss_fn=mse, pp_size=3), "must divide"),
     (lambda: pp.PipelineStage(nnx.BatchNorm(D, rngs=nnx.Rngs(0)), 0, 1), "other than"),
     (lambda: pp.PipelineStage(_layers()[0], 4, 4), "not in \\[0, 4\\)"),

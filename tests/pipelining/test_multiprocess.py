@@ -1,0 +1,144 @@
+"""Stages in separate processes (``jdist/pipelining/_remote.py``, ``_links.py``): 2 and
+4 real processes, every schedule; per step the last rank's merged output and losses,
+and every rank's stage gradients, equal a single-process run of the same model (1e-6)
+over steps with an optax update between them. A stage that raises makes every rank
+raise, naming the rank, stage and action, instead of hanging."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.helpers import run_procs
+
+D, BATCH, M = 6, 12, 4
+SCHEDULES_2 = [("GPipe", 2), ("1F1B", 2), ("LoopedBFS", 4), ("Interleaved1F1B", 4),
+               ("InterleavedZeroBubble", 4)]  # (name, stages) on 2 processes
+SCHEDULES_4 = [("1F1B", 4), ("InterleavedZeroBubble", 8)]
+
+
+def _model(n_stages):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rngs = nnx.Rngs(0)
+    return [nnx.Sequential(nnx.Linear(D, D, rngs=rngs), jnp.tanh) for _ in range(n_stages)]
+
+
+def _mse(out, target):
+    import jax.numpy as jnp
+    return jnp.mean((out - target) ** 2)
+
+
+def _data(step):
+    rng = np.random.default_rng(step)
+    return (rng.standard_normal((BATCH, D)).astype(np.float32),
+            rng.standard_normal((BATCH, D)).astype(np.float32))
+
+
+def _train(name, n_stages, mine, steps=2):
+    """Train ``mine`` (the stage indices here); with every stage here, single-process."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jdist.pipelining as pp
+
+    mods = _model(n_stages)
+    stages = [pp.PipelineStage(mods[i], i, n_stages) for i in mine]
+    opts = {i: nnx.Optimizer(mods[i], optax.sgd(0.1), wrt=nnx.Param) for i in mine}
+    sched = pp.get_schedule_class(name)(stages, M, loss_fn=_mse,
+                                        pp_size=None if len(mine) < n_stages else None)
+    record = []
+    for step in range(steps):
+        x, y = _data(step)
+        losses = []
+        args = (x,) if 0 in mine else ()
+        target = y if n_stages - 1 in mine else None
+        out = sched.step(*args, target=target, losses=losses)
+        grads = {st.stage_index: jax.tree.map(np.asarray, nnx.to_pure_dict(st.grads))
+                 for st in stages}
+        record.append({"out": None if out is None else np.asarray(out),
+                       "losses": [float(v) for v in losses], "grads": grads})
+        for st in stages:
+            opts[st.stage_index].update(mods[st.stage_index], st.grads)
+    return record
+
+
+def _child(cases):
+    import jdist
+
+    jdist.init_process_group(timeout=60)
+    rank, world = jdist.get_rank(), jdist.get_world_size()
+    out = {}
+    for name, n_stages in cases:
+        out[name] = _train(name, n_stages, list(range(rank, n_stages, world)))
+    jdist.destroy_process_group()
+    return out
+
+
+def _check(results, cases, world):
+    for name, n_stages in cases:
+        ref = _train(name, n_stages, list(range(n_stages)))
+        for step, want in enumerate(ref):
+            last = results[(n_stages - 1) % world][name][step]
+            np.testing.assert_allclose(last["out"], want["out"], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(last["losses"], want["losses"], rtol=1e-6, atol=1e-7)
+            for r in range(world):
+                got = results[r][name][step]
+                if r != (n_stages - 1) % world:
+                    assert got["out"] is None and got["losses"] == []
+                for s, g in got["grads"].items():
+                    assert s % world == r
+                    import jax
+                    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+                        a, b, rtol=1e-5, atol=1e-6), g, want["grads"][s])
+
+
+def test_two_processes_every_schedule_equals_one_process():
+    results = run_procs(_child, 2, args=(SCHEDULES_2,), timeout=300)
+    _check(results, SCHEDULES_2, 2)
+
+
+def test_four_processes_equal_one_process():
+    results = run_procs(_child, 4, args=(SCHEDULES_4,), timeout=300)
+    _check(results, SCHEDULES_4, 4)
+
+
+def _failing(bad_rank):
+    import time
+
+    import jax.numpy as jnp
+
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=30)
+    rank = jdist.get_rank()
+    mods = _model(4)
+
+    def loss(out, target):
+        if rank == bad_rank:
+            raise FloatingPointError("the loss blew up")
+        return jnp.mean((out - target) ** 2)
+
+    stages = [pp.PipelineStage(mods[i], i, 4) for i in (rank, rank + 2)]
+    sched = pp.ScheduleInterleaved1F1B(stages, 4, loss_fn=loss)
+    x, y = _data(0)
+    t = time.monotonic()
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        err = "none"
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t
+    jdist.destroy_process_group()
+    return err, took
+
+
+def test_a_failing_stage_makes_every_rank_raise():
+    out = run_procs(_failing, 2, args=(1,), timeout=120)
+    (err0, t0), (err1, t1) = out
+    assert err1.startswith("FloatingPointError") and "pipeline rank 1, stage 3" in err1, err1
+    assert err0.startswith("PeerFailedError") and "rank 1" in err0, err0
+    assert "the loss blew up" in err0
+    assert t0 < 20 and t1 < 20
