@@ -1,14 +1,15 @@
 """jdist.pipelining vs torch.distributed.pipelining: step time, and each schedule's idle
 fraction against the bubble formula.
 
-Step time: a 4-stage MLP (each stage Linear(512, 512) + tanh) trained with each
-schedule that holds several stages per rank, all stages in one process (torch on its
-``fake`` process group, as torch's own single-process tests run), batch 256 in 8
-micro-batches; median of ``--steps`` steps after warm-up, jdist and torch in the same
-run (torch with one thread, as jdist-run sets it). Idle fraction: the share of idle
-time when every rank runs its order with a forward taking one unit and a backward two,
-against (p - 1) / (m + p - 1) for GPipe and 1F1B. The idle fraction measured on separate
-processes waits for the multi-process runtime (docs/pipelining.md).
+Step time: a pipeline of Linear(512, 512) + tanh stages, batch 256 in 8 micro-batches,
+median of ``--steps`` steps after warm-up, jdist and torch in the same run (torch with
+one thread, as jdist-run sets it): 4 stages in one process for the schedules that hold
+several stages per rank (torch on its ``fake`` process group, as torch's own
+single-process tests run), and 2 processes (torch on gloo) for GPipe, 1F1B and
+Interleaved1F1B, where jdist also reports each rank's measured idle share of the step.
+Idle fraction of the orders: the share of idle time when every rank runs its order with
+a forward taking one unit and a backward two, against (p - 1) / (m + p - 1) for GPipe
+and 1F1B.
 
     python benchmarks/pipelining.py [--steps 30] [--smoke]
 """
@@ -116,6 +117,80 @@ def _simulate(order: dict, n_stages: int) -> float:
     return 1 - busy / (len(order) * span)
 
 
+def _jdist_mp(name: str, steps: int) -> dict:
+    """One rank of a 2-process pipeline (2 stages per rank for the multi-stage schedules):
+    median step time, and the share of the step this rank's stages were not computing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=600)
+    rank = jdist.get_rank()
+    n = 2 if name in ("GPipe", "1F1B") else 4
+    rngs = nnx.Rngs(0)
+    mods = [nnx.Sequential(nnx.Linear(WIDTH, WIDTH, rngs=rngs), jnp.tanh) for _ in range(n)]
+    stages = [pp.PipelineStage(mods[s], s, n) for s in range(rank, n, 2)]
+    busy = [0.0]
+    for st in stages:  # time each computation to its end (benchmark-only wrapping)
+        for meth in ("forward", "backward", "backward_input", "backward_weight"):
+            def timed(*a, _f=getattr(st, meth), **k):
+                t = time.perf_counter()
+                out = jax.block_until_ready(_f(*a, **k))
+                busy[0] += time.perf_counter() - t
+                return out
+            setattr(st, meth, timed)
+    sched = pp.get_schedule_class(name)(stages, MB, loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    y = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+    walls, idles = [], []
+    for i in range(steps + 3):
+        busy[0] = 0.0
+        t = time.perf_counter()
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        jax.block_until_ready([st.grads for st in stages])
+        wall = time.perf_counter() - t
+        if i >= 3:
+            walls.append(wall)
+            idles.append(1 - busy[0] / wall)
+    jdist.destroy_process_group()
+    return {"step": statistics.median(walls), "idle": statistics.median(idles)}
+
+
+def _torch_mp(name: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    n = 2 if name in ("GPipe", "1F1B") else 4
+    torch.manual_seed(0)
+    mods = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
+            for _ in range(n)]
+    stages = [tpp.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in range(rank, n, 2)]
+    cls = getattr(tpp, "Schedule" + name)
+    single = issubclass(cls, tpp.schedules.PipelineScheduleSingle)
+    sched = cls(stages[0] if single else stages, MB, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+
+    def step():
+        for m in mods:
+            m.zero_grad()
+        sched.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 1 else {}))
+
+    try:
+        return {"step": _median_step(step, steps)}
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _idle_rows() -> list[tuple]:
     from jdist.pipelining import _orders
 
@@ -143,6 +218,26 @@ def main(argv=None) -> None:
         times.append(row(name, "ms", j * 1e3, t * 1e3, j / t))
         print(f"  {name:22s} jdist {j * 1e3:8.2f} ms  torch {t * 1e3:8.2f} ms  "
               f"ratio {j / t:.2f}", flush=True)
+    from jdist.launch import spawn
+
+    mod = __import__("benchmarks.pipelining", fromlist=["_jdist_mp"])
+    procs, measured = [], []
+    print(f"step time, 2 processes (GPipe/1F1B: 1 stage each; others: 2 each), batch "
+          f"{BATCH} in {MB} micro-batches:")
+    for name in ("GPipe", "1F1B", "Interleaved1F1B"):
+        j = spawn(mod._jdist_mp, args=(name, steps), nprocs=2, timeout=900,
+                  env={"OMP_NUM_THREADS": "1"})
+        t = spawn(mod._torch_mp, args=(name, steps), nprocs=2, timeout=900,
+                  env={"OMP_NUM_THREADS": "1"})
+        js, ts = max(r["step"] for r in j), max(r["step"] for r in t)
+        procs.append(row(name, "ms", js * 1e3, ts * 1e3, js / ts))
+        idle = [r["idle"] for r in j]
+        if name in ("GPipe", "1F1B"):
+            measured.append(row(name, "fraction", max(idle), 1 / (MB + 1),
+                                note="worst rank; formula (p-1)/(m+p-1), p=2"))
+        print(f"  {name:22s} jdist {js * 1e3:8.2f} ms  torch {ts * 1e3:8.2f} ms  ratio "
+              f"{js / ts:.2f}  (jdist idle share per rank "
+              f"{', '.join(f'{v:.2f}' for v in idle)})", flush=True)
     idle = _idle_rows()
     print("idle share of the ranks' time running each order (forward 1, backward 2 "
           "units) vs (p-1)/(m+p-1):")
@@ -151,6 +246,10 @@ def main(argv=None) -> None:
     print(bench_json("pipelining", [
         table("pipeline step time, 4 stages in one process", "torch",
               "jdist / torch (lower is better; goal <= 1.0)", times),
+        table("pipeline step time, 2 processes", "torch (gloo)",
+              "jdist / torch (lower is better; goal <= 1.0)", procs),
+        table("idle share measured on 2 processes (jdist) vs the bubble formula", "formula",
+              "measured / formula", measured),
         table("idle share of the order vs the bubble formula", "formula",
               "order / formula", [row(c, "fraction", g, w, g / w) for c, g, w in idle])]))
 
