@@ -15,7 +15,30 @@ from typing import Any
 from jdist.pipelining._actions import Action, Kind
 from jdist.pipelining._links import Links
 
-__all__ = ["plans", "run_rank", "raise_in"]
+__all__ = ["plans", "run_rank", "raise_in", "average_over"]
+
+
+def average_over(grads, dp_group):
+    """``grads`` averaged over the pipeline replicas in ``dp_group``: one eager
+    all-reduce per dtype of the leaves, packed into one vector."""
+    import jax
+    import numpy as np
+
+    import jdist
+
+    leaves, treedef = jax.tree.flatten(grads)
+    out = list(leaves)
+    for dtype in sorted({np.dtype(leaf.dtype).name for leaf in leaves}):
+        idx = [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dtype]
+        flat = np.concatenate([np.asarray(leaves[i]).ravel() for i in idx])
+        flat = np.asarray(jdist.all_reduce(flat, op=jdist.ReduceOp.AVG, group=dp_group))
+        start = 0
+        for i in idx:
+            n = leaves[i].size
+            out[i] = jax.device_put(flat[start:start + n].reshape(leaves[i].shape),
+                                    next(iter(leaves[i].devices())))
+            start += n
+    return jax.tree.unflatten(treedef, out)
 
 
 def raise_in(exc: Exception, message: str):

@@ -11,7 +11,9 @@ summed.
 When every stage is in this process (on its devices, ``PipelineStage(device=)``), the
 ranks of the order are walked together, each rank's next action running as soon as its
 inputs exist. Otherwise each process holds the stages of its pipeline rank (``s % pp``)
-and runs its own list (``jdist/pipelining/_remote.py``).
+and runs its own list (``jdist/pipelining/_remote.py``). With ``dp_group=`` (the ranks
+holding the same stages in other pipeline replicas), each stage's gradients are then
+averaged over its replicas: data parallel x pipeline.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 from jdist.pipelining._actions import Action, Kind
 from jdist.pipelining._microbatch import merge_chunks, split_args_kwargs_into_chunks
 from jdist.pipelining._orders import ORDERS
-from jdist.pipelining._remote import raise_in, run_rank
+from jdist.pipelining._remote import average_over, raise_in, run_rank
 from jdist.pipelining._stage import PipelineStage
 
 __all__ = ["ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
@@ -79,8 +81,10 @@ class _Schedule:
     one_stage_per_rank = False
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None,
-                 scale_grads: bool = True, pp_size: int | None = None, group=None) -> None:
+                 scale_grads: bool = True, pp_size: int | None = None, group=None,
+                 dp_group=None) -> None:
         self._stages = _stages(stages)
+        self.dp_group = dp_group
         n = self._stages[0].num_stages
         self.pp_size, self._rank, self._group = _layout(
             self._stages, pp_size, self.one_stage_per_rank, type(self).__name__, group)
@@ -129,6 +133,8 @@ class _Schedule:
             outputs, step_losses = done.outputs, done.losses
         for st in self._stages if backward else ():
             st.finish(m if self.scale_grads else 1)
+            if self.dp_group is not None:
+                st.grads = average_over(st.grads, self.dp_group)
         if not holds_last:
             return None
         if losses is not None and target is not None:

@@ -92,7 +92,7 @@ def _child(cases):
         x = _input(rank, dtype, n, i)
         want = _want(kind, dtype, op, n, rank, world, i)
         got = {}
-        for mode, as_jax in itertools.product(("ON", "OFF"), (False, True)):
+        for mode, as_jax in (("ON", False), ("ON", True), ("OFF", False)):
             if as_jax and np.dtype(dtype).itemsize == 8:
                 continue  # (no 64-bit jax arrays with x64 off)
             os.environ["JDIST_DEBUG"] = mode

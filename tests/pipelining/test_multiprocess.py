@@ -142,3 +142,53 @@ def test_a_failing_stage_makes_every_rank_raise():
     assert err0.startswith("PeerFailedError") and "rank 1" in err0, err0
     assert "the loss blew up" in err0
     assert t0 < 20 and t1 < 20
+
+
+def _dp_pp(name, n_stages):
+    """4 processes: 2 pipeline replicas (ranks 0-1 and 2-3) of 2 pipeline ranks each,
+    each replica on its half of the batch; stage gradients averaged over replicas."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=60)
+    rank = jdist.get_rank()
+    pp_groups = [jdist.new_group([0, 1]), jdist.new_group([2, 3])]
+    dp_groups = [jdist.new_group([0, 2]), jdist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    mods = _model(n_stages)
+    mine = list(range(pp_rank, n_stages, 2))
+    stages = [pp.PipelineStage(mods[i], i, n_stages) for i in mine]
+    opts = {i: nnx.Optimizer(mods[i], optax.sgd(0.1), wrt=nnx.Param) for i in mine}
+    sched = pp.get_schedule_class(name)(stages, 2, loss_fn=_mse, group=pp_groups[replica],
+                                        dp_group=dp_groups[pp_rank])
+    record = []
+    half = slice(replica * BATCH // 2, (replica + 1) * BATCH // 2)
+    for step in range(2):
+        x, y = _data(step)
+        losses = []
+        sched.step(*((x[half],) if 0 in mine else ()),
+                   target=y[half] if n_stages - 1 in mine else None, losses=losses)
+        record.append({st.stage_index: jax.tree.map(np.asarray, nnx.to_pure_dict(st.grads))
+                       for st in stages})
+        for st in stages:
+            opts[st.stage_index].update(mods[st.stage_index], st.grads)
+    jdist.destroy_process_group()
+    return record
+
+
+def test_pipeline_replicas_average_like_one_process_on_the_whole_batch():
+    import jax
+
+    name, n_stages = "Interleaved1F1B", 4
+    results = run_procs(_dp_pp, 4, args=(name, n_stages), timeout=300)
+    ref = _train(name, n_stages, list(range(n_stages)))  # whole batch, 4 micro-batches
+    for rank, record in enumerate(results):
+        for step, grads in enumerate(record):
+            for s, g in grads.items():
+                assert s % 2 == rank % 2
+                jax.tree.map(lambda a, b: np.testing.assert_allclose(
+                    a, b, rtol=1e-5, atol=1e-6), g, ref[step]["grads"][s])
