@@ -299,12 +299,13 @@ def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
 
 
 def from_block(block: jax.Array, as_jax: bool):
-    """Drop the leading member axis of this process's output block: a numpy view of a
-    host block (what :func:`~jdist.collectives._result.as_result` places in one step),
-    else a jax.Array when ``as_jax``."""
-    if as_jax and next(iter(block.devices())).platform != "cpu":
-        return block.reshape(block.shape[1:])
-    return np.asarray(block)[0]
+    """Drop the leading member axis of this process's output block (numpy, or with
+    ``as_jax`` an uncommitted jax.Array: a host block placed in one ``device_put``
+    instead of a reshape program)."""
+    if next(iter(block.devices())).platform != "cpu":
+        return block.reshape(block.shape[1:]) if as_jax else np.asarray(block)[0]
+    view = np.asarray(block)[0]
+    return jax.device_put(view) if as_jax else view
 
 
 def is_runtime_failure(exc: BaseException) -> bool:

@@ -28,6 +28,7 @@ from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._eager import _prep, _write_back, queues
 from jdist.collectives._group import ProcessGroup, group_state, make_mesh
 from jdist.collectives._inplace import check_kept
+from jdist.collectives._result import as_result
 from jdist.errors import CollectiveTimeoutError, GroupMismatchError, NotInitializedError
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv"]
@@ -154,7 +155,8 @@ def _do_recv(world, tensor, src, tag):
     x, as_jax = _prep(tensor, "recv")
     if src is None:
         src = _any_source(world, tag, world.timeout)
-    out = _transfer(world, src, world.rank, x, tuple(x.shape), x.dtype, tag, as_jax)
+    out = as_result(_transfer(world, src, world.rank, x, tuple(x.shape), x.dtype, tag,
+                              as_jax), tensor, as_jax, tuple(x.shape))
     received = world.extra.setdefault("received", {})
     received[src] = received.get(src, 0) + 1
     _write_back(tensor, out)

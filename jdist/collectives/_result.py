@@ -27,12 +27,14 @@ __all__ = ["as_result", "as_results"]
 def _jax_like(value: jax.Array, like) -> jax.Array:
     if not isinstance(like, jax.Array) or not like.committed:
         # uncommitted: the value on the default device, free to be placed anywhere
-        return jax.device_put(np.asarray(value))
+        return value if not value.committed else jax.device_put(np.asarray(value))
     sharding = like.sharding
     if like.is_fully_addressable and tuple(value.shape) == tuple(like.shape):
-        return value if value.sharding == sharding else jax.device_put(value, sharding)
+        if value.sharding == sharding and value.committed:
+            return value
+        return jax.device_put(value, sharding)
     devices = sharding.device_set
-    if len(devices) == 1 and value.sharding.device_set != devices:
+    if len(devices) == 1 and (value.sharding.device_set != devices or not value.committed):
         return jax.device_put(value, next(iter(devices)))
     return value
 
@@ -41,13 +43,8 @@ def as_result(value, like, as_jax: bool, shape: tuple | None = None):
     """``value`` as the caller's kind: a numpy ``ndarray`` of ``shape`` (default: its
     own), or a jax.Array placed like the input ``like`` (see the module doc)."""
     if as_jax:
-        if not isinstance(value, jax.Array):  # a host block: placed once, no reshape op
-            host = np.asarray(value)
-            host = host if shape is None else host.reshape(shape)
-            if not isinstance(like, jax.Array) or not like.committed:
-                return jax.device_put(host)
-            value = jax.device_put(host, like.addressable_shards[0].device)
-        elif shape is not None:
+        value = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
+        if shape is not None and tuple(value.shape) != tuple(shape):
             value = value.reshape(shape)
         return _jax_like(value, like)
     out = np.asarray(value)

@@ -21,7 +21,8 @@ N = 2
 SHAPES = ((), (2, 0))
 DTYPES = ("float32",)
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-               "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor")
+               "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+               "all_to_all_single", "send_recv")
 
 
 def _input(rank, shape, dtype, slot=0):
@@ -48,6 +49,15 @@ def _call(jdist, name, rank, shape, dtype, xp):
         return jdist.scatter(x, pieces if rank == 0 else None, src=0)
     if name == "reduce_scatter":
         return jdist.reduce_scatter(None, pieces)
+    if name == "all_to_all":
+        return jdist.all_to_all(None, pieces)
+    if name == "all_to_all_single":
+        return jdist.all_to_all_single(None, xp.stack(pieces))
+    if name == "send_recv":  # a ring: to the next rank, from the previous one
+        work = jdist.isend(x, dst=(rank + 1) % N)
+        _, got = jdist.recv(xp.zeros_like(x), src=(rank - 1) % N)
+        work.wait()
+        return got
     return jdist.reduce_scatter_tensor(None, xp.stack(pieces))
 
 
@@ -66,6 +76,9 @@ def _reference(name, rank, shape, dtype):
         "reduce_scatter": np.sum([p[rank] for p in pieces], axis=0, dtype=dtype),
         "reduce_scatter_tensor": np.sum([p[rank] for p in pieces], axis=0,
                                         dtype=dtype)[None],
+        "all_to_all": [pieces[j][rank] for j in range(N)],
+        "all_to_all_single": np.stack([pieces[j][rank] for j in range(N)]),
+        "send_recv": xs[(rank - 1) % N],
     }[name]
 
 
