@@ -79,7 +79,7 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
           quick=("--steps", "10", "--num-embeddings", "10000")),
     Bench("memory", "Peak host memory: torch's ZeRO recipe, 2 processes (vs torch)",
           "benchmarks/memory.py"),
-    Bench("pipelining", "Pipeline schedules, 4 stages in one process (vs torch)",
+    Bench("pipelining", "Pipeline schedules: 4 stages in one process, and 2 processes (vs torch)",
           "benchmarks/pipelining.py"),
     Bench("ports", "pytorch/examples programs ported (vs torch)", "benchmarks/ports.py",
           quick_timeout=480.0),
