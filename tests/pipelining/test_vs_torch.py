@@ -85,3 +85,26 @@ def test_four_local_stages_match_torch(torch_group, name, m):
                                   "InterleavedZeroBubble"])
 def test_single_stage_matches_torch(torch_group, name):
     _compare(name, 1, 2, seed=1)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "LoopedBFS", "Interleaved1F1B",
+                                  "InterleavedZeroBubble"])
+def test_eval_then_train(name):
+    """torch's test_schedule_eval_then_train: evaluation steps before training steps
+    leave no state behind (the training step equals one on a fresh schedule)."""
+    _, jmods = _pair(1, 3)
+    _, fresh = _pair(1, 3)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((BATCH, D)).astype(np.float32)
+    y = rng.standard_normal((BATCH, D)).astype(np.float32)
+    used = pp.get_schedule_class(name)([pp.PipelineStage(jmods[0], 0, 1)], 2, loss_fn=_mse)
+    for _ in range(2):
+        losses: list = []
+        used.eval(x, target=y, losses=losses)
+        assert len(losses) == 2
+    clean = pp.get_schedule_class(name)([pp.PipelineStage(fresh[0], 0, 1)], 2, loss_fn=_mse)
+    a, b = used.step(x, target=y), clean.step(x, target=y)
+    np.testing.assert_array_equal(a, b)
+    for u, c in zip(used._stages, clean._stages, strict=True):
+        np.testing.assert_array_equal(u.grads["layers"][0]["kernel"].value,
+                                      c.grads["layers"][0]["kernel"].value)
