@@ -133,11 +133,17 @@ class _Step:
 
 
 def run_rank(jd, group, me: int, order: dict, stages: dict, n_stages: int, chunks,
-             targets, loss_fn, backward: bool, timeout: float) -> _Step:
-    """Run rank ``me``'s actions; returns the step's state (outputs, losses)."""
+             targets, loss_fn, backward: bool, timeout: float,
+             problem: str | None = None) -> _Step:
+    """Run rank ``me``'s actions; returns the step's state (outputs, losses). With a
+    ``problem`` (bad arguments here), tell every peer and raise ValueError."""
     pp = len(order)
     sends, recvs = plans(order, pp, n_stages, me, backward)
     links = Links(jd, group, sends, recvs, timeout)
+    if problem is not None:
+        links.fail(f"bad step arguments: {problem}")
+        links.close(5.0)
+        raise ValueError(f"pipeline rank {me}: {problem}")
     step = _Step(me, stages, links, pp, n_stages, chunks, targets, loss_fn, backward)
     for a in order[me]:
         if a is None or (not backward and a.kind is not Kind.FORWARD):

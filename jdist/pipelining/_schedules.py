@@ -103,33 +103,31 @@ class _Schedule:
 
     def _run(self, args, kwargs, target, losses, train: bool):
         m, first = self.n_microbatches, self._stages[0]
-        holds_first = first.stage_index == 0
-        holds_last = self._stages[-1].is_last
-        if holds_first and not args:
-            raise ValueError("the rank holding stage 0 passes the step's inputs: "
-                             "schedule.step(x, ...)")
-        chunks, kw = (split_args_kwargs_into_chunks(args, kwargs, m) if holds_first
-                      else ([()] * m, [{}] * m))
-        if any(kw):
-            raise ValueError("pipeline stages take positional inputs only; pass "
-                             f"{sorted(kw[0])} positionally")
-        if target is not None and self.loss_fn is None:
-            raise ValueError("a target needs the schedule's loss_fn; pass loss_fn=")
-        targets = (split_args_kwargs_into_chunks((target,), None, m)[0]
-                   if target is not None and holds_last else [(None,)] * m)
-        if holds_first and holds_last:
-            _same_rows(chunks, targets)
-        backward = train and self.loss_fn is not None and (target is not None
-                                                           or not holds_last)
+        holds_first, holds_last = first.stage_index == 0, self._stages[-1].is_last
+        problem = _problem(holds_first, holds_last, args, kwargs, target, self.loss_fn,
+                           train and self._rank is not None)
+        chunks = targets = None
+        if problem is None:
+            chunks = (split_args_kwargs_into_chunks(args, kwargs, m)[0] if holds_first
+                      else [()] * m)
+            targets = [t[0] for t in split_args_kwargs_into_chunks((target,), None, m)[0]] \
+                if target is not None and holds_last else [None] * m
+            if holds_first and holds_last:
+                _same_rows(chunks, targets)
+        if self._rank is None:
+            if problem is not None:
+                raise ValueError(problem)
+            backward = train and self.loss_fn is not None and target is not None
+        else:
+            backward = train and self.loss_fn is not None
         for st in self._stages:
             st.begin(self.loss_fn)
-        targets = [t[0] for t in targets]
         if self._rank is None:
             run = _Run(self._stages, chunks, targets, self.loss_fn, backward)
             run.drive(self.pipeline_order)
             outputs, step_losses = run.outputs[len(self._stages) - 1], run.losses
         else:
-            done = self._run_here(chunks, targets, backward)
+            done = self._run_here(chunks, targets, backward, problem)
             outputs, step_losses = done.outputs, done.losses
         for st in self._stages if backward else ():
             st.finish(m if self.scale_grads else 1)
@@ -141,16 +139,29 @@ class _Schedule:
             losses.extend(step_losses[i] for i in range(m))
         return merge_chunks([outputs[i] for i in range(m)])
 
-    def _run_here(self, chunks, targets, backward: bool):
+    def _run_here(self, chunks, targets, backward: bool, problem: str | None):
         import jdist
 
-        if self._stages[-1].is_last and backward and targets[0] is None:
-            raise ValueError("the rank holding the last stage passes the target: "
-                             "schedule.step(target=y, losses=...)")
         return run_rank(jdist, self._group, self._rank, self.pipeline_order,
                         {s.stage_index: s for s in self._stages},
                         self._stages[0].num_stages, chunks, targets, self.loss_fn,
-                        backward, self._group.timeout)
+                        backward, self._group.timeout, problem)
+
+
+def _problem(holds_first: bool, holds_last: bool, args, kwargs, target, loss_fn,
+             needs_target: bool) -> str | None:
+    """What is wrong with a step's arguments on this rank (None: nothing)."""
+    if holds_first and not args:
+        return "the rank holding stage 0 passes the step's inputs: schedule.step(x, ...)"
+    if kwargs:
+        return f"pipeline stages take positional inputs only; pass {sorted(kwargs)} " \
+               f"positionally"
+    if target is not None and loss_fn is None:
+        return "a target needs the schedule's loss_fn; pass loss_fn="
+    if needs_target and holds_last and loss_fn is not None and target is None:
+        return ("the rank holding the last stage passes the target: "
+                "schedule.step(target=y, losses=...)")
+    return None
 
 
 def _same_rows(chunks: list, targets: list) -> None:

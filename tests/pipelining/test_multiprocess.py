@@ -192,3 +192,32 @@ def test_pipeline_replicas_average_like_one_process_on_the_whole_batch():
                 assert s % 2 == rank % 2
                 jax.tree.map(lambda a, b: np.testing.assert_allclose(
                     a, b, rtol=1e-5, atol=1e-6), g, ref[step]["grads"][s])
+
+
+def _forgot_target():
+    import time
+
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=30)
+    rank = jdist.get_rank()
+    mods = _model(2)
+    sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=_mse)
+    x, _ = _data(0)
+    t = time.monotonic()
+    try:
+        sched.step(*((x,) if rank == 0 else ()))  # the last rank passes no target
+        err = "none"
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t
+    jdist.destroy_process_group()
+    return err, took
+
+
+def test_bad_step_arguments_on_one_rank_make_every_rank_raise():
+    (err0, t0), (err1, t1) = run_procs(_forgot_target, 2, timeout=120)
+    assert err1.startswith("ValueError") and "passes the target" in err1, err1
+    assert err0.startswith("PeerFailedError") and "passes the target" in err0, err0
+    assert t0 < 20 and t1 < 20
