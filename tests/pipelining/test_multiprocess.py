@@ -221,3 +221,61 @@ def test_bad_step_arguments_on_one_rank_make_every_rank_raise():
     assert err1.startswith("ValueError") and "passes the target" in err1, err1
     assert err0.startswith("PeerFailedError") and "passes the target" in err0, err0
     assert t0 < 20 and t1 < 20
+
+
+def _changing(mode, rows, fail_at):
+    """1F1B over 2 processes with the batch size changing between steps, then a stage
+    failing on a later step; with the mismatch check on and off (``JDIST_DEBUG``)."""
+    import os
+
+    import jax.numpy as jnp
+
+    os.environ["JDIST_DEBUG"] = mode
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=30)
+    rank = jdist.get_rank()
+    mods = _model(2)
+    state = {"step": 0}
+
+    def loss(out, target):
+        if rank == 1 and state["step"] == fail_at:
+            raise FloatingPointError("late failure")
+        return jnp.mean((out - target) ** 2)
+
+    sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=loss)
+    outs, err = [], "none"
+    for step, n in enumerate(rows):
+        state["step"] = step
+        x, y = _data(step)
+        try:
+            out = sched.step(*((x[:n],) if rank == 0 else ()),
+                             target=y[:n] if rank == 1 else None)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            break
+        outs.append(None if out is None else np.asarray(out))
+    jdist.destroy_process_group()
+    return outs, err
+
+
+def test_changing_shapes_and_late_failures_with_and_without_headers():
+    import jax.numpy as jnp
+
+    import jdist.pipelining as pp
+
+    rows = [12, 12, 8, 8, 10]  # (the loss raises when traced: step 4's new shape)
+    mods = _model(2)
+    ref = pp.Schedule1F1B([pp.PipelineStage(m, i, 2) for i, m in enumerate(mods)], 2,
+                          loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
+    want = [np.asarray(ref.step(_data(s)[0][:n], target=_data(s)[1][:n]))
+            for s, n in enumerate(rows)]
+    for mode in ("ON", "OFF"):
+        (outs0, err0), (outs1, err1) = run_procs(_changing, 2, args=(mode, rows, 4),
+                                                 timeout=120)
+        assert len(outs1) == 4, (mode, err1)
+        for got, w in zip(outs1, want, strict=False):
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
+        assert err1.startswith("FloatingPointError") and "late failure" in err1, err1
+        assert err0.startswith("PeerFailedError") and "late failure" in err0, (mode, err0)
