@@ -102,6 +102,10 @@ class _Step:
     def _output(self, key: tuple, to: int, x) -> None:
         if to % self.pp == self.me:
             self.local[key] = x
+        elif isinstance(x, (tuple, list, dict)):
+            raise ValueError(f"{key[0]} for stage {key[1]} is a {type(x).__name__} of "
+                             f"{len(x)} items; stages in separate processes pass one array "
+                             f"between them (return one array from the stage)")
         else:
             self.links.put(to % self.pp, x)
 

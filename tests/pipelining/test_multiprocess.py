@@ -279,3 +279,44 @@ def test_changing_shapes_and_late_failures_with_and_without_headers():
             np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
         assert err1.startswith("FloatingPointError") and "late failure" in err1, err1
         assert err0.startswith("PeerFailedError") and "late failure" in err0, (mode, err0)
+
+
+def _tuple_between_processes():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jdist
+    import jdist.pipelining as pp
+
+    class Pair(nnx.Module):  # returns two arrays
+        def __init__(self):
+            self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.lin(x), x
+
+    class Sum(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(1))
+
+        def __call__(self, a, b):
+            return self.lin(a + b)
+
+    jdist.init_process_group(timeout=30)
+    rank = jdist.get_rank()
+    stage = pp.PipelineStage(Pair() if rank == 0 else Sum(), rank, 2)
+    sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
+    x, y = _data(0)
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        err = "none"
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    jdist.destroy_process_group()
+    return err
+
+
+def test_a_stage_returning_several_arrays_across_processes_is_refused_everywhere():
+    err0, err1 = run_procs(_tuple_between_processes, 2, timeout=120)
+    assert err0.startswith("ValueError") and "pass one array" in err0, err0
+    assert err1.startswith("PeerFailedError") and "pass one array" in err1, err1
