@@ -24,19 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.collectives import _time_steps  # noqa: E402  (the median-step timer)
+
 WIDTH, BATCH, STAGES, MB = 512, 256, 4, 8
 MULTI = ("LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble")
 
 
 def _median_step(step, steps: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return _time_steps(step, steps, warmup=3)
 
 
 def _jdist(name: str, steps: int) -> float:

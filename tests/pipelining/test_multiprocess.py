@@ -64,6 +64,19 @@ def _train(name, n_stages, mine, steps=2):
     return record
 
 
+def _outcome(step) -> tuple[str, float]:
+    """``("none" or "<ErrorClass>: message", seconds)`` of calling ``step()``."""
+    import time
+
+    t = time.monotonic()
+    try:
+        step()
+        err = "none"
+    except Exception as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    return err, time.monotonic() - t
+
+
 def _child(cases):
     import jdist
 
@@ -105,7 +118,6 @@ def test_four_processes_equal_one_process():
 
 
 def _failing(bad_rank):
-    import time
 
     import jax.numpy as jnp
 
@@ -124,15 +136,10 @@ def _failing(bad_rank):
     stages = [pp.PipelineStage(mods[i], i, 4) for i in (rank, rank + 2)]
     sched = pp.ScheduleInterleaved1F1B(stages, 4, loss_fn=loss)
     x, y = _data(0)
-    t = time.monotonic()
-    try:
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
-        err = "none"
-    except Exception as exc:
-        err = f"{type(exc).__name__}: {exc}"
-    took = time.monotonic() - t
+    out = _outcome(lambda: sched.step(*((x,) if rank == 0 else ()),
+                                      target=y if rank == 1 else None))
     jdist.destroy_process_group()
-    return err, took
+    return out
 
 
 def test_a_failing_stage_makes_every_rank_raise():
@@ -195,7 +202,6 @@ def test_pipeline_replicas_average_like_one_process_on_the_whole_batch():
 
 
 def _forgot_target():
-    import time
 
     import jdist
     import jdist.pipelining as pp
@@ -205,15 +211,9 @@ def _forgot_target():
     mods = _model(2)
     sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=_mse)
     x, _ = _data(0)
-    t = time.monotonic()
-    try:
-        sched.step(*((x,) if rank == 0 else ()))  # the last rank passes no target
-        err = "none"
-    except Exception as exc:
-        err = f"{type(exc).__name__}: {exc}"
-    took = time.monotonic() - t
+    out = _outcome(lambda: sched.step(*((x,) if rank == 0 else ())))  # (no target)
     jdist.destroy_process_group()
-    return err, took
+    return out
 
 
 def test_bad_step_arguments_on_one_rank_make_every_rank_raise():
@@ -307,11 +307,8 @@ def _tuple_between_processes():
     stage = pp.PipelineStage(Pair() if rank == 0 else Sum(), rank, 2)
     sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
     x, y = _data(0)
-    try:
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
-        err = "none"
-    except Exception as exc:
-        err = f"{type(exc).__name__}: {exc}"
+    err, _ = _outcome(lambda: sched.step(*((x,) if rank == 0 else ()),
+                                         target=y if rank == 1 else None))
     jdist.destroy_process_group()
     return err
 
