@@ -45,6 +45,9 @@ __all__ = [
     "DistAutogradError",
     "LossTypeError",
     "WeightConversionError",
+    "FtError",
+    "ReplicaLostError",
+    "JobFinishedError",
 ]
 
 
@@ -310,3 +313,27 @@ class WeightConversionError(JdistError, ValueError, RuntimeError):
     same layers in the same order with the same settings, or pass ``strict=False`` /
     ``check_config=False`` to ``jdist.testing.torch_to_nnx`` / ``nnx_to_torch``.
     """
+
+
+class FtError(JdistError, RuntimeError):
+    """``jdist.ft`` could not form a quorum, heal, or reach its store or peers.
+
+    The message names the replica and the step. Fix: start the job with ``jdist-run
+    --ft`` (it hosts the store and sets ``JDIST_FT_STORE`` and ``JDIST_AUTH_TOKEN``), or
+    pass ``store=`` and ``auth_token=`` to :class:`jdist.ft.Manager`; raise
+    ``timeout=`` for slow steps."""
+
+
+class ReplicaLostError(FtError, ConnectionError):
+    """A replica of the quorum died, stopped, or stayed silent during a step.
+
+    ``jdist.ft`` catches it inside the step: the step does not commit
+    (``should_commit()`` is False) and the next quorum goes on without that replica.
+    The message names the replica, its step, the operation it had not entered and its
+    last published Python stack."""
+
+
+class JobFinishedError(FtError):
+    """The other replicas ended the job (``Manager.finish``) before this one joined a
+    quorum: there is nothing left to train. A replacement started late exits with it;
+    catch it to end cleanly."""

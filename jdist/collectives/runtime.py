@@ -10,7 +10,9 @@ private modules, so those stay free to change. Names and jobs:
 - ``ReduceOp``;
 - ``enter_step``, ``behind_text``, ``is_runtime_failure``, ``peer_failure``: numbering
   compiled steps in the heartbeat and turning a runtime failure into an error that
-  names the dead or stuck rank.
+  names the dead or stuck rank;
+- ``main_stack``, ``process_state``: the forensics a heartbeat publishes (the main
+  thread's Python stack; a local process's state letter, ``T`` when stopped).
 """
 
 from jdist.collectives._axis import axis_of as axis_of
@@ -26,7 +28,9 @@ from jdist.collectives._group import group_state as group_state
 from jdist.collectives._group import make_mesh as make_mesh
 from jdist.collectives._group import resolve_group as resolve_group
 from jdist.collectives._types import ReduceOp as ReduceOp
+from jdist.collectives._watchdog import main_stack as main_stack
+from jdist.collectives._watchdog import process_state as process_state
 
 __all__ = ["DEFAULT_AXIS", "ProcessGroup", "ReduceOp", "axis_of", "behind_text",
            "bound_size", "enter_step", "group_state", "is_bound", "is_runtime_failure",
-           "make_mesh", "peer_failure", "resolve_group"]
+           "main_stack", "make_mesh", "peer_failure", "process_state", "resolve_group"]

@@ -52,6 +52,7 @@ from jdist.launch._env import (
     worker_env,
 )
 from jdist.launch._forkserver import forkserver_script
+from jdist.launch._ft_agent import run_ft
 from jdist.launch._lifeline import exec_command
 from jdist.launch._relay import binary_stream
 from jdist.launch._rendezvous import LaunchError, Rendezvous, Terms
@@ -465,6 +466,8 @@ def run(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> int:
         _say(f"error: {problem}")
         return 2
     environ = dict(os.environ if environ is None else environ)
+    if cfg.ft:
+        return run_ft(cfg, environ)
     state = {"raised": False}
 
     def on_signal(signum, frame):

@@ -72,6 +72,7 @@ class LaunchConfig(NamedTuple):
     is_host: bool | None = None  # without --node-rank: host the store (None: if free)
     no_python: bool = False  # run SCRIPT as an executable, not with Python
     exit_barrier_timeout: float = 300.0  # a finished launcher waits this long for peers
+    ft: bool = False  # jdist.ft: replicas, the store in the launcher, one replaced at a time
 
     @property
     def min_nodes(self) -> int:
@@ -220,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "jdist/jax-compilation-cache/<host>), shared by every rank and "
                         "every re-run; with restarts, a per-job directory removed at the "
                         "end; JAX_COMPILATION_CACHE_DIR, if set, is used instead")
+    p.add_argument("--ft", action="store_true",
+                   help="run each worker as a jdist.ft replica: the launcher hosts their "
+                        "store and replaces a worker that dies (up to --max-restarts) "
+                        "while the others keep training")
     p.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("script", help="the Python script (or module with -m) to run")
@@ -536,7 +541,7 @@ def parse_args(argv: list[str] | None = None,
         min_nnodes=min_nnodes, start_method=start_method, preload=preload,
         compilation_cache=a.compilation_cache, last_call_timeout=a.last_call_timeout,
         is_host=a.is_host, no_python=a.no_python,
-        exit_barrier_timeout=a.exit_barrier_timeout,
+        exit_barrier_timeout=a.exit_barrier_timeout, ft=a.ft,
     )
 
 

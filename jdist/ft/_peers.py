@@ -1,0 +1,274 @@
+"""Messages between replicas: an authenticated, reconfigurable mailbox (no JAX).
+
+Departure from DESIGN.md ("bytes between devices move through XLA"): across *replica
+groups*, jdist.ft moves gradients and healed state over its own sockets, because
+XLA's communicators are formed once per process and cannot drop or add a member
+(a dead process aborts every JAX task). Inside a replica everything stays XLA's. This
+is torchft's layout too (a reconfigurable process group for the replica dimension).
+
+Every replica listens on one port. A message is ``(key, frames)``; the receiver files
+it under ``(key, sender)`` until :meth:`Mailbox.take` asks for it. Connections
+authenticate with a mutual HMAC challenge on the job's secret before any frame is read,
+and frames are capped (``max_message_bytes``). Nothing received is unpickled.
+
+A sender's process that dies closes its sockets: the receiver notes the end of that
+sender's connection and a :meth:`take` waiting on it fails at once instead of at its
+deadline. A stopped or hung sender is found by the caller's ``check`` (heartbeats).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import queue
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from jdist.errors import FtError, ReplicaLostError
+
+__all__ = ["Mailbox", "mac"]
+
+_MAGIC = b"JDFT\x00\x01"
+_NONCE = 32
+_MAC = 32
+_HEAD = struct.Struct("!IQI")  # key length, total frame bytes, number of frames
+_LEN = struct.Struct("!Q")
+_MAX_KEY = 1024
+_MAX_FRAMES = 1 << 20
+_HANDSHAKE_S = 10.0
+
+
+def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``role`` and the length-prefixed ``parts`` under ``key``."""
+    h = hmac.new(key, role, hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "big"))
+        h.update(p)
+    return h.digest()
+
+
+def _read(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed by the peer")
+        got += k
+    return buf
+
+
+class Mailbox:
+    """This replica's listener, its inbox, and its connections to the others.
+
+    Args:
+      replica: this replica's id (sent in the handshake).
+      token: the job's shared secret (``JDIST_AUTH_TOKEN``).
+      host: the address to listen on (loopback unless told otherwise).
+      max_message_bytes: the largest message accepted from an authenticated peer.
+    """
+
+    def __init__(self, replica: int, incarnation: int, token: bytes,
+                 host: str = "127.0.0.1", max_message_bytes: int = 1 << 34):
+        if not token:
+            raise FtError("jdist.ft needs the job's secret to authenticate replicas: run "
+                          "under `jdist-run --ft` or set JDIST_AUTH_TOKEN (or auth_token=)")
+        self.replica, self._token, self._cap = int(replica), bytes(token), max_message_bytes
+        self._ident = int(replica).to_bytes(4, "big") + int(incarnation).to_bytes(4, "big")
+        self._cond = threading.Condition()
+        self._inbox: dict[tuple[str, int], list[bytearray]] = {}
+        self._ended: dict[tuple[int, int], str] = {}  # (replica, incarnation) -> why it ended
+        self._out: dict[str, _Sender] = {}
+        self._out_lock = threading.Lock()
+        self._closed = False
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="jdist-ft-accept", daemon=True).start()
+
+    # -- receiving ------------------------------------------------------------
+    def _accept(self) -> None:
+        n = 0
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            n += 1
+            threading.Thread(target=self._serve, args=(conn, n), daemon=True,
+                             name="jdist-ft-recv").start()
+
+    def _server_handshake(self, conn: socket.socket) -> int:
+        conn.settimeout(_HANDSHAKE_S)
+        hello = _read(conn, len(_MAGIC) + _NONCE + 8)
+        if bytes(hello[:len(_MAGIC)]) != _MAGIC:
+            raise PermissionError("not a jdist.ft peer")
+        nonce_c, ident = bytes(hello[len(_MAGIC):-8]), bytes(hello[-8:])
+        nonce_s = secrets.token_bytes(_NONCE)
+        conn.sendall(nonce_s + mac(self._token, b"server", nonce_c, nonce_s, ident))
+        answer = bytes(_read(conn, _MAC))
+        if not hmac.compare_digest(answer, mac(self._token, b"client", nonce_s, nonce_c,
+                                               ident)):
+            raise PermissionError("peer does not know the job's secret")
+        conn.sendall(b"OK")
+        conn.settimeout(None)
+        return int.from_bytes(ident[:4], "big"), int.from_bytes(ident[4:], "big")
+
+    def _serve(self, conn: socket.socket, conn_id: int) -> None:
+        try:
+            who = self._server_handshake(conn)
+        except (OSError, ConnectionError, PermissionError):
+            conn.close()
+            return
+        sender = who[0]
+        with self._cond:
+            self._ended.pop(who, None)
+        why = "its connection closed (process died?)"
+        try:
+            while True:
+                key_len, total, count = _HEAD.unpack(_read(conn, _HEAD.size))
+                if key_len > _MAX_KEY or total > self._cap or count > _MAX_FRAMES:
+                    why = (f"it sent a message over the cap ({total} bytes, {count} frames; "
+                           f"max_message_bytes={self._cap})")
+                    break
+                key = bytes(_read(conn, key_len)).decode()
+                sizes = [_LEN.unpack(_read(conn, _LEN.size))[0] for _ in range(count)]
+                if sum(sizes) != total:
+                    why = "it sent a malformed message"
+                    break
+                frames = [_read(conn, s) for s in sizes]
+                with self._cond:
+                    self._inbox[(key, sender)] = frames
+                    self._cond.notify_all()
+        except (OSError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            conn.close()
+            with self._cond:
+                self._ended[who] = why
+                self._cond.notify_all()
+
+    def take(self, key: str, sender: tuple[int, int], deadline: float,
+             check: Callable[[], None], what: str) -> list[bytearray]:
+        """The frames ``sender`` (replica, incarnation) sent under ``key``, waiting until
+        ``deadline`` (``time.monotonic``); ``check()`` runs while waiting and may raise.
+
+        Raises:
+          ReplicaLostError: ``sender``'s connection ended, or the deadline passed.
+        """
+        item = (key, sender[0])
+        with self._cond:
+            while item not in self._inbox:
+                if sender in self._ended:
+                    raise ReplicaLostError(f"replica {sender[0]} was lost during {what}: "
+                                           f"{self._ended[sender]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReplicaLostError(f"replica {sender[0]} sent nothing for {what} "
+                                           f"before the deadline")
+                self._cond.release()
+                try:
+                    check()
+                finally:
+                    self._cond.acquire()
+                self._cond.wait(min(left, 0.05))
+            return self._inbox.pop(item)
+
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop inbox entries whose key ``keep`` rejects (messages of old rounds)."""
+        with self._cond:
+            for item in [i for i in self._inbox if not keep(i[0])]:
+                del self._inbox[item]
+
+    # -- sending --------------------------------------------------------------
+    def post(self, peer: int, address: str, key: str, frames: Sequence,
+             timeout: float) -> None:
+        """Queue ``frames`` (bytes-like, not changed afterwards) for replica ``peer`` at
+        ``address`` under ``key``; returns at once. Each address has its own sending
+        thread, so a stopped peer delays nobody else's messages; a peer that cannot be
+        reached is found by the receiving side (its ``take`` fails)."""
+        with self._out_lock:
+            sender = self._out.get(address)
+            if sender is None or sender.broken:
+                sender = self._out[address] = _Sender(self, peer, address, timeout)
+        sender.queue.put((key, frames))
+
+    def connect(self, address: str, timeout: float) -> socket.socket:
+        """An authenticated connection to the replica at ``address``."""
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce_c = secrets.token_bytes(_NONCE)
+            sock.sendall(_MAGIC + nonce_c + self._ident)
+            reply = bytes(_read(sock, _NONCE + _MAC))
+            nonce_s, proof = reply[:_NONCE], reply[_NONCE:]
+            if not hmac.compare_digest(proof, mac(self._token, b"server", nonce_c, nonce_s,
+                                                  self._ident)):
+                raise FtError(f"the replica at {address} does not know this job's secret "
+                              f"(another job's?); give every replica the same "
+                              f"JDIST_AUTH_TOKEN")
+            sock.sendall(mac(self._token, b"client", nonce_s, nonce_c, self._ident))
+            if bytes(_read(sock, 2)) != b"OK":
+                raise FtError(f"the replica at {address} refused this replica's secret")
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        """Stop listening and close every connection (idempotent)."""
+        self._closed = True
+        self._server.close()
+        with self._out_lock:
+            senders, self._out = list(self._out.values()), {}
+        for sender in senders:
+            sender.stop()
+
+
+def _encode(key: str, frames: Sequence) -> list[memoryview | bytes]:
+    views = [memoryview(f).cast("B") for f in frames]
+    head = _HEAD.pack(len(key.encode()), sum(v.nbytes for v in views), len(views))
+    return [head + key.encode() + b"".join(_LEN.pack(v.nbytes) for v in views), *views]
+
+
+class _Sender:
+    """One connection to one peer and the thread that writes its queued messages."""
+
+    def __init__(self, box: Mailbox, peer: int, address: str, timeout: float):
+        self.box, self.peer, self.address, self.timeout = box, peer, address, timeout
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken = False
+        self._sock: socket.socket | None = None
+        threading.Thread(target=self._run, name=f"jdist-ft-send-{peer}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._sock = self.box.connect(self.address, self.timeout)
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                for part in _encode(*item):
+                    self._sock.sendall(part)
+        except (OSError, ConnectionError):
+            pass  # the receiving side finds the peer gone (``take``)
+        except FtError as e:  # a peer of another job: say so; the take fails by itself
+            print(f"jdist.ft: replica {self.box.replica}: {e}", file=sys.stderr)
+        finally:
+            self.broken = True
+            if self._sock is not None:
+                self._sock.close()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
