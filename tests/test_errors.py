@@ -94,6 +94,12 @@ TORCH: dict[str, tuple[type[BaseException], ...]] = {
     "LossTypeError": (RuntimeError,),
     # module.load_state_dict with mismatched shapes/keys: RuntimeError
     "WeightConversionError": (RuntimeError,),
+    # torchft's Manager raises RuntimeError when no quorum forms or healing fails
+    "FtError": (RuntimeError,),
+    # torchft: a replica lost mid-step surfaces as a process group error (RuntimeError)
+    "ReplicaLostError": (RuntimeError,),
+    # (no torchft twin: the job ended before a late replacement joined)
+    "JobFinishedError": (RuntimeError,),
 }
 
 
