@@ -86,6 +86,8 @@ BENCHES = (  # cheapest first, so that a time budget cuts the costly ones
     Bench("first_step", "Time to first step and a short HybridModel run: compilation "
           "cache none/cold/warm (vs torch)", "benchmarks/first_step.py",
           quick_timeout=480.0),
+    Bench("ft", "jdist.ft: step overhead, and a kill to the next step (vs DDP / a restart)",
+          "benchmarks/ft.py", quick_timeout=300.0),
     Bench("checkpoint", "Checkpoints: async saving, restart to the first step (vs none / "
           "a first launch)", "benchmarks/checkpoint.py", quick_timeout=420.0),
     Bench("ddp", "DistributedDataParallel (vs hand-written JAX and torch DDP)",

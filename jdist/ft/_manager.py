@@ -11,6 +11,7 @@ replica that dies mid-step changes nothing anywhere. The store lives in ``jdist-
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -100,6 +101,8 @@ class Manager:
         self._state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._on_commit: list[Callable[[Quorum], None]] = []
         self._previous_members: set[int] = set()
+        self._closed = False
+        atexit.register(self.close)
         self.register_state("manager", lambda: {"step": self._step}, self._load_own)
 
     # -- registration ------------------------------------------------------------
@@ -156,7 +159,8 @@ class Manager:
             self._pulse.vouch(m, int(q.info[m]["inc"]))
         self._say_left_out(q)
         self._mailbox.forget(lambda key: int(key[1:].split("/")[0]) >= q.round)
-        _rounds.forget_round(self._store, q.round)
+        if q.members[0] == self.replica_id:
+            _rounds.forget_round(self._store, q.round)
         try:
             self._heal(q)
         except ReplicaLostError as e:
@@ -193,10 +197,18 @@ class Manager:
         return self._pulse.alive(member, int(self._quorum.info[member]["inc"]))
 
     def _take(self, key: str, sender: int, what: str):
+        r = self._round
+
         def check() -> None:
             if not self._alive(sender):
-                raise ReplicaLostError(self._pulse.report(sender, f"{what} of round "
-                                                                  f"{self._round}"))
+                raise ReplicaLostError(self._pulse.report(sender, f"{what} of round {r}"))
+            why = self._mailbox.failure(f"r{r}/")
+            if why is not None:
+                raise ReplicaLostError(why)
+            if self._store.check([f"r{r}/err"]):
+                raise ReplicaLostError(f"replica {int(self._store.get(f'r{r}/err'))} "
+                                       f"failed round {r}")
+
         inc = int(self._quorum.info[sender]["inc"])
         return self._mailbox.take(key, (sender, inc), time.monotonic() + self.timeout,
                                   check, f"{what} of round {self._round}")
@@ -210,6 +222,8 @@ class Manager:
         print(f"jdist.ft: replica {self.replica_id} at step {self._step}: {e}; this "
               f"step will not commit", file=sys.stderr)
         q = self._quorum
+        if q is not None:
+            self._store.set(f"r{q.round}/err", str(self.replica_id))
         poison = [np.asarray([-1], np.int64), str(e).encode()[:4096]]
         for m in q.members if q is not None else ():
             if m != self.replica_id:
@@ -259,6 +273,9 @@ class Manager:
             raise FtError("should_commit was already called for this step; call "
                           "start_quorum to begin the next one")
         self._pulse.enter(self._step, f"vote of round {q.round}")
+        why = self._mailbox.failure(f"r{q.round}/")
+        if why is not None:
+            self._fail(ReplicaLostError(why))
         try:
             ok = _rounds.decide(self._store, q, self.replica_id, self._error is None,
                                 self._alive, time.monotonic() + self.timeout)
@@ -302,5 +319,11 @@ class Manager:
         self.close()
 
     def close(self) -> None:
+        """Stop the heartbeat and the mailbox, and wait for their threads (idempotent;
+        also run at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self._pulse.close()
         self._mailbox.close()

@@ -24,7 +24,6 @@ import queue
 import secrets
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -83,9 +82,11 @@ class Mailbox:
         self._cond = threading.Condition()
         self._inbox: dict[tuple[str, int], list[bytearray]] = {}
         self._ended: dict[tuple[int, int], str] = {}  # (replica, incarnation) -> why it ended
+        self._failed: dict[str, str] = {}  # key of a message that could not be sent -> why
         self._out: dict[str, _Sender] = {}
         self._out_lock = threading.Lock()
         self._closed = False
+        self._inbound: list[tuple[socket.socket, threading.Thread]] = []
         self._server = socket.create_server((host, 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
         threading.Thread(target=self._accept, name="jdist-ft-accept", daemon=True).start()
@@ -99,8 +100,14 @@ class Mailbox:
             except OSError:
                 return
             n += 1
-            threading.Thread(target=self._serve, args=(conn, n), daemon=True,
-                             name="jdist-ft-recv").start()
+            thread = threading.Thread(target=self._serve, args=(conn, n), daemon=True,
+                                      name="jdist-ft-recv")
+            with self._cond:
+                if self._closed:
+                    conn.close()
+                    return
+                self._inbound.append((conn, thread))
+            thread.start()
 
     def _server_handshake(self, conn: socket.socket) -> int:
         conn.settimeout(_HANDSHAKE_S)
@@ -178,19 +185,32 @@ class Mailbox:
                 self._cond.wait(min(left, 0.05))
             return self._inbox.pop(item)
 
+    def note_failure(self, keys: list[str], why: str) -> None:
+        with self._cond:
+            for key in keys:
+                self._failed[key] = why
+
+    def failure(self, prefix: str) -> str | None:
+        """Why a message whose key starts with ``prefix`` could not be sent, if one
+        could not."""
+        with self._cond:
+            return next((w for k, w in self._failed.items() if k.startswith(prefix)), None)
+
     def forget(self, keep: Callable[[str], bool]) -> None:
         """Drop inbox entries whose key ``keep`` rejects (messages of old rounds)."""
         with self._cond:
             for item in [i for i in self._inbox if not keep(i[0])]:
                 del self._inbox[item]
+            for key in [k for k in self._failed if not keep(k)]:
+                del self._failed[key]
 
     # -- sending --------------------------------------------------------------
     def post(self, peer: int, address: str, key: str, frames: Sequence,
              timeout: float) -> None:
         """Queue ``frames`` (bytes-like, not changed afterwards) for replica ``peer`` at
         ``address`` under ``key``; returns at once. Each address has its own sending
-        thread, so a stopped peer delays nobody else's messages; a peer that cannot be
-        reached is found by the receiving side (its ``take`` fails)."""
+        thread, so a stopped peer delays nobody else's messages; a message that could
+        not be sent is listed by :meth:`failure`."""
         with self._out_lock:
             sender = self._out.get(address)
             if sender is None or sender.broken:
@@ -221,14 +241,25 @@ class Mailbox:
             raise
         return sock
 
-    def close(self) -> None:
-        """Stop listening and close every connection (idempotent)."""
-        self._closed = True
+    def close(self, wait: float = 2.0) -> None:
+        """Stop listening, close every connection, and wait up to ``wait`` seconds for
+        this mailbox's threads to end (none is left running into interpreter exit)."""
+        with self._cond:
+            self._closed = True
+            inbound, self._inbound = self._inbound, []
         self._server.close()
         with self._out_lock:
             senders, self._out = list(self._out.values()), {}
         for sender in senders:
             sender.stop()
+        for conn, _ in inbound:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        end = time.monotonic() + wait
+        for thread in [t for _, t in inbound] + [s.thread for s in senders]:
+            thread.join(max(0.0, end - time.monotonic()))
 
 
 def _encode(key: str, frames: Sequence) -> list[memoryview | bytes]:
@@ -245,9 +276,12 @@ class _Sender:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
         self._sock: socket.socket | None = None
-        threading.Thread(target=self._run, name=f"jdist-ft-send-{peer}", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=f"jdist-ft-send-{peer}",
+                                       daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
+        item = None
         try:
             self._sock = self.box.connect(self.address, self.timeout)
             while True:
@@ -256,10 +290,14 @@ class _Sender:
                     return
                 for part in _encode(*item):
                     self._sock.sendall(part)
-        except (OSError, ConnectionError):
-            pass  # the receiving side finds the peer gone (``take``)
-        except FtError as e:  # a peer of another job: say so; the take fails by itself
-            print(f"jdist.ft: replica {self.box.replica}: {e}", file=sys.stderr)
+        except (OSError, ConnectionError, FtError) as e:
+            self.broken = True
+            why = f"could not send to replica {self.peer} at {self.address}: {e}"
+            keys = [] if item is None else [item[0]]
+            while not self.queue.empty():  # (what was queued behind it is lost too)
+                later = self.queue.get()
+                keys += [] if later is None else [later[0]]
+            self.box.note_failure(keys, why)
         finally:
             self.broken = True
             if self._sock is not None:

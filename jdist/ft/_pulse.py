@@ -3,8 +3,10 @@
 One daemon thread per replica, on its own store connection, every ``interval``:
 bumps ``hb/<id>``, publishes ``where/<id>`` (pid, host, committed step, the operation
 the replica is in, its main thread's Python stack) and reads every replica's counter.
-A replica whose counter did not move for ``timeout`` seconds (as seen here) is not
-live: it died, or it is stopped (``SIGSTOP``, a debugger) or hung holding the GIL.
+A replica whose counter did not move for ``timeout`` seconds, as this thread's own
+reads show, is not live: it died, or it is stopped (``SIGSTOP``, a debugger) or hung
+holding the GIL. (Measured by this thread's reads, not the clock: an observer starved
+of CPU does not mistake its own silence for the others'.)
 :meth:`Pulse.report` turns a replica's last ``where`` into one line for a human.
 """
 
@@ -37,7 +39,7 @@ class Pulse:
         self._where = {"pid": os.getpid(), "host": socket.gethostname(), "step": 0,
                        "op": "starting"}
         self._stop = threading.Event()
-        self._started = time.monotonic()
+        self._started = self._last_read = time.monotonic()
         store.set(f"inc/{replica}", str(incarnation))
         self._beat()
         self._thread = threading.Thread(target=self._run, name="jdist-ft-pulse", daemon=True)
@@ -65,6 +67,8 @@ class Pulse:
                 old = self._seen.get(who)
                 if value and (old is None or old[0] != value):
                     self._seen[who] = (value, now)
+        with self._lock:
+            self._last_read = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -81,21 +85,26 @@ class Pulse:
             old = self._seen.get((replica, incarnation), (0, 0.0))
             self._seen[(replica, incarnation)] = (old[0], time.monotonic())
 
+    def _fresh(self, moved: float) -> bool:
+        """Whether a counter that last moved at ``moved`` counts as beating: stale only
+        once this pulse has *read* it ``timeout`` seconds after that, so an observer
+        whose own thread was starved (a loaded machine) does not declare others dead."""
+        return self._last_read - moved <= self.timeout
+
     def alive(self, replica: int, incarnation: int) -> bool:
-        """Whether that incarnation of ``replica`` beat (or was vouched for) in the last
-        ``timeout`` seconds."""
+        """Whether that incarnation of ``replica`` beats (or was vouched for lately)."""
         if (replica, incarnation) == (self.replica, self.incarnation):
             return True
         with self._lock:
             seen = self._seen.get((replica, incarnation))
-        return seen is not None and time.monotonic() - seen[1] <= self.timeout
+            return seen is not None and self._fresh(seen[1])
 
     def live(self) -> set[int]:
-        """Replicas with some live incarnation (see :meth:`alive`)."""
-        now = time.monotonic()
+        """Replicas with some live incarnation (see :meth:`alive`), and, during this
+        pulse's first ``timeout`` seconds, those not seen yet (still starting)."""
         with self._lock:
-            seen = {r for (r, _), (_, t) in self._seen.items() if now - t <= self.timeout}
-            if now - self._started <= self.timeout:
+            seen = {r for (r, _), (_, t) in self._seen.items() if self._fresh(t)}
+            if time.monotonic() - self._started <= self.timeout:
                 seen |= set(range(self.world_size)) - {r for r, _ in self._seen}
         return seen | {self.replica}
 

@@ -87,7 +87,9 @@ def seal_wait(store: Store, r: int, world_size: int, min_replicas: int,
     sealed = f"r{r}/sealed"
     expected = _expected(store, r, world_size)
     while not store.check([sealed]):
-        if last_sealed(store) >= r:
+        if last_sealed(store) >= r:  # sealed meanwhile (then ``sealed`` is there), or
+            if store.check([sealed]):  # sealed and forgotten: this replica fell behind
+                break
             return None
         joined = _joined(store, r)
         carried = any(i["synced"] for i in joined.values()) or not store.check(["progress"])
@@ -124,28 +126,31 @@ def decide(store: Store, q: Quorum, replica: int, ok: bool,
            alive: Callable[[int], bool], deadline: float) -> bool:
     """Vote ``ok`` and return the round's decision (the same on every member).
 
-    The round commits when every member voted ok; it aborts at the first error vote,
-    when a member that may not have voted is no longer ``alive(id)``, or at ``deadline``.
+    The round commits when every member voted ok (the last ok vote writes it); it
+    aborts at the first error vote, when a member that may not have voted is no longer
+    ``alive(id)``, or at ``deadline``.
     """
-    r = q.round
-    if ok:
-        store.add(f"r{r}/oks", 1)
-    else:
+    r, key = q.round, f"r{q.round}/decision"
+    if ok and int(store.add(f"r{r}/oks", 1)) == len(q.members):
+        _settle(store, key, "commit")
+    elif not ok:
         store.set(f"r{r}/err", str(replica))
-    verdict = None
-    while not store.check([f"r{r}/decision"]):
-        oks = int(store.add(f"r{r}/oks", 0))
-        if oks == len(q.members):
-            verdict = "commit"
-        elif (store.check([f"r{r}/err"]) or not all(alive(m) for m in q.members)
-              or time.monotonic() > deadline):
-            verdict = "abort"
-        if verdict is not None:
-            if store.compare_set(f"r{r}/decision", "", verdict) == b"commit":
-                store.set("progress", "1")
+        _settle(store, key, "abort")
+    while not store.check([key]):
+        if (store.check([f"r{r}/err"]) or not all(alive(m) for m in q.members)
+                or time.monotonic() > deadline):
+            _settle(store, key, "abort")
             break
-        time.sleep(_POLL_S / 4)
-    return store.get(f"r{r}/decision") == b"commit"
+        try:
+            store.wait([key], _POLL_S)
+        except StoreTimeoutError:
+            pass
+    return store.get(key) == b"commit"
+
+
+def _settle(store: Store, key: str, verdict: str) -> None:
+    if store.compare_set(key, "", verdict) == b"commit" and not store.check(["progress"]):
+        store.set("progress", "1")
 
 
 KEEP_ROUNDS = 8  # a replica stopped for fewer rounds still reads its round's outcome

@@ -62,21 +62,27 @@ def split_counts(remaining: int, members: int, batch_size: int) -> list[int]:
 
 def weighted_mean(parts: Sequence[Sequence[np.ndarray]], counts: Sequence[int]
                   ) -> list[np.ndarray]:
-    """``sum_i counts[i] * parts[i] / sum(counts)``, leaf by leaf, summed in member order.
+    """``sum_i (counts[i] / sum(counts)) * parts[i]``, leaf by leaf, in member order.
 
     Each member's leaves are its mean over its own samples, so this is the mean over
-    every sample of the step. The order and the arithmetic are fixed (each leaf's
-    dtype), so every replica, and a replay, gets the same bits.
+    every sample of the step. The order and the arithmetic (each leaf's dtype) are
+    fixed, so every replica, and a replay, gets the same bits.
     """
     total = int(sum(counts))
-    if not parts or total <= 0:
+    if not parts or total <= 0 or min(counts) < 0:
         raise ValueError(f"weighted_mean needs at least one sample, got counts {list(counts)}")
     out = []
     for leaves in zip(*parts, strict=True):
         dtype = leaves[0].dtype
-        acc = np.zeros(leaves[0].shape, dtype)
+        acc, tmp = None, None
         for leaf, n in zip(leaves, counts, strict=True):
-            if n:
-                acc = acc + leaf.astype(dtype, copy=False) * dtype.type(n)
-        out.append(acc / dtype.type(total))
+            if not n:
+                continue
+            w = dtype.type(n / total)
+            if acc is None:
+                acc = np.multiply(leaf, w, dtype=dtype)
+            else:
+                tmp = np.multiply(leaf, w, out=tmp, dtype=dtype)
+                acc += tmp
+        out.append(acc)
     return out
