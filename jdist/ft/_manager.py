@@ -91,7 +91,8 @@ class Manager:
         self._store = PrefixStore(f"ft/{run}/", base)
         self.incarnation = _env_int("JDIST_FT_INCARNATION", 0)
         self._mailbox = Mailbox(self.replica_id, self.incarnation, token or b"", host)
-        self._pulse = Pulse(PrefixStore(f"ft/{run}/", base.clone()), self.replica_id,
+        self._pulse_conn = base.clone()  # the heartbeat's own connection
+        self._pulse = Pulse(PrefixStore(f"ft/{run}/", self._pulse_conn), self.replica_id,
                             self.incarnation, self.world_size, heartbeat_timeout / 4,
                             heartbeat_timeout)
         self._step, self._synced, self._round = 0, False, -1
@@ -327,3 +328,6 @@ class Manager:
         atexit.unregister(self.close)
         self._pulse.close()
         self._mailbox.close()
+        close = getattr(self._pulse_conn, "close", None)
+        if close is not None:
+            close()

@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jdist.errors import FtError, ReplicaLostError
 
 __all__ = ["Mailbox", "mac"]
@@ -211,11 +213,14 @@ class Mailbox:
         ``address`` under ``key``; returns at once. Each address has its own sending
         thread, so a stopped peer delays nobody else's messages; a message that could
         not be sent is listed by :meth:`failure`."""
-        with self._out_lock:
-            sender = self._out.get(address)
-            if sender is None or sender.broken:
-                sender = self._out[address] = _Sender(self, peer, address, timeout)
-        sender.queue.put((key, frames))
+        for _ in range(2):  # a sender that failed is replaced once
+            with self._out_lock:
+                sender = self._out.get(address)
+                if sender is None or sender.broken:
+                    sender = self._out[address] = _Sender(self, peer, address, timeout)
+            if sender.put(key, frames):
+                return
+        self.note_failure([key], f"could not send to replica {peer} at {address}")
 
     def connect(self, address: str, timeout: float) -> socket.socket:
         """An authenticated connection to the replica at ``address``."""
@@ -262,23 +267,42 @@ class Mailbox:
             thread.join(max(0.0, end - time.monotonic()))
 
 
+def _bytes(frame) -> memoryview:
+    """A frame as flat bytes (numpy arrays of any dtype, bfloat16 included)."""
+    if isinstance(frame, np.ndarray):
+        return memoryview(np.ascontiguousarray(frame).reshape(-1).view(np.uint8))
+    return memoryview(frame).cast("B")
+
+
 def _encode(key: str, frames: Sequence) -> list[memoryview | bytes]:
-    views = [memoryview(f).cast("B") for f in frames]
+    views = [_bytes(f) for f in frames]
     head = _HEAD.pack(len(key.encode()), sum(v.nbytes for v in views), len(views))
     return [head + key.encode() + b"".join(_LEN.pack(v.nbytes) for v in views), *views]
 
 
 class _Sender:
-    """One connection to one peer and the thread that writes its queued messages."""
+    """One connection to one peer and the thread that writes its queued messages.
+
+    A message is either sent or listed as failed (``Mailbox.note_failure``): ``put``
+    and the failure path hold one lock, so nothing is queued behind a dead sender."""
 
     def __init__(self, box: Mailbox, peer: int, address: str, timeout: float):
         self.box, self.peer, self.address, self.timeout = box, peer, address, timeout
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
+        self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name=f"jdist-ft-send-{peer}",
                                        daemon=True)
         self.thread.start()
+
+    def put(self, key: str, frames: Sequence) -> bool:
+        """Queue a message; False (nothing queued) if this sender has failed."""
+        with self._lock:
+            if self.broken:
+                return False
+            self.queue.put((key, frames))
+            return True
 
     def _run(self) -> None:
         item = None
@@ -290,16 +314,19 @@ class _Sender:
                     return
                 for part in _encode(*item):
                     self._sock.sendall(part)
-        except (OSError, ConnectionError, FtError) as e:
-            self.broken = True
+                item = None
+        except Exception as e:  # noqa: BLE001 (every failure is reported, none lost)
             why = f"could not send to replica {self.peer} at {self.address}: {e}"
-            keys = [] if item is None else [item[0]]
-            while not self.queue.empty():  # (what was queued behind it is lost too)
-                later = self.queue.get()
-                keys += [] if later is None else [later[0]]
+            with self._lock:
+                self.broken = True
+                keys = [] if item is None else [item[0]]
+                while not self.queue.empty():  # (what was queued behind it is lost too)
+                    later = self.queue.get()
+                    keys += [] if later is None else [later[0]]
             self.box.note_failure(keys, why)
         finally:
-            self.broken = True
+            with self._lock:
+                self.broken = True
             if self._sock is not None:
                 self._sock.close()
 

@@ -74,15 +74,16 @@ def weighted_mean(parts: Sequence[Sequence[np.ndarray]], counts: Sequence[int]
     out = []
     for leaves in zip(*parts, strict=True):
         dtype = leaves[0].dtype
-        acc, tmp = None, None
+        acc = tmp = None
         for leaf, n in zip(leaves, counts, strict=True):
             if not n:
                 continue
             w = dtype.type(n / total)
             if acc is None:
-                acc = np.multiply(leaf, w, dtype=dtype)
+                acc = np.asarray(np.multiply(leaf, w, dtype=dtype))  # (0-d stays an array)
             else:
-                tmp = np.multiply(leaf, w, out=tmp, dtype=dtype)
-                acc += tmp
+                tmp = np.empty_like(acc) if tmp is None else tmp
+                np.multiply(leaf, w, out=tmp, dtype=dtype)
+                np.add(acc, tmp, out=acc)
         out.append(acc)
     return out

@@ -35,7 +35,7 @@ def pack(tree) -> list[bytes | np.ndarray]:
     """``[header, leaf0, leaf1, ...]`` for :func:`unpack`."""
     leaves = jax.tree.leaves(tree)
     arrays = [to_numpy(x) for x in leaves]
-    header = [[a.dtype.str if a.dtype.names is None else "", list(a.shape), _is_key(x)]
+    header = [[a.dtype.name, list(a.shape), _is_key(x)]
               for a, x in zip(arrays, leaves, strict=True)]
     return [json.dumps(header).encode(), *arrays]
 
@@ -56,11 +56,16 @@ def unpack(frames, like, who: str):
     for i, ((dtype, shape, is_key), mine, frame) in enumerate(
             zip(header, leaves, frames[1:], strict=True)):
         ref = to_numpy(mine)
-        if np.dtype(dtype) != ref.dtype or tuple(shape) != ref.shape:
-            raise FtError(f"leaf {i} of the state from {who} is {dtype}{shape}, this "
-                          f"replica's is {ref.dtype.str}{list(ref.shape)}: every replica "
-                          f"must build the same model and optimizer")
+        if (dtype, tuple(shape), is_key) != (ref.dtype.name, ref.shape, _is_key(mine)):
+            kind = ("a PRNG key array " if is_key else "", "a PRNG key array "
+                    if _is_key(mine) else "")
+            raise FtError(f"leaf {i} of the state from {who} is {kind[0]}{dtype}{shape}, "
+                          f"this replica's is {kind[1]}{ref.dtype.name}{list(ref.shape)}: "
+                          f"every replica must build the same model and optimizer")
         value = np.frombuffer(frame, dtype=ref.dtype).reshape(ref.shape)
+        if isinstance(mine, int | float | bool):  # a Python scalar stays one
+            out.append(type(mine)(value.item()))
+            continue
         if is_key:
             out.append(jax.random.wrap_key_data(value, impl=jax.random.key_impl(mine)))
         elif isinstance(mine, jax.Array):
