@@ -103,6 +103,7 @@ class Manager:
         self._on_commit: list[Callable[[Quorum], None]] = []
         self._previous_members: set[int] = set()
         self._closed = False
+        self._wanting = False  # this replica's want/<id> key is set
         atexit.register(self.close)
         self.register_state("manager", lambda: {"step": self._step}, self._load_own)
 
@@ -132,23 +133,40 @@ class Manager:
         if not self._decided:
             self.should_commit()
         deadline = time.monotonic() + self.timeout + self.join_timeout
-        r = max(self._round + 1, _rounds.last_sealed(self._store) + 1)
+        # a member goes on with the next round (maybe presealed with it already); a
+        # new replica starts after the newest sealed one
+        r = self._round + 1 if self._round >= 0 else _rounds.last_sealed(self._store) + 1
         while True:
             self._pulse.enter(self._step, f"joining round {r}")
-            if self._store.check(["done"]):
-                raise JobFinishedError(f"replica {self.replica_id}: the job finished at "
-                                       f"step {int(self._store.get('done'))}; nothing to join")
-            _rounds.join(self._store, r, self.replica_id, self._info())
-            try:
-                q = _rounds.seal_wait(self._store, r, self.world_size, self.min_replicas,
-                                      self._pulse.live, self.join_timeout, deadline)
-            except StoreError as e:
-                raise FtError(f"replica {self.replica_id} at step {self._step}: {e}") from e
-            if q is not None and self.replica_id in q.members:
+            q = _rounds.sealed(self._store, r)  # (presealed after a commit)
+            if q is None:
+                q = self._join(r, deadline)
+            if q is not None and self._member(q):
                 break
             r = max(r + 1, _rounds.last_sealed(self._store) + 1)
         self._begin(q)
         return q
+
+    def _member(self, q: Quorum) -> bool:
+        """Whether this process (this incarnation of the replica id) is in ``q``."""
+        me = q.info.get(self.replica_id)
+        return me is not None and int(me["inc"]) == self.incarnation
+
+    def _join(self, r: int, deadline: float) -> Quorum | None:
+        """Join round ``r`` and wait for its quorum (None: sealed without this replica
+        and forgotten, or the job finished meanwhile)."""
+        if self._store.check(["done"]):
+            raise JobFinishedError(f"replica {self.replica_id}: the job finished at step "
+                                   f"{int(self._store.get('done'))}; nothing to join")
+        if not self._wanting:  # (no round is presealed without this replica meanwhile)
+            self._store.set(f"want/{self.replica_id}", "1")
+            self._wanting = True
+        _rounds.join(self._store, r, self.replica_id, self._info())
+        try:
+            return _rounds.seal_wait(self._store, r, self.world_size, self.min_replicas,
+                                     self._pulse.live, self.join_timeout, deadline)
+        except StoreError as e:
+            raise FtError(f"replica {self.replica_id} at step {self._step}: {e}") from e
 
     def _info(self) -> dict:
         return {"step": self._step, "synced": self._synced, "addr": self._mailbox.address,
@@ -156,6 +174,9 @@ class Manager:
 
     def _begin(self, q: Quorum) -> None:
         self._quorum, self._round, self._error, self._decided = q, q.round, None, False
+        if self._wanting:
+            self._store.delete_key(f"want/{self.replica_id}")
+            self._wanting = False
         for m in q.members:
             self._pulse.vouch(m, int(q.info[m]["inc"]))
         self._say_left_out(q)
@@ -279,7 +300,8 @@ class Manager:
             self._fail(ReplicaLostError(why))
         try:
             ok = _rounds.decide(self._store, q, self.replica_id, self._error is None,
-                                self._alive, time.monotonic() + self.timeout)
+                                self._alive, time.monotonic() + self.timeout,
+                                self.world_size)
         except StoreError as e:
             raise FtError(f"replica {self.replica_id} at step {self._step}: {e}") from e
         self._decided = True

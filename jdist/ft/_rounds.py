@@ -4,7 +4,8 @@ Keys (under the manager's prefix): ``round`` (the last sealed round), ``r<n>/joi
 (one JSON line per joiner, appended), ``r<n>/sealed`` (the quorum, written once by
 ``compare_set``: whoever seals first wins and everyone reads that), ``r<n>/oks`` and
 ``r<n>/err`` (the votes), ``r<n>/decision`` (``commit`` or ``abort``, written once
-the same way), ``progress`` (some step committed), ``stop`` and ``done``. A round's
+the same way), ``progress`` (some step committed), ``want/<id>`` (a replica outside the quorum
+wants in), ``stop`` and ``done``. A round's
 keys are deleted ``KEEP_ROUNDS`` rounds later.
 """
 
@@ -19,7 +20,8 @@ from jdist.errors import StoreError, StoreTimeoutError
 from jdist.ft._rules import may_seal
 from jdist.store import Store
 
-__all__ = ["Quorum", "join", "seal_wait", "decide", "last_sealed", "forget_round"]
+__all__ = ["Quorum", "join", "seal_wait", "sealed", "preseal", "decide", "last_sealed",
+           "forget_round"]
 
 _POLL_S = 0.02
 
@@ -87,6 +89,8 @@ def seal_wait(store: Store, r: int, world_size: int, min_replicas: int,
     sealed = f"r{r}/sealed"
     expected = _expected(store, r, world_size)
     while not store.check([sealed]):
+        if store.check(["done"]):  # the job ended: nothing to seal
+            return None
         if last_sealed(store) >= r:  # sealed meanwhile (then ``sealed`` is there), or
             if store.check([sealed]):  # sealed and forgotten: this replica fell behind
                 break
@@ -123,7 +127,7 @@ def _advance(store: Store, r: int) -> None:
 
 
 def decide(store: Store, q: Quorum, replica: int, ok: bool,
-           alive: Callable[[int], bool], deadline: float) -> bool:
+           alive: Callable[[int], bool], deadline: float, world_size: int) -> bool:
     """Vote ``ok`` and return the round's decision (the same on every member).
 
     The round commits when every member voted ok (the last ok vote writes it); it
@@ -133,6 +137,7 @@ def decide(store: Store, q: Quorum, replica: int, ok: bool,
     r, key = q.round, f"r{q.round}/decision"
     if ok and int(store.add(f"r{r}/oks", 1)) == len(q.members):
         _settle(store, key, "commit")
+        preseal(store, q, world_size)
     elif not ok:
         store.set(f"r{r}/err", str(replica))
         _settle(store, key, "abort")
@@ -151,6 +156,33 @@ def decide(store: Store, q: Quorum, replica: int, ok: bool,
 def _settle(store: Store, key: str, verdict: str) -> None:
     if store.compare_set(key, "", verdict) == b"commit" and not store.check(["progress"]):
         store.set("progress", "1")
+
+
+def preseal(store: Store, q: Quorum, world_size: int) -> None:
+    """After round ``q.round`` committed, seal the next round with the same members
+    unless a replica outside them wants to join (``want/<id>``, set before it joins a
+    round and deleted once it is in one): the steady state then needs no join round
+    trip, and a joiner is never outrun by presealed rounds."""
+    nxt = q.round + 1
+    outside = [r for r in range(world_size) if r not in q.members]
+    if store.check([f"r{nxt}/joined"]) or any(store.check([f"want/{r}"]) for r in outside):
+        return
+    step = max(int(i["step"]) for i in q.info.values()) + 1
+    info = {m: {**q.info[m], "step": step, "synced": True} for m in q.members}
+    record = json.dumps({"members": list(q.members), "info": info,
+                         "stop": store.check(["stop"])})
+    if store.compare_set(f"r{nxt}/sealed", "", record) == record.encode():
+        _advance(store, nxt)
+
+
+def sealed(store: Store, r: int) -> Quorum | None:
+    """Round ``r``'s quorum if it is sealed already."""
+    if not store.check([f"r{r}/sealed"]):
+        return None
+    try:
+        return _read(store, r)
+    except StoreError:
+        return None
 
 
 KEEP_ROUNDS = 8  # a replica stopped for fewer rounds still reads its round's outcome
