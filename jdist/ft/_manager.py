@@ -105,7 +105,9 @@ class Manager:
         self._closed = False
         self._wanting = False  # this replica's want/<id> key is set
         atexit.register(self.close)
-        self.register_state("manager", lambda: {"step": self._step}, self._load_own)
+        self._last = -1  # the round of this replica's last commit (its lineage)
+        self.register_state("manager", lambda: {"step": self._step, "last": self._last},
+                            self._load_own)
 
     # -- registration ------------------------------------------------------------
     def register_state(self, name: str, get: Callable[[], Any],
@@ -120,7 +122,7 @@ class Manager:
         self._on_commit.append(callback)
 
     def _load_own(self, tree) -> None:
-        self._step = int(tree["step"])
+        self._step, self._last = int(tree["step"]), int(tree["last"])
 
     # -- the step ----------------------------------------------------------------
     def start_quorum(self) -> Quorum:
@@ -138,7 +140,7 @@ class Manager:
         r = self._round + 1 if self._round >= 0 else _rounds.last_sealed(self._store) + 1
         while True:
             self._pulse.enter(self._step, f"joining round {r}")
-            q = _rounds.sealed(self._store, r)  # (presealed after a commit)
+            q = _rounds.sealed_round(self._store, r)  # (presealed after a commit)
             if q is None:
                 q = self._join(r, deadline)
             if q is not None and self._member(q):
@@ -169,16 +171,17 @@ class Manager:
             raise FtError(f"replica {self.replica_id} at step {self._step}: {e}") from e
 
     def _info(self) -> dict:
-        return {"step": self._step, "synced": self._synced, "addr": self._mailbox.address,
-                "inc": self.incarnation, "pid": os.getpid()}
+        return {"step": self._step, "last": self._last, "synced": self._synced,
+                "addr": self._mailbox.address, "inc": self.incarnation, "pid": os.getpid()}
 
     def _begin(self, q: Quorum) -> None:
         self._quorum, self._round, self._error, self._decided = q, q.round, None, False
         if self._wanting:
             self._store.delete_key(f"want/{self.replica_id}")
             self._wanting = False
-        for m in q.members:
-            self._pulse.vouch(m, int(q.info[m]["inc"]))
+        if not q.pre:  # (a joined line is news of life; a presealed round is not)
+            for m in q.members:
+                self._pulse.vouch(m, int(q.info[m]["inc"]))
         self._say_left_out(q)
         self._mailbox.forget(lambda key: int(key[1:].split("/")[0]) >= q.round)
         if q.members[0] == self.replica_id:
@@ -198,7 +201,7 @@ class Manager:
                   f"{self._pulse.report(r, f'round {q.round}')}", file=sys.stderr)
 
     def _heal(self, q: Quorum) -> None:
-        plan = heal_plan({m: int(q.info[m]["step"]) for m in q.members},
+        plan = heal_plan({m: int(q.info[m]["last"]) for m in q.members},
                          {m: bool(q.info[m]["synced"]) for m in q.members})
         key = f"r{q.round}/heal"
         for healer, source in plan.items():
@@ -284,7 +287,11 @@ class Manager:
         return weighted_mean(parts, counts)
 
     def report_error(self, e: Exception) -> None:
-        """Make this step not commit (torchft's ``report_error``)."""
+        """Make this step not commit (torchft's ``report_error``); call it before
+        :meth:`should_commit`."""
+        if self._decided:
+            raise FtError(f"report_error({e!r}) after this step's should_commit: the step "
+                          f"is decided already; report errors before should_commit")
         self._fail(e)
 
     def should_commit(self) -> bool:
@@ -306,7 +313,7 @@ class Manager:
             raise FtError(f"replica {self.replica_id} at step {self._step}: {e}") from e
         self._decided = True
         if ok:
-            self._step += 1
+            self._step, self._last = self._step + 1, q.round
             for callback in self._on_commit:
                 callback(q)
         return ok

@@ -42,6 +42,7 @@ _LEN = struct.Struct("!Q")
 _MAX_KEY = 1024
 _MAX_FRAMES = 1 << 20
 _HANDSHAKE_S = 10.0
+_MAX_HANDSHAKES = 32  # connections authenticating at once; more are closed at once
 
 
 def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -75,7 +76,7 @@ class Mailbox:
     """
 
     def __init__(self, replica: int, incarnation: int, token: bytes,
-                 host: str = "127.0.0.1", max_message_bytes: int = 1 << 34):
+                 host: str = "127.0.0.1", max_message_bytes: int = 1 << 32):
         if not token:
             raise FtError("jdist.ft needs the job's secret to authenticate replicas: run "
                           "under `jdist-run --ft` or set JDIST_AUTH_TOKEN (or auth_token=)")
@@ -89,6 +90,8 @@ class Mailbox:
         self._out_lock = threading.Lock()
         self._closed = False
         self._inbound: list[tuple[socket.socket, threading.Thread]] = []
+        self._open: dict[tuple[int, int], int] = {}  # (replica, incarnation) -> connections
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._server = socket.create_server((host, 0))
         self.address = f"{host}:{self._server.getsockname()[1]}"
         threading.Thread(target=self._accept, name="jdist-ft-accept", daemon=True).start()
@@ -111,8 +114,8 @@ class Mailbox:
                 self._inbound.append((conn, thread))
             thread.start()
 
-    def _server_handshake(self, conn: socket.socket) -> int:
-        conn.settimeout(_HANDSHAKE_S)
+    def _server_handshake(self, conn: socket.socket) -> tuple[int, int]:
+        conn.settimeout(_HANDSHAKE_S / 3)  # (three reads: at most _HANDSHAKE_S in all)
         hello = _read(conn, len(_MAGIC) + _NONCE + 8)
         if bytes(hello[:len(_MAGIC)]) != _MAGIC:
             raise PermissionError("not a jdist.ft peer")
@@ -129,13 +132,26 @@ class Mailbox:
 
     def _serve(self, conn: socket.socket, conn_id: int) -> None:
         try:
+            self._serve_authenticated(conn)
+        finally:
+            with self._cond:
+                self._inbound = [(c, t) for c, t in self._inbound if c is not conn]
+
+    def _serve_authenticated(self, conn: socket.socket) -> None:
+        if not self._handshakes.acquire(blocking=False):  # too many unauthenticated
+            conn.close()
+            return
+        try:
             who = self._server_handshake(conn)
         except (OSError, ConnectionError, PermissionError):
             conn.close()
             return
+        finally:
+            self._handshakes.release()
         sender = who[0]
         with self._cond:
             self._ended.pop(who, None)
+            self._open[who] = self._open.get(who, 0) + 1
         why = "its connection closed (process died?)"
         try:
             while True:
@@ -158,7 +174,9 @@ class Mailbox:
         finally:
             conn.close()
             with self._cond:
-                self._ended[who] = why
+                self._open[who] -= 1
+                if not self._open[who]:  # (a newer connection of it may still be open)
+                    self._ended[who] = why
                 self._cond.notify_all()
 
     def take(self, key: str, sender: tuple[int, int], deadline: float,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -71,12 +72,17 @@ class Pulse:
             self._last_read = time.monotonic()
 
     def _run(self) -> None:
+        said = False
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
-            except (StoreError, OSError):
+            except Exception as e:  # noqa: BLE001 (a heartbeat must outlive any error)
                 if self._stop.is_set():
                     return
+                if not isinstance(e, StoreError | OSError) and not said:
+                    said = True
+                    print(f"jdist.ft: replica {self.replica}'s heartbeat: {e!r}",
+                          file=sys.stderr)
 
     def vouch(self, replica: int, incarnation: int) -> None:
         """Count that incarnation as alive now (it just joined a round: fresher news

@@ -33,10 +33,11 @@ def may_seal(expected: Sequence[int], joined: Sequence[int], live: Sequence[int]
 def heal_plan(steps: Mapping[int, int], synced: Mapping[int, bool]) -> dict[int, int]:
     """``{healer: source}``: which members load the state of which other member.
 
-    ``steps`` is each member's committed step and ``synced`` whether it has taken
-    part in a round before. The sources are the synced members at the highest step
-    (or, when none is synced - the first round - the lowest id at that step); every
-    other member heals, the i-th from source ``i mod len(sources)``.
+    ``steps`` is each member's lineage (the manager passes the round of its last
+    commit: two replicas with the same one hold the same state) and ``synced`` whether
+    it has taken part in a round before. The sources are the synced members at the
+    highest value (or, when none is synced - the first round - the lowest id at that
+    value); every other member heals, the i-th from source ``i mod len(sources)``.
     """
     if not steps:
         return {}

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jdist.errors import StoreTimeoutError
 from jdist.ft import Manager, _rounds
 from jdist.store import HashStore, TCPStore
 
@@ -271,11 +272,51 @@ def test_seal_wait_returns_a_quorum_sealed_by_another_replica_meanwhile():
     read of ``round`` for a forgotten one (None); the member then skipped a round it
     was in, and the others waited for it until their timeout."""
     store = _SealedRightAfterCheck()
-    info = {"step": 0, "synced": False, "addr": "127.0.0.1:1", "inc": 0, "pid": 1}
+    info = {"step": 0, "last": -1, "synced": False, "addr": "127.0.0.1:1", "inc": 0,
+            "pid": 1}
     for r in (0, 1):
         _rounds.join(store, 0, r, info)
     q = _rounds.seal_wait(store, 0, 2, 1, lambda: {0, 1}, 5.0, time.monotonic() + 10)
     assert q is not None and q.members == (0, 1)
+
+
+def _info(last: int, synced: bool = True) -> dict:
+    return {"step": last + 1, "last": last, "synced": synced, "addr": "127.0.0.1:1",
+            "inc": 0, "pid": 1}
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_replica_behind_never_starts_a_round_of_its_own(committed):
+    """Regression (split brain): replica 2 fell behind (left out of round 5, which 0 and
+    1 are still in). It joins round 6 and must not seal it alone - not while round 5
+    is undecided, and, once 5 committed, not without a member that holds round 5's
+    state; when one joins, 2 is in the quorum and heals from it."""
+    store = HashStore()
+    store.set("committed", "5")  # rounds 0..4 committed
+    for r in (0, 1):
+        _rounds.join(store, 5, r, _info(4))
+    q5 = _rounds.seal_wait(store, 5, 3, 1, lambda: {0, 1, 2}, 0.1, time.monotonic() + 5)
+    assert q5.members == (0, 1)
+    _rounds.join(store, 6, 2, _info(3))  # last committed in round 3: behind
+    live = lambda: {0, 1, 2}  # noqa: E731
+    with pytest.raises(StoreTimeoutError, match="round 5 is still undecided"):
+        _rounds.seal_wait(store, 6, 3, 1, live, 0.05, time.monotonic() + 0.5)
+    if committed:  # 1 voted ok, then 0's vote settles it (no preseal: 2 waits to join)
+        store.add("r5/oks", 1)
+        assert _rounds.decide(store, q5, 0, True, lambda m: True, time.monotonic() + 5, 3)
+        assert _rounds.last_committed(store) == 5 and not store.check(["r6/sealed"])
+    else:
+        store.set("r5/decision", "abort")
+    if committed:
+        with pytest.raises(StoreTimeoutError):  # 2 alone does not hold round 5's state
+            _rounds.seal_wait(store, 6, 3, 1, live, 0.05, time.monotonic() + 0.5)
+    _rounds.join(store, 6, 0, _info(5 if committed else 4))
+    q6 = _rounds.seal_wait(store, 6, 3, 1, lambda: {0, 2}, 0.05, time.monotonic() + 5)
+    assert q6.members == (0, 2)
+    from jdist.ft._rules import heal_plan
+    plan = heal_plan({m: int(q6.info[m]["last"]) for m in q6.members},
+                     {m: True for m in q6.members})
+    assert plan == {2: 0}
 
 
 def test_a_replacement_heals_from_a_synced_member(cluster, monkeypatch):
