@@ -13,6 +13,7 @@ peer. docs/fault-tolerance.md says when to use it instead of restart-based resum
 | ``_pulse.py`` | heartbeats, liveness, where a silent replica stands (step, op, stack) |
 | ``_peers.py`` | authenticated mailbox between replicas (gradients, healed state) |
 | ``_state.py`` | a pytree's leaves as frames and back, checked |
+| ``_healing.py`` | ``Registry``: the named state a replica heals (send, load) |
 | ``_manager.py`` | ``Manager``: start_quorum, allreduce, should_commit, healing |
 | ``_wrappers.py`` | ``DistributedDataParallel``, ``Optimizer``, ``DistributedSampler`` |
 """

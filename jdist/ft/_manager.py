@@ -22,11 +22,11 @@ import numpy as np
 
 from jdist.errors import FtError, JobFinishedError, ReplicaLostError, StoreError
 from jdist.ft import _rounds
+from jdist.ft._healing import Registry
 from jdist.ft._peers import Mailbox
 from jdist.ft._pulse import Pulse
 from jdist.ft._rounds import Quorum
 from jdist.ft._rules import heal_plan, weighted_mean
-from jdist.ft._state import pack, unpack
 from jdist.store import PrefixStore, Store, TCPStore
 
 __all__ = ["Manager"]
@@ -53,6 +53,15 @@ def _default_store(timeout: float) -> Store:
     return TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 
+def _poison(mailbox: Mailbox, q: Quorum, me: int, e: Exception, timeout: float) -> None:
+    """Tell every other member that this step failed here (under the gradient key, so
+    an allreduce waiting for this replica's part fails at once)."""
+    poison = [np.asarray([-1], np.int64), str(e).encode()[:4096]]
+    for m in q.members:
+        if m != me:
+            mailbox.post(m, q.info[m]["addr"], f"r{q.round}/grad", poison, timeout)
+
+
 class Manager:
     """Quorum, commit and healing for one replica (torchft's ``Manager``).
 
@@ -62,7 +71,8 @@ class Manager:
       world_size: the replicas the job starts with (default ``$WORLD_SIZE``); the
         first round waits ``join_timeout`` for all of them.
       store: where rounds are agreed (default ``$JDIST_FT_STORE``, the launcher's).
-      timeout: seconds any one operation (quorum, allreduce, vote, heal) may take.
+      timeout: seconds any one wait may take (for a quorum, each peer's message, the
+        vote).
       join_timeout: seconds a live replica may be late to a round before it is left
         out (it joins the next one).
       heartbeat_timeout: seconds without a heartbeat after which a replica counts as
@@ -99,7 +109,7 @@ class Manager:
         self._quorum: Quorum | None = None
         self._error: Exception | None = None
         self._decided = True
-        self._state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._state = Registry()
         self._on_commit: list[Callable[[Quorum], None]] = []
         self._previous_members: set[int] = set()
         self._closed = False
@@ -113,9 +123,7 @@ class Manager:
     def register_state(self, name: str, get: Callable[[], Any],
                        load: Callable[[Any], None]) -> None:
         """Heal ``name`` too: ``get()`` returns a pytree, ``load(tree)`` takes one."""
-        if name in self._state:
-            raise FtError(f"state {name!r} is registered twice on this Manager")
-        self._state[name] = (get, load)
+        self._state.register(name, get, load)
 
     def on_commit(self, callback: Callable[[Quorum], None]) -> None:
         """Call ``callback(quorum)`` after each committed step (e.g. a sampler)."""
@@ -206,16 +214,11 @@ class Manager:
         key = f"r{q.round}/heal"
         for healer, source in plan.items():
             if source == self.replica_id:
-                state = {n: get() for n, (get, _) in self._state.items()}
-                self._mailbox.post(healer, q.info[healer]["addr"], key, pack(state),
-                                   self.timeout)
+                self._mailbox.post(healer, q.info[healer]["addr"], key,
+                                   self._state.frames(), self.timeout)
         if self.replica_id in plan:
             source = plan[self.replica_id]
-            frames = self._take(key, source, "healing")
-            like = {n: get() for n, (get, _) in self._state.items()}
-            state = unpack(frames, like, f"replica {source}")
-            for n, (_, load) in self._state.items():
-                load(state[n])
+            self._state.load(self._take(key, source, "healing"), f"replica {source}")
         self._synced = True
 
     def _alive(self, member: int) -> bool:
@@ -246,14 +249,9 @@ class Manager:
         self._error = e
         print(f"jdist.ft: replica {self.replica_id} at step {self._step}: {e}; this "
               f"step will not commit", file=sys.stderr)
-        q = self._quorum
-        if q is not None:
-            self._store.set(f"r{q.round}/err", str(self.replica_id))
-        poison = [np.asarray([-1], np.int64), str(e).encode()[:4096]]
-        for m in q.members if q is not None else ():
-            if m != self.replica_id:
-                self._mailbox.post(m, q.info[m]["addr"], f"r{q.round}/grad", poison,
-                                   self.timeout)
+        if self._quorum is not None:
+            self._store.set(f"r{self._quorum.round}/err", str(self.replica_id))
+            _poison(self._mailbox, self._quorum, self.replica_id, e, self.timeout)
 
     def allreduce(self, leaves: Sequence[np.ndarray], count: int) -> list[np.ndarray]:
         """The sample-weighted mean of every member's ``leaves`` (``count``: this
