@@ -108,6 +108,7 @@ def test_replicas_survive_kills_and_a_stop(tmp_path):
     stop = tmp_path / "stop"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "jdist.launch", "--ft", "--nproc-per-node", "4",
+           "--start-method", "forkserver",  # (replacements start without imports)
            "--max-restarts", "2", "--devices-per-proc", "1", str(EXAMPLE), "--out", str(out),
            "--steps", "100000", "--sleep", "0.03", "--every", "1000",
            "--heartbeat-timeout", str(DEADLINE), "--timeout", "20", "--stop-file", str(stop)]
