@@ -18,7 +18,6 @@ deadline. A stopped or hung sender is found by the caller's ``check`` (heartbeat
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import queue
 import secrets
@@ -30,9 +29,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jdist._hmac import mac
 from jdist.errors import FtError, ReplicaLostError
 
-__all__ = ["Mailbox", "mac"]
+__all__ = ["Mailbox"]
 
 _MAGIC = b"JDFT\x00\x01"
 _NONCE = 32
@@ -43,15 +43,6 @@ _MAX_KEY = 1024
 _MAX_FRAMES = 1 << 20
 _HANDSHAKE_S = 10.0
 _MAX_HANDSHAKES = 32  # connections authenticating at once; more are closed at once
-
-
-def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 of ``role`` and the length-prefixed ``parts`` under ``key``."""
-    h = hmac.new(key, role, hashlib.sha256)
-    for p in parts:
-        h.update(len(p).to_bytes(4, "big"))
-        h.update(p)
-    return h.digest()
 
 
 def _read(sock: socket.socket, n: int) -> bytearray:

@@ -10,10 +10,10 @@ are capped at :data:`HANDSHAKE_MAX_BYTES` until then.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 
+from jdist._hmac import mac
 from jdist.errors import RpcAuthError
 from jdist.rpc.transport import Comm
 
@@ -23,15 +23,6 @@ HANDSHAKE_MAX_BYTES = 4096
 _HELLO, _CHALLENGE, _AUTH, _OK, _DENIED = (b"JDIST-HELLO", b"JDIST-CHALLENGE", b"JDIST-AUTH",
                                           b"JDIST-OK", b"JDIST-DENIED")
 _NONCE = 32
-
-
-def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 of ``role`` and ``parts`` (each length-prefixed) under ``key``."""
-    h = hmac.new(key, role, hashlib.sha256)
-    for p in parts:
-        h.update(len(p).to_bytes(4, "big"))
-        h.update(p)
-    return h.digest()
 
 
 def _expect(frames: list, tag: bytes, n: int, who: str) -> list[bytes]:
