@@ -114,6 +114,9 @@ def run_ft(cfg: LaunchConfig, environ: dict[str, str]) -> int:
         for rank in range(cfg.nproc_per_node):
             reps.start(rank)
         code = _watch(reps)
+    except KeyboardInterrupt:
+        say("got SIGINT; stopped every worker")
+        code = 130
     finally:
         reps.stop()
         store.close()
