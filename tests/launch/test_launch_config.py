@@ -109,3 +109,15 @@ def test_exit_codes_of_signal_deaths():
     assert exit_code_of(3) == 3 and exit_code_of(-9) == 137
     assert describe_exit(-15) == "was killed by signal SIGTERM"
     assert describe_exit(2) == "exited with code 2"
+
+
+def test_ft_flag_and_its_one_node_limit(capsys):
+    from jdist.launch._ft_agent import run_ft
+
+    assert not parse_args(["s.py"], environ={}).ft
+    cfg = parse_args(["--ft", "--nproc-per-node", "3", "s.py"], environ={})
+    assert cfg.ft and cfg.nproc_per_node == 3
+    two = parse_args(["--ft", "--nnodes", "2", "--node-rank", "0", "--master-addr",
+                      "127.0.0.1", "s.py"], environ={})
+    assert run_ft(two, {}) == 2  # refused before anything starts, naming the limit
+    assert "--ft runs on one node" in capsys.readouterr().err
