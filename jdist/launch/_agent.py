@@ -47,13 +47,10 @@ from jdist.launch._env import (
     JobInfo,
     has_user_cache,
     restart_cache_env,
-    worker_args,
-    worker_command,
     worker_env,
 )
-from jdist.launch._forkserver import forkserver_script
+from jdist.launch._forkserver import worker_launch
 from jdist.launch._ft_agent import run_ft
-from jdist.launch._lifeline import exec_command
 from jdist.launch._relay import binary_stream
 from jdist.launch._rendezvous import LaunchError, Rendezvous, Terms
 from jdist.launch._rendezvous import say as _say
@@ -168,9 +165,8 @@ class _Agent:
     # --- one attempt ---------------------------------------------------------------------
     def start(self, job: JobInfo) -> WorkerGroup:
         cfg = self.cfg
-        argv = worker_command(os.getpid(), cfg.script, cfg.script_args, cfg.module)
-        if cfg.no_python:
-            argv = exec_command(os.getpid(), cfg.script, cfg.script_args)
+        argv, start = worker_launch(os.getpid(), cfg.script, cfg.script_args, cfg.module,
+                                    cfg.no_python, cfg.start_method, cfg.preload)
         columns = None
         if sys.stderr.isatty():
             columns = shutil.get_terminal_size().columns - len(f"[rank {job.world_size}] ")
@@ -185,13 +181,6 @@ class _Agent:
         log_dir = None
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"attempt_{job.restart_count}")
-        start = None
-        if cfg.start_method == "forkserver" and not cfg.no_python:
-            tail = worker_args(cfg.script, cfg.script_args, cfg.module)
-
-            def start(_argv, env):
-                return forkserver_script(tail, env, cfg.preload)
-
         self.group = WorkerGroup(cmds, binary_stream(sys.stdout), binary_stream(sys.stderr),
                                  log_dir,
                                  cfg.hidden, cfg.verbose, start)

@@ -50,7 +50,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jdist.launch._lifeline import arm_parent_death_signal
+from jdist.launch._env import worker_args, worker_command
+from jdist.launch._lifeline import arm_parent_death_signal, exec_command
 from jdist.launch._stop import signal_group
 
 __all__ = ["set_forkserver_preload", "forkserver_process", "forkserver_script",
@@ -266,6 +267,24 @@ def forkserver_script(args: Sequence[str], env: dict[str, str],
     with the server, which dies with this process."""
     server = _server_for(env, tuple(preload), with_path=True)
     return server.start([_SCRIPT, str(server.pid), *args], env, None)
+
+
+def worker_launch(launcher_pid: int, script: str, args: tuple[str, ...], module: bool,
+                  no_python: bool, start_method: str, preload: Sequence[str]):
+    """``(argv, start)`` for a worker of a launcher: the command line, and with
+    ``start_method="forkserver"`` a ``start(argv, env)`` that forks it from a server
+    (None: ``WorkerGroup`` starts ``argv`` itself)."""
+    if no_python:
+        return exec_command(launcher_pid, script, args), None
+    argv = worker_command(launcher_pid, script, args, module)
+    if start_method != "forkserver":
+        return argv, None
+    tail = worker_args(script, args, module)
+
+    def start(_argv, env):
+        return forkserver_script(tail, env, preload)
+
+    return argv, start
 
 
 @atexit.register

@@ -17,9 +17,8 @@ import sys
 import time
 
 from jdist.launch._config import LaunchConfig
-from jdist.launch._env import JobInfo, worker_args, worker_command, worker_env
-from jdist.launch._forkserver import forkserver_script
-from jdist.launch._lifeline import exec_command
+from jdist.launch._env import JobInfo, worker_env
+from jdist.launch._forkserver import worker_launch
 from jdist.launch._relay import binary_stream
 from jdist.launch._rendezvous import say
 from jdist.launch._worker_group import WorkerGroup, describe_exit, exit_code_of
@@ -50,15 +49,8 @@ class _Replicas:
                          compilation_cache=cfg.compilation_cache)
         env.update(JDIST_FT_STORE=self.store_spec,
                    JDIST_FT_INCARNATION=str(self.incarnation[rank]))
-        argv = worker_command(os.getpid(), cfg.script, cfg.script_args, cfg.module)
-        start = None
-        if cfg.start_method == "forkserver" and not cfg.no_python:
-            tail = worker_args(cfg.script, cfg.script_args, cfg.module)
-
-            def start(_argv, env):  # (a replacement forks from the server: no imports)
-                return forkserver_script(tail, env, cfg.preload)
-        elif cfg.no_python:
-            argv = exec_command(os.getpid(), cfg.script, cfg.script_args)
+        argv, start = worker_launch(os.getpid(), cfg.script, cfg.script_args, cfg.module,
+                                    cfg.no_python, cfg.start_method, cfg.preload)
         log_dir = None
         if cfg.log_dir is not None:
             log_dir = os.path.join(cfg.log_dir, f"incarnation_{self.incarnation[rank]}")
