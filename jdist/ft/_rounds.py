@@ -64,9 +64,8 @@ def _joined(store: Store, r: int) -> dict[int, dict]:
 
 
 def _expected(store: Store, r: int, world_size: int) -> list[int]:
-    if r > 0 and store.check([f"r{r - 1}/sealed"]):
-        return json.loads(store.get(f"r{r - 1}/sealed"))["members"]
-    return list(range(world_size))
+    previous = sealed_round(store, r - 1) if r > 0 else None
+    return list(previous.members) if previous is not None else list(range(world_size))
 
 
 def sealed_round(store: Store, r: int) -> Quorum | None:

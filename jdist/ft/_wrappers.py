@@ -128,6 +128,7 @@ class DistributedSampler:
         self.manager, self.batch_size = manager, int(batch_size)
         self.shuffle, self.seed, self.ledger = shuffle, int(seed), ledger
         self.epoch, self.cursor = 0, 0
+        self._ordered: tuple = (None, None)  # ((epoch, seed, shuffle), its order)
         if manager is not None:
             manager.register_state("sampler", self.state_dict, self.load_state_dict)
             manager.on_commit(self._committed)
@@ -142,9 +143,16 @@ class DistributedSampler:
         """The indices member ``rank`` of ``members`` gets at the current position."""
         counts = split_counts(self.size - self.cursor, members, self.batch_size)
         start = self.cursor + sum(counts[:rank])
-        order = epoch_order(self.size, shuffle=self.shuffle, seed=self.seed,
-                            epoch=self.epoch)
-        return order[start:start + counts[rank]]
+        return self._order()[start:start + counts[rank]]
+
+    def _order(self) -> np.ndarray:
+        """The current epoch's order, computed once per epoch (a permutation of the
+        whole dataset: not per step)."""
+        if self._ordered[0] != (self.epoch, self.seed, self.shuffle):
+            self._ordered = ((self.epoch, self.seed, self.shuffle),
+                             epoch_order(self.size, shuffle=self.shuffle, seed=self.seed,
+                                         epoch=self.epoch))
+        return self._ordered[1]
 
     def advance(self, members: int) -> None:
         """Move past one step of ``members`` replicas."""
