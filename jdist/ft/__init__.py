@@ -11,7 +11,7 @@ peer. docs/fault-tolerance.md says when to use it instead of restart-based resum
 | ``_rules.py`` | pure decisions: sealing, who heals from whom, sample split, weighted mean |
 | ``_rounds.py`` | a round on the store: join, seal (``compare_set``), vote, decide |
 | ``_pulse.py`` | heartbeats, liveness, where a silent replica stands (step, op, stack) |
-| ``_peers.py`` | authenticated mailbox between replicas (gradients, healed state) |
+| ``_peers.py`` | jdist's authenticated mailbox (``jdist/_mailbox.py``) with ft's errors |
 | ``_state.py`` | a pytree's leaves as frames and back, checked |
 | ``_healing.py`` | ``Registry``: the named state a replica heals (send, load) |
 | ``_manager.py`` | ``Manager``: start_quorum, allreduce, should_commit, healing |

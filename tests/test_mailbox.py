@@ -1,4 +1,5 @@
-"""``jdist.ft._peers.Mailbox``: two or three mailboxes in one process, on loopback.
+"""``jdist._mailbox.Mailbox`` (as ``jdist.ft`` subclasses it, with its errors, and as
+it is, with the generic ones): two or three mailboxes in one process, on loopback.
 
 Messages are filed under (key, sender); a peer without the job's secret is never
 heard; a sender whose mailbox closes fails a pending ``take`` at once, not at its
@@ -15,8 +16,8 @@ import types
 import numpy as np
 import pytest
 
-from jdist.errors import FtError, ReplicaLostError
-from jdist.ft import _peers
+from jdist import _mailbox
+from jdist.errors import CollectiveTimeoutError, FtError, PeerFailedError, ReplicaLostError
 from jdist.ft._peers import Mailbox
 
 TOKEN = b"test-secret-of-this-job"
@@ -159,14 +160,14 @@ def test_message_to_a_peer_that_refuses_at_once_is_listed(boxes, monkeypatch):
     def refuse(address, timeout):
         raise ConnectionRefusedError(f"{address} refused (test)")
 
-    class QueueAfterTheFailure(_peers.queue.SimpleQueue):
+    class QueueAfterTheFailure(_mailbox.queue.SimpleQueue):
         """Queues once the sender has failed: the interleaving, made deterministic."""
 
         def put(self, item, *args, **kwargs):
             noted.wait(5.0)
             super().put(item, *args, **kwargs)
 
-    monkeypatch.setattr(_peers, "queue", types.SimpleNamespace(
+    monkeypatch.setattr(_mailbox, "queue", types.SimpleNamespace(
         SimpleQueue=QueueAfterTheFailure))
     a.note_failure, a.connect = note_failure, refuse
     a.post(4, _refused_address(), "r2/grad", [b"lost"], timeout=5.0)
@@ -290,3 +291,27 @@ def test_bfloat16_frames_arrive(boxes):
     _post(a, b, "r0/grad", [x])
     got = _take(b, "r0/grad", a, within=1.0)
     np.testing.assert_array_equal(np.frombuffer(got[0], ml_dtypes.bfloat16), x)
+
+
+def test_generic_mailbox_names_its_own_errors():
+    """Outside jdist.ft the mailbox raises the generic classes: a silent sender is a
+    timeout, a closed one a failed peer; ``poll`` takes a message only if it is here."""
+    a = _mailbox.Mailbox(0, 0, TOKEN)
+    b = _mailbox.Mailbox(1, 0, TOKEN)
+    try:
+        assert b.poll("k", 0) is None
+        a.post(1, b.address, "k", [np.arange(3)], timeout=10.0)
+        deadline = time.monotonic() + LONG
+        while (got := b.poll("k", 0)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got is not None and bytes(got[0]) == np.arange(3).tobytes()
+        with pytest.raises(CollectiveTimeoutError, match="peer 0 sent nothing"):
+            b.take("never", (0, 0), time.monotonic() + 0.2, lambda: None, "test")
+        a.close()
+        with pytest.raises(PeerFailedError, match="peer 0 was lost"):
+            b.take("after", (0, 0), time.monotonic() + LONG, lambda: None, "test")
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(PeerFailedError, match="JDIST_AUTH_TOKEN"):
+        _mailbox.Mailbox(0, 0, b"")
