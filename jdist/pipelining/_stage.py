@@ -29,25 +29,38 @@ def _as_tuple(x: Any) -> tuple:
 
 
 class _Programs:
-    """The compiled forward/backward programs of one module structure."""
+    """The compiled forward/backward programs of one module structure.
 
-    def __init__(self, graphdef, loss_fn) -> None:
-        def run(params, xs):
-            return nnx.merge(graphdef, params)(*xs)
+    Parameters travel as the flat list of their leaves (a list flattens in
+    microseconds, an ``nnx.State`` in tens of them, on every call). A backward that is
+    not the step's first adds its weight gradients into the running sum in the same
+    program, consuming (donating) the sum: one program and no extra pass over the
+    gradients per micro-batch."""
 
-        def with_loss(params, xs, target):
-            out = run(params, xs)
+    def __init__(self, graphdef, treedef, loss_fn) -> None:
+        def run(leaves, xs):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(*xs)
+
+        def with_loss(leaves, xs, target):
+            out = run(leaves, xs)
             return loss_fn(out, target), out
+
+        def add(acc, gp):
+            return [a + g for a, g in zip(acc, gp, strict=True)]
 
         self.forward = jax.jit(lambda p, xs: jax.vjp(run, p, xs))
         self.forward_loss = jax.jit(
             lambda p, xs, y: jax.vjp(lambda p, xs: with_loss(p, xs, y), p, xs, has_aux=True))
         self.infer = jax.jit(run)
         self.backward = jax.jit(lambda vjp, ct: vjp(ct))
+        self.backward_add = jax.jit(
+            lambda vjp, ct, acc: (lambda g: (add(acc, g[0]), g[1]))(vjp(ct)),
+            donate_argnums=2)
         self.backward_input = jax.jit(lambda vjp, ct: vjp(ct)[1])
         self.backward_weight = jax.jit(lambda vjp, ct: vjp(ct)[0])
-        self.add = jax.jit(lambda a, b: jax.tree.map(jax.numpy.add, a, b))
-        self.scale = jax.jit(lambda a, n: jax.tree.map(lambda v: v / n, a))
+        self.backward_weight_add = jax.jit(lambda vjp, ct, acc: add(acc, vjp(ct)[0]),
+                                           donate_argnums=2)
+        self.scale = jax.jit(lambda a, n: [v / n for v in a], donate_argnums=0)
 
 
 class PipelineStage:
@@ -108,11 +121,12 @@ class PipelineStage:
     def begin(self, loss_fn) -> None:
         """Start a step: read the module's parameters; forget the last step's state."""
         graphdef, params = nnx.split(self.submod, nnx.Param)
-        key = (graphdef, loss_fn)
+        leaves, self._treedef = jax.tree.flatten(params)
+        key = (graphdef, self._treedef, loss_fn)
         if key not in self._programs:
-            self._programs[key] = _Programs(graphdef, loss_fn)
+            self._programs[key] = _Programs(graphdef, self._treedef, loss_fn)
         self._run = self._programs[key]
-        self._params = self._put(params)
+        self._params = self._put(leaves)
         self._pending, self._cotangent, self._seeds, self._acc = {}, {}, {}, None
 
     def forward(self, mb: int, inputs: Any, target: Any = None, with_grad: bool = True):
@@ -141,8 +155,11 @@ class PipelineStage:
     def backward(self, mb: int, grad_output: Any = None) -> tuple:
         """Full backward (``B``) of ``mb``: accumulates weight gradients; returns the
         gradients of the stage's inputs (a tuple, as its inputs)."""
-        gp, gxs = self._run.backward(self._take(mb), self._seed(mb, grad_output))
-        self._accumulate(gp)
+        vjp, ct = self._take(mb), self._seed(mb, grad_output)
+        if self._acc is None:
+            self._acc, gxs = self._run.backward(vjp, ct)
+        else:
+            self._acc, gxs = self._run.backward_add(vjp, ct, self._acc)
         return gxs
 
     def backward_input(self, mb: int, grad_output: Any = None) -> tuple:
@@ -157,17 +174,15 @@ class PipelineStage:
         if mb not in self._cotangent:
             raise RuntimeError(f"stage {self.stage_index}: weight backward of micro-batch "
                                f"{mb} before its input backward")
-        gp = self._run.backward_weight(self._take(mb), self._cotangent.pop(mb))
-        self._accumulate(gp)
+        vjp, ct = self._take(mb), self._cotangent.pop(mb)
+        self._acc = (self._run.backward_weight(vjp, ct) if self._acc is None
+                     else self._run.backward_weight_add(vjp, ct, self._acc))
 
     def _take(self, mb: int):
         if mb not in self._pending:
             raise RuntimeError(f"stage {self.stage_index}: backward of micro-batch {mb} "
                                f"before its forward")
         return self._pending.pop(mb)
-
-    def _accumulate(self, gp) -> None:
-        self._acc = gp if self._acc is None else self._run.add(self._acc, gp)
 
     def finish(self, divide_by: int) -> None:
         """End a step: :attr:`grads` is the accumulated weight gradient / ``divide_by``."""
@@ -177,4 +192,6 @@ class PipelineStage:
                                f"(complete) backward; the schedule is incomplete")
         if self._acc is not None and divide_by != 1:
             self._acc = self._run.scale(self._acc, float(divide_by))
-        self.grads = self._acc
+        self.grads = None if self._acc is None else jax.tree.unflatten(self._treedef,
+                                                                       self._acc)
+        self._acc = None  # (the user's grads are never donated)

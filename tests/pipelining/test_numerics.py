@@ -56,6 +56,7 @@ def test_every_schedule_trains_like_the_unsplit_model(name, m):
         stages = [pp.PipelineStage(mod, i, STAGES) for i, mod in enumerate(stages_mods)]
         opts = [nnx.Optimizer(mod, optax.sgd(0.1), wrt=nnx.Param) for mod in stages_mods]
         sched = pp.get_schedule_class(name)(stages, m, loss_fn=mse, pp_size=size)
+        kept = []
         for step, (loss, grads, want_out) in enumerate(ref):
             x, y = _data(step)
             losses = []
@@ -69,6 +70,13 @@ def test_every_schedule_trains_like_the_unsplit_model(name, m):
                     jax.tree.map(lambda a, b: np.testing.assert_allclose(
                         a, b, rtol=1e-5, atol=1e-6), st.grads, g)
                 opt.update(st.submod, st.grads)
+            kept.append([st.grads for st in stages])
+        # (the stages accumulate into buffers their programs consume: never the user's)
+        for step_grads, (_, grads, _) in zip(kept, ref, strict=True):
+            for got, g in zip(step_grads, grads, strict=True):
+                if BATCH % m == 0:
+                    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+                        a, b, rtol=1e-5, atol=1e-6), got, g)
 
 
 def test_uneven_micro_batches_weight_each_as_torch_does():
