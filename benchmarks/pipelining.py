@@ -6,7 +6,9 @@ median of ``--steps`` steps after warm-up, jdist and torch in the same run (torc
 one thread, as jdist-run sets it): 4 stages in one process for the schedules that hold
 several stages per rank (torch on its ``fake`` process group, as torch's own
 single-process tests run), and 2 processes (torch on gloo) for GPipe, 1F1B and
-Interleaved1F1B, where jdist also reports each rank's measured idle share of the step.
+Interleaved1F1B, where jdist runs on both of its transports (``transport="socket"``,
+jdist's mailbox, the default on CPU; ``"xla"``, XLA's point-to-point) and also reports
+each rank's measured idle share of the step.
 Idle fraction of the orders: the share of idle time when every rank runs its order with
 a forward taking one unit and a backward two, against (p - 1) / (m + p - 1) for GPipe
 and 1F1B.
@@ -112,7 +114,7 @@ def _simulate(order: dict, n_stages: int) -> float:
     return 1 - busy / (len(order) * span)
 
 
-def _jdist_mp(name: str, steps: int) -> dict:
+def _jdist_mp(name: str, steps: int, transport: str) -> dict:
     """One rank of a 2-process pipeline (2 stages per rank for the multi-stage schedules):
     median step time, and the share of the step this rank's stages were not computing."""
     import jax
@@ -138,7 +140,8 @@ def _jdist_mp(name: str, steps: int) -> dict:
                 busy[0] += time.perf_counter() - t
                 return out
             setattr(st, meth, timed)
-    sched = pp.get_schedule_class(name)(stages, MB, loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
+    sched = pp.get_schedule_class(name)(stages, MB, loss_fn=lambda o, t: jnp.mean((o - t) ** 2),
+                                        transport=transport)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
     y = rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
@@ -220,19 +223,21 @@ def main(argv=None) -> None:
     print(f"step time, 2 processes (GPipe/1F1B: 1 stage each; others: 2 each), batch "
           f"{BATCH} in {MB} micro-batches:")
     for name in ("GPipe", "1F1B", "Interleaved1F1B"):
-        j = spawn(mod._jdist_mp, args=(name, steps), nprocs=2, timeout=900,
-                  env={"OMP_NUM_THREADS": "1"})
         t = spawn(mod._torch_mp, args=(name, steps), nprocs=2, timeout=900,
                   env={"OMP_NUM_THREADS": "1"})
-        js, ts = max(r["step"] for r in j), max(r["step"] for r in t)
-        procs.append(row(name, "ms", js * 1e3, ts * 1e3, js / ts))
-        idle = [r["idle"] for r in j]
-        if name in ("GPipe", "1F1B"):
-            measured.append(row(name, "fraction", max(idle), 1 / (MB + 1),
-                                note="worst rank; formula (p-1)/(m+p-1), p=2"))
-        print(f"  {name:22s} jdist {js * 1e3:8.2f} ms  torch {ts * 1e3:8.2f} ms  ratio "
-              f"{js / ts:.2f}  (jdist idle share per rank "
-              f"{', '.join(f'{v:.2f}' for v in idle)})", flush=True)
+        ts = max(r["step"] for r in t)
+        for transport, label in (("socket", "mailbox"), ("xla", "XLA p2p")):
+            j = spawn(mod._jdist_mp, args=(name, steps, transport), nprocs=2, timeout=900,
+                      env={"OMP_NUM_THREADS": "1"})
+            js = max(r["step"] for r in j)
+            procs.append(row(f"{name}, {label}", "ms", js * 1e3, ts * 1e3, js / ts))
+            idle = [r["idle"] for r in j]
+            if name in ("GPipe", "1F1B"):
+                measured.append(row(f"{name}, {label}", "fraction", max(idle), 1 / (MB + 1),
+                                    note="worst rank; formula (p-1)/(m+p-1), p=2"))
+            print(f"  {name + ', ' + label:26s} jdist {js * 1e3:8.2f} ms  torch "
+                  f"{ts * 1e3:8.2f} ms  ratio {js / ts:.2f}  (jdist idle share per rank "
+                  f"{', '.join(f'{v:.2f}' for v in idle)})", flush=True)
     idle = _idle_rows()
     print("idle share of the ranks' time running each order (forward 1, backward 2 "
           "units) vs (p-1)/(m+p-1):")

@@ -16,7 +16,8 @@ docs/pipelining.md.
 | ``_stage.py`` | ``PipelineStage``: compiled forward/backward of one stage |
 | ``_schedules.py`` | the schedules: run an order over the stages |
 | ``_remote.py`` | one rank's share of a pipeline over processes |
-| ``_links.py`` | activations and gradients between processes |
+| ``_links.py`` | activations and gradients between processes, over XLA's p2p |
+| ``_sockets.py`` | the same over jdist's mailbox; which transport a pipeline uses |
 | ``_split.py`` | ``pipeline``: layers grouped into stages |
 """
 

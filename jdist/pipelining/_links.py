@@ -25,7 +25,7 @@ import numpy as np
 
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
 
-__all__ = ["Links"]
+__all__ = ["Links", "dtype_named"]
 
 HEADER = 12  # int32: kind, dtype code, ndim, then up to 9 dims
 DATA, ERROR = 1, 2
@@ -33,7 +33,7 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool",
           "uint8")
 
 
-def _dtype(name: str):
+def dtype_named(name: str):
     if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
@@ -114,7 +114,7 @@ class Links:
                 _, h = self.jd.recv(np.zeros(HEADER, np.int32), src=src)
                 kind, code, ndim = int(h[0]), int(h[1]), int(h[2])
                 shape = tuple(int(d) for d in h[3:3 + ndim])
-                _, x = self.jd.recv(np.empty(shape, _dtype(DTYPES[code])), src=src)
+                _, x = self.jd.recv(np.empty(shape, dtype_named(DTYPES[code])), src=src)
                 if kind == ERROR:
                     self._set_error(f"rank {src}: {bytes(np.asarray(x)).decode(errors='replace')}")
                     return

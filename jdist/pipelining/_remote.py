@@ -136,14 +136,16 @@ class _Step:
                 self._output(("grad", s - 1, i), s - 1, gxs[0])
 
 
-def run_rank(jd, group, me: int, order: dict, stages: dict, n_stages: int, chunks,
+def run_rank(make_links, me: int, order: dict, stages: dict, n_stages: int, chunks,
              targets, loss_fn, backward: bool, timeout: float,
              problem: str | None = None) -> _Step:
     """Run rank ``me``'s actions; returns the step's state (outputs, losses). With a
-    ``problem`` (bad arguments here), tell every peer and raise ValueError."""
+    ``problem`` (bad arguments here), tell every peer and raise ValueError.
+    ``make_links(sends, recvs)`` makes the step's :class:`Links` (or the mailbox's
+    :class:`~jdist.pipelining._sockets.SocketLinks`)."""
     pp = len(order)
     sends, recvs = plans(order, pp, n_stages, me, backward)
-    links = Links(jd, group, sends, recvs, timeout)
+    links = make_links(sends, recvs)
     if problem is not None:
         links.fail(f"bad step arguments: {problem}")
         links.close(5.0)

@@ -11,7 +11,9 @@ summed.
 When every stage is in this process (on its devices, ``PipelineStage(device=)``), the
 ranks of the order are walked together, each rank's next action running as soon as its
 inputs exist. Otherwise each process holds the stages of its pipeline rank (``s % pp``)
-and runs its own list (``jdist/pipelining/_remote.py``). With ``dp_group=`` (the ranks
+and runs its own list (``jdist/pipelining/_remote.py``), its messages on jdist's
+mailbox or XLA's point-to-point (``transport=``, ``jdist/pipelining/_sockets.py``
+chooses). With ``dp_group=`` (the ranks
 holding the same stages in other pipeline replicas), each stage's gradients are then
 averaged over its replicas: data parallel x pipeline.
 """
@@ -24,9 +26,11 @@ from typing import Any
 import jax
 
 from jdist.pipelining._actions import Action, Kind
+from jdist.pipelining._links import Links
 from jdist.pipelining._microbatch import merge_chunks, split_args_kwargs_into_chunks
 from jdist.pipelining._orders import ORDERS
 from jdist.pipelining._remote import average_over, raise_in, run_rank
+from jdist.pipelining._sockets import TRANSPORTS, SocketLinks, choose_transport, next_schedule_id
 from jdist.pipelining._stage import PipelineStage
 
 __all__ = ["ScheduleGPipe", "Schedule1F1B", "ScheduleLoopedBFS", "ScheduleInterleaved1F1B",
@@ -82,9 +86,12 @@ class _Schedule:
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None,
                  scale_grads: bool = True, pp_size: int | None = None, group=None,
-                 dp_group=None) -> None:
+                 dp_group=None, transport: str = "auto") -> None:
         self._stages = _stages(stages)
         self.dp_group = dp_group
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}; choose one of {TRANSPORTS}")
+        self.transport, self._steps, self._id = transport, 0, None
         n = self._stages[0].num_stages
         self.pp_size, self._rank, self._group = _layout(
             self._stages, pp_size, self.one_stage_per_rank, type(self).__name__, group)
@@ -142,10 +149,23 @@ class _Schedule:
     def _run_here(self, chunks, targets, backward: bool, problem: str | None):
         import jdist
 
-        return run_rank(jdist, self._group, self._rank, self.pipeline_order,
+        group, timeout = self._group, self._group.timeout
+        if self._id is None:  # the first step: every rank of the group is here
+            self.transport = choose_transport(self.transport, group)
+            self._id = next_schedule_id(group)
+        self._steps += 1
+        if self.transport == "socket":
+            tag = f"{self._id}/{self._steps}"
+
+            def make_links(sends, recvs):
+                return SocketLinks(group, tag, sends, recvs, timeout)
+        else:
+            def make_links(sends, recvs):
+                return Links(jdist, group, sends, recvs, timeout)
+        return run_rank(make_links, self._rank, self.pipeline_order,
                         {s.stage_index: s for s in self._stages},
                         self._stages[0].num_stages, chunks, targets, self.loss_fn,
-                        backward, self._group.timeout, problem)
+                        backward, timeout, problem)
 
 
 def _problem(holds_first: bool, holds_last: bool, args, kwargs, target, loss_fn,

@@ -1,8 +1,10 @@
-"""Stages in separate processes (``jdist/pipelining/_remote.py``, ``_links.py``): 2 and
-4 real processes, every schedule; per step the last rank's merged output and losses,
-and every rank's stage gradients, equal a single-process run of the same model (1e-6)
-over steps with an optax update between them. A stage that raises makes every rank
-raise, naming the rank, stage and action, instead of hanging."""
+"""Stages in separate processes (``jdist/pipelining/_remote.py``; messages over
+``_sockets.py``, the mailbox, and ``_links.py``, XLA's point-to-point): 2 and 4 real
+processes, every schedule, both transports; per step the last rank's merged output and
+losses, and every rank's stage gradients, equal a single-process run of the same model
+(1e-6) over steps with an optax update between them. A stage that raises makes every
+rank raise, naming the rank, stage and action, instead of hanging (each failure case
+runs on both transports in one launch)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,14 @@ import numpy as np
 from tests.helpers import run_procs
 
 D, BATCH, M = 6, 12, 4
-SCHEDULES_2 = [("GPipe", 2), ("1F1B", 2), ("LoopedBFS", 4), ("Interleaved1F1B", 4),
-               ("InterleavedZeroBubble", 4)]  # (name, stages) on 2 processes
-SCHEDULES_4 = [("1F1B", 4), ("InterleavedZeroBubble", 8)]
+TRANSPORTS = ("socket", "xla")
+EVERY = [("GPipe", 1), ("1F1B", 1), ("LoopedBFS", 2), ("Interleaved1F1B", 2),
+         ("InterleavedZeroBubble", 2)]  # (name, stages per rank)
+# (name, stages, transport): every schedule on both transports on 2 processes; on 4,
+# every schedule on the mailbox and two on XLA's point-to-point
+SCHEDULES_2 = [(n, 2 * k, t) for t in TRANSPORTS for n, k in EVERY]
+SCHEDULES_4 = [(n, 4 * k, "socket") for n, k in EVERY] + [
+    ("1F1B", 4, "xla"), ("InterleavedZeroBubble", 8, "xla")]
 
 
 def _model(n_stages):
@@ -35,7 +42,7 @@ def _data(step):
             rng.standard_normal((BATCH, D)).astype(np.float32))
 
 
-def _train(name, n_stages, mine, steps=2):
+def _train(name, n_stages, mine, steps=2, transport="auto"):
     """Train ``mine`` (the stage indices here); with every stage here, single-process."""
     import jax
     import optax
@@ -46,8 +53,7 @@ def _train(name, n_stages, mine, steps=2):
     mods = _model(n_stages)
     stages = [pp.PipelineStage(mods[i], i, n_stages) for i in mine]
     opts = {i: nnx.Optimizer(mods[i], optax.sgd(0.1), wrt=nnx.Param) for i in mine}
-    sched = pp.get_schedule_class(name)(stages, M, loss_fn=_mse,
-                                        pp_size=None if len(mine) < n_stages else None)
+    sched = pp.get_schedule_class(name)(stages, M, loss_fn=_mse, transport=transport)
     record = []
     for step in range(steps):
         x, y = _data(step)
@@ -83,21 +89,24 @@ def _child(cases):
     jdist.init_process_group(timeout=60)
     rank, world = jdist.get_rank(), jdist.get_world_size()
     out = {}
-    for name, n_stages in cases:
-        out[name] = _train(name, n_stages, list(range(rank, n_stages, world)))
+    for name, n_stages, transport in cases:
+        out[name, transport] = _train(name, n_stages, list(range(rank, n_stages, world)),
+                                      transport=transport)
     jdist.destroy_process_group()
     return out
 
 
 def _check(results, cases, world):
-    for name, n_stages in cases:
-        ref = _train(name, n_stages, list(range(n_stages)))
-        for step, want in enumerate(ref):
-            last = results[(n_stages - 1) % world][name][step]
+    refs = {}
+    for name, n_stages, transport in cases:
+        if (name, n_stages) not in refs:
+            refs[name, n_stages] = _train(name, n_stages, list(range(n_stages)))
+        for step, want in enumerate(refs[name, n_stages]):
+            last = results[(n_stages - 1) % world][name, transport][step]
             np.testing.assert_allclose(last["out"], want["out"], rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(last["losses"], want["losses"], rtol=1e-6, atol=1e-7)
             for r in range(world):
-                got = results[r][name][step]
+                got = results[r][name, transport][step]
                 if r != (n_stages - 1) % world:
                     assert got["out"] is None and got["losses"] == []
                 for s, g in got["grads"].items():
@@ -134,21 +143,24 @@ def _failing(bad_rank):
         return jnp.mean((out - target) ** 2)
 
     stages = [pp.PipelineStage(mods[i], i, 4) for i in (rank, rank + 2)]
-    sched = pp.ScheduleInterleaved1F1B(stages, 4, loss_fn=loss)
     x, y = _data(0)
-    out = _outcome(lambda: sched.step(*((x,) if rank == 0 else ()),
-                                      target=y if rank == 1 else None))
+    out = []
+    for transport in TRANSPORTS:
+        sched = pp.ScheduleInterleaved1F1B(stages, 4, loss_fn=loss, transport=transport)
+        out.append(_outcome(lambda s=sched: s.step(*((x,) if rank == 0 else ()),
+                                                   target=y if rank == 1 else None)))
     jdist.destroy_process_group()
     return out
 
 
 def test_a_failing_stage_makes_every_rank_raise():
-    out = run_procs(_failing, 2, args=(1,), timeout=120)
-    (err0, t0), (err1, t1) = out
-    assert err1.startswith("FloatingPointError") and "pipeline rank 1, stage 3" in err1, err1
-    assert err0.startswith("PeerFailedError") and "rank 1" in err0, err0
-    assert "the loss blew up" in err0
-    assert t0 < 20 and t1 < 20
+    out0, out1 = run_procs(_failing, 2, args=(1,), timeout=120)
+    for (err0, t0), (err1, t1) in zip(out0, out1, strict=True):
+        assert err1.startswith("FloatingPointError") and "pipeline rank 1, stage 3" in err1, \
+            err1
+        assert err0.startswith("PeerFailedError") and "rank 1" in err0, err0
+        assert "the loss blew up" in err0
+        assert t0 < 20 and t1 < 20
 
 
 def _dp_pp(name, n_stages):
@@ -209,23 +221,28 @@ def _forgot_target():
     jdist.init_process_group(timeout=30)
     rank = jdist.get_rank()
     mods = _model(2)
-    sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=_mse)
     x, _ = _data(0)
-    out = _outcome(lambda: sched.step(*((x,) if rank == 0 else ())))  # (no target)
+    out = []
+    for transport in TRANSPORTS:
+        sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=_mse,
+                                transport=transport)
+        out.append(_outcome(lambda s=sched: s.step(*((x,) if rank == 0 else ()))))
     jdist.destroy_process_group()
     return out
 
 
 def test_bad_step_arguments_on_one_rank_make_every_rank_raise():
-    (err0, t0), (err1, t1) = run_procs(_forgot_target, 2, timeout=120)
-    assert err1.startswith("ValueError") and "passes the target" in err1, err1
-    assert err0.startswith("PeerFailedError") and "passes the target" in err0, err0
-    assert t0 < 20 and t1 < 20
+    out0, out1 = run_procs(_forgot_target, 2, timeout=120)
+    for (err0, t0), (err1, t1) in zip(out0, out1, strict=True):
+        assert err1.startswith("ValueError") and "passes the target" in err1, err1
+        assert err0.startswith("PeerFailedError") and "passes the target" in err0, err0
+        assert t0 < 20 and t1 < 20
 
 
 def _changing(mode, rows, fail_at):
     """1F1B over 2 processes with the batch size changing between steps, then a stage
-    failing on a later step; with the mismatch check on and off (``JDIST_DEBUG``)."""
+    failing on a later step; with the mismatch check on and off (``JDIST_DEBUG``); on
+    the mailbox, then on XLA's point-to-point."""
     import os
 
     import jax.numpy as jnp
@@ -244,20 +261,24 @@ def _changing(mode, rows, fail_at):
             raise FloatingPointError("late failure")
         return jnp.mean((out - target) ** 2)
 
-    sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=loss)
-    outs, err = [], "none"
-    for step, n in enumerate(rows):
-        state["step"] = step
-        x, y = _data(step)
-        try:
-            out = sched.step(*((x[:n],) if rank == 0 else ()),
-                             target=y[:n] if rank == 1 else None)
-        except Exception as exc:
-            err = f"{type(exc).__name__}: {exc}"
-            break
-        outs.append(None if out is None else np.asarray(out))
+    result = []
+    for transport in TRANSPORTS:
+        sched = pp.Schedule1F1B(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=loss,
+                                transport=transport)
+        outs, err = [], "none"
+        for step, n in enumerate(rows):
+            state["step"] = step
+            x, y = _data(step)
+            try:
+                out = sched.step(*((x[:n],) if rank == 0 else ()),
+                                 target=y[:n] if rank == 1 else None)
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+                break
+            outs.append(None if out is None else np.asarray(out))
+        result.append((outs, err))
     jdist.destroy_process_group()
-    return outs, err
+    return result
 
 
 def test_changing_shapes_and_late_failures_with_and_without_headers():
@@ -272,13 +293,13 @@ def test_changing_shapes_and_late_failures_with_and_without_headers():
     want = [np.asarray(ref.step(_data(s)[0][:n], target=_data(s)[1][:n]))
             for s, n in enumerate(rows)]
     for mode in ("ON", "OFF"):
-        (outs0, err0), (outs1, err1) = run_procs(_changing, 2, args=(mode, rows, 4),
-                                                 timeout=120)
-        assert len(outs1) == 4, (mode, err1)
-        for got, w in zip(outs1, want, strict=False):
-            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
-        assert err1.startswith("FloatingPointError") and "late failure" in err1, err1
-        assert err0.startswith("PeerFailedError") and "late failure" in err0, (mode, err0)
+        res0, res1 = run_procs(_changing, 2, args=(mode, rows, 4), timeout=120)
+        for (outs0, err0), (outs1, err1) in zip(res0, res1, strict=True):
+            assert len(outs1) == 4 and outs0 == [None] * 4, (mode, err1)
+            for got, w in zip(outs1, want, strict=False):
+                np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
+            assert err1.startswith("FloatingPointError") and "late failure" in err1, err1
+            assert err0.startswith("PeerFailedError") and "late failure" in err0, (mode, err0)
 
 
 def _tuple_between_processes():
@@ -305,15 +326,19 @@ def _tuple_between_processes():
     jdist.init_process_group(timeout=30)
     rank = jdist.get_rank()
     stage = pp.PipelineStage(Pair() if rank == 0 else Sum(), rank, 2)
-    sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda o, t: jnp.mean((o - t) ** 2))
     x, y = _data(0)
-    err, _ = _outcome(lambda: sched.step(*((x,) if rank == 0 else ()),
-                                         target=y if rank == 1 else None))
+    errs = []
+    for transport in TRANSPORTS:
+        sched = pp.ScheduleGPipe(stage, 2, loss_fn=lambda o, t: jnp.mean((o - t) ** 2),
+                                 transport=transport)
+        errs.append(_outcome(lambda s=sched: s.step(*((x,) if rank == 0 else ()),
+                                                    target=y if rank == 1 else None))[0])
     jdist.destroy_process_group()
-    return err
+    return errs
 
 
 def test_a_stage_returning_several_arrays_across_processes_is_refused_everywhere():
-    err0, err1 = run_procs(_tuple_between_processes, 2, timeout=120)
-    assert err0.startswith("ValueError") and "pass one array" in err0, err0
-    assert err1.startswith("PeerFailedError") and "pass one array" in err1, err1
+    errs0, errs1 = run_procs(_tuple_between_processes, 2, timeout=120)
+    for err0, err1 in zip(errs0, errs1, strict=True):
+        assert err0.startswith("ValueError") and "pass one array" in err0, err0
+        assert err1.startswith("PeerFailedError") and "pass one array" in err1, err1
