@@ -31,6 +31,8 @@ from jdist.store import PrefixStore, Store, TCPStore
 
 __all__ = ["Manager"]
 
+_STORE_CHECK_S = 0.2  # a wait for a member's message reads the store's error after this
+
 
 def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
@@ -192,8 +194,8 @@ class Manager:
                 self._pulse.vouch(m, int(q.info[m]["inc"]))
         self._say_left_out(q)
         self._mailbox.forget(lambda key: int(key[1:].split("/")[0]) >= q.round)
-        if q.members[0] == self.replica_id:
-            _rounds.forget_round(self._store, q.round)
+        if q.members[0] == self.replica_id:  # (on the heartbeat's connection, off the step)
+            self._pulse.later(lambda store, r=q.round: _rounds.forget_through(store, r))
         try:
             self._heal(q)
         except ReplicaLostError as e:
@@ -227,12 +229,20 @@ class Manager:
     def _take(self, key: str, sender: int, what: str):
         r = self._round
 
+        started, asked = time.monotonic(), [0.0]
+
         def check() -> None:
             if not self._alive(sender):
                 raise ReplicaLostError(self._pulse.report(sender, f"{what} of round {r}"))
             why = self._mailbox.failure(f"r{r}/")
             if why is not None:
                 raise ReplicaLostError(why)
+            # a failed member also poisons this key through the mailbox: the store's
+            # record is read only when the message is late (no round trip per step)
+            now = time.monotonic()
+            if now - started < _STORE_CHECK_S or now - asked[0] < _STORE_CHECK_S:
+                return
+            asked[0] = now
             if self._store.check([f"r{r}/err"]):
                 raise ReplicaLostError(f"replica {int(self._store.get(f'r{r}/err'))} "
                                        f"failed round {r}")

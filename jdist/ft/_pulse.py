@@ -2,7 +2,9 @@
 
 One daemon thread per replica, on its own store connection, every ``interval``:
 bumps ``hb/<id>``, publishes ``where/<id>`` (pid, host, committed step, the operation
-the replica is in, its main thread's Python stack) and reads every replica's counter.
+the replica is in, its main thread's Python stack) and reads every replica's counter;
+then runs the latest chore handed to :meth:`Pulse.later` (store housekeeping that must
+not cost a training step its round trips).
 A replica whose counter did not move for ``timeout`` seconds, as this thread's own
 reads show, is not live: it died, or it is stopped (``SIGSTOP``, a debugger) or hung
 holding the GIL. (Measured by this thread's reads, not the clock: an observer starved
@@ -18,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jdist.collectives.runtime import main_stack, process_state
 from jdist.errors import StoreError
@@ -40,6 +43,7 @@ class Pulse:
         self._where = {"pid": os.getpid(), "host": socket.gethostname(), "step": 0,
                        "op": "starting"}
         self._stop = threading.Event()
+        self._chore: Callable[[Store], None] | None = None
         self._started = self._last_read = time.monotonic()
         store.set(f"inc/{replica}", str(incarnation))
         self._beat()
@@ -71,11 +75,21 @@ class Pulse:
         with self._lock:
             self._last_read = time.monotonic()
 
+    def later(self, chore: Callable[[Store], None]) -> None:
+        """Run ``chore(store)`` on this thread's connection after the next beat (it
+        replaces a chore not run yet: give one that does all that is due)."""
+        with self._lock:
+            self._chore = chore
+
     def _run(self) -> None:
         said = False
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
+                with self._lock:
+                    chore, self._chore = self._chore, None
+                if chore is not None:
+                    chore(self._store)
             except Exception as e:  # noqa: BLE001 (a heartbeat must outlive any error)
                 if self._stop.is_set():
                     return

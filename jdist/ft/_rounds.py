@@ -22,7 +22,7 @@ from jdist.ft._rules import may_seal
 from jdist.store import Store
 
 __all__ = ["Quorum", "join", "seal_wait", "sealed_round", "preseal", "decide",
-           "last_sealed", "last_committed", "forget_round"]
+           "last_sealed", "last_committed", "forget_through"]
 
 _POLL_S = 0.02
 
@@ -216,15 +216,19 @@ def preseal(store: Store, q: Quorum, world_size: int) -> None:
 KEEP_ROUNDS = 8  # a replica stopped for fewer rounds still reads its round's outcome
 
 
-def forget_round(store: Store, r: int) -> None:
-    """Delete the keys of round ``r - KEEP_ROUNDS`` (best effort)."""
+def forget_through(store: Store, r: int) -> None:
+    """Delete the keys of every round up to ``r - KEEP_ROUNDS`` not deleted yet (best
+    effort; the ``forgot`` counter is raised first, so a reader never finds a round's
+    keys half gone without knowing it is forgotten)."""
     old = r - KEEP_ROUNDS
-    if old < 0:
+    start = forgotten(store)
+    if old < start:
         return
     _raise_to(store, "forgot", old + 1)
-    for key in (f"r{old}/joined", f"r{old}/sealed", f"r{old}/oks", f"r{old}/err",
-                f"r{old}/decision"):
-        try:
-            store.delete_key(key)
-        except (StoreError, OSError):
-            pass
+    for gone in range(start, old + 1):
+        for key in (f"r{gone}/joined", f"r{gone}/sealed", f"r{gone}/oks", f"r{gone}/err",
+                    f"r{gone}/decision"):
+            try:
+                store.delete_key(key)
+            except (StoreError, OSError):
+                pass

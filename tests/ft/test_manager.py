@@ -372,3 +372,52 @@ def test_a_replacement_heals_from_a_synced_member(cluster, monkeypatch):
     assert want[0] == np.float32(joined["step"])  # replica 0's start value plus one a step
     for key in ((1, 0), (2, 1)):
         np.testing.assert_array_equal(states[key]["w"], want)
+
+
+_ROUND_KEYS = ("joined", "sealed", "oks", "err", "decision")
+
+
+@pytest.mark.parametrize("calls", [[0], [8], [9], [20], [9, 9], [9, 12, 30], [30, 12]])
+def test_forget_through_deletes_every_old_round_once_and_in_order(calls):
+    """Rounds up to ``r - KEEP_ROUNDS`` lose every key and count as forgotten; later
+    rounds keep theirs; the counter never goes down (a late, older call is a no-op)."""
+    store = HashStore()
+    for r in range(40):
+        for k in _ROUND_KEYS:
+            store.set(f"r{r}/{k}", "x")
+    done = 0
+    for r in calls:
+        _rounds.forget_through(store, r)
+        done = max(done, r - _rounds.KEEP_ROUNDS + 1)
+        assert _rounds.forgotten(store) == done
+    for r in range(40):
+        kept = [store.check([f"r{r}/{k}"]) for k in _ROUND_KEYS]
+        assert kept == [r >= done] * len(_ROUND_KEYS), (r, kept)
+
+
+def test_old_rounds_are_forgotten_off_the_step_on_the_heartbeat_thread(cluster,
+                                                                       monkeypatch):
+    """After many steps the store holds only the last rounds' keys; the deleting
+    happens on the heartbeat's connection (Pulse.later), not in the step."""
+    threads = set()
+    real = _rounds.forget_through
+
+    def recorded(store, r):
+        threads.add(threading.current_thread().name)
+        real(store, r)
+
+    monkeypatch.setattr(_rounds, "forget_through", recorded)
+    ms = cluster(2)
+    steps = _rounds.KEEP_ROUNDS + 6
+    for step in range(steps):
+        run_all([lambda m=m, g=_grads(r, step): _step(m, g, 2) for r, m in enumerate(ms)])
+    last = ms[0]._round
+    deadline = time.monotonic() + 10
+    while _rounds.forgotten(ms[0]._store) < last - _rounds.KEEP_ROUNDS + 1:
+        assert time.monotonic() < deadline, "the heartbeat thread never forgot old rounds"
+        time.sleep(0.05)
+    store = ms[0]._store
+    for r in range(last - _rounds.KEEP_ROUNDS + 1):
+        assert not store.check([f"r{r}/sealed"]) and not store.check([f"r{r}/decision"]), r
+    assert store.check([f"r{last}/decision"])
+    assert threads == {"jdist-ft-pulse"}, threads
