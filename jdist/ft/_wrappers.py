@@ -9,6 +9,7 @@ heals parameters, optimizer state and the sampler's position from a live peer. W
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -79,9 +80,21 @@ class DistributedDataParallel:
         return step
 
 
-@nnx.jit
-def _update(optimizer, model, grads):
-    optimizer.update(model, grads)
+@functools.cache
+def _update_program(graphdef):
+    """The compiled update of one (optimizer, model) structure, on split state (an
+    ``nnx.jit`` would walk both object graphs on every call: ~2 ms a step here)."""
+    def run(state, grads):
+        optimizer, model = nnx.merge(graphdef, state)
+        optimizer.update(model, grads)
+        return nnx.state((optimizer, model))
+
+    return jax.jit(run)
+
+
+def _update(optimizer, model, grads) -> None:
+    graphdef, state = nnx.split((optimizer, model))
+    nnx.update((optimizer, model), _update_program(graphdef)(state, grads))
 
 
 class Optimizer:
