@@ -102,7 +102,7 @@ def note(group: ProcessGroup, seq: int, what: str) -> None:
     """Publish (through the heartbeat) that this rank entered collective ``seq``."""
     wd = group_state.runtime.get("watchdog")
     if wd is not None:
-        wd.note(group.name, seq, what)
+        wd.note(group.name, seq, what, group.ranks)
 
 
 def step_channel(group: ProcessGroup) -> str:
@@ -119,7 +119,7 @@ def enter_step(group: ProcessGroup, what: str) -> int:
         group.extra["step_seq"] = seq
     wd = group_state.runtime.get("watchdog")
     if wd is not None:
-        wd.note(step_channel(group), seq, what)
+        wd.note(step_channel(group), seq, what, group.ranks)
     return seq
 
 

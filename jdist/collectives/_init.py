@@ -42,6 +42,7 @@ from jdist.collectives._group import (
     group_state,
     make_mesh,
 )
+from jdist.collectives._stuck import stuck_timeout_from
 from jdist.collectives._watchdog import Watchdog
 from jdist.errors import AlreadyInitializedError, RendezvousError, StoreError
 from jdist.launch.cluster import JobSpec, detect_job, local_device_ids
@@ -199,7 +200,7 @@ def _make_world(rank: int, devices_per_rank, backend: str, timeout: float) -> Pr
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        world_size: int = -1, rank: int = -1, timeout=None, store=None,
                        group_name: str = "", pg_options=None, device_id=None,
-                       local_devices=None) -> None:
+                       local_devices=None, stuck_timeout=None) -> None:
     """Start the default process group (torch's ``init_process_group``).
 
     Args:
@@ -220,6 +221,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         per process (the local rank's, as SLURM's ``--gpus-per-task=1`` implies), a
         count per process, or a list of ids; None reads ``JDIST_LOCAL_DEVICES``, then
         ``SLURM_GPUS_PER_TASK``, else all. CPU devices are not affected.
+      stuck_timeout: seconds a collective or compiled step may wait for a rank that has
+        not entered it before every rank exits, naming it (jdist's stuck-rank deadline,
+        ``jdist/collectives/_stuck.py``); None reads ``JDIST_STUCK_TIMEOUT``, else off.
       group_name, pg_options: accepted for torch compatibility; unused.
 
     With ``init_method=None`` and no ``rank``/``world_size``, the job is detected from
@@ -239,6 +243,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             "jdist.destroy_process_group() first to start a new one)"
         )
     seconds = rdzv.parse_timeout(timeout)
+    stuck = stuck_timeout_from(stuck_timeout, os.environ)
     requested = _check_backend(backend)
     spec = rdzv.parse_init(init_method, world_size, rank, store)
     job = rdzv.describe(init_method, world_size, rank, store, spec)
@@ -291,7 +296,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     # the runtime's own connection: others (RPC) may block in get() on the shared one
     clone = getattr(store, "clone", None)
     watchdog = Watchdog(clone() if callable(clone) else store, spec.rank, res.infos,
-                        group_state.generation, interval, store_host_rank=hosted)
+                        group_state.generation, interval, store_host_rank=hosted,
+                        stuck_timeout=stuck)
     watchdog.start()
     group_state.runtime = {"store": store, "watchdog": watchdog, "jax": owns_jax,
                            "owns_store": own_store, "spec": spec, "job": job}

@@ -29,6 +29,8 @@ import threading
 import time
 import traceback
 
+from jdist.collectives._stuck import StuckDeadline
+
 __all__ = ["Watchdog", "process_alive", "process_state", "main_stack"]
 
 STACK_FRAMES = 12  # innermost frames of the main thread a beat publishes
@@ -82,7 +84,7 @@ class Watchdog:
     """
 
     def __init__(self, store, rank: int, infos, generation: int, interval: float = 1.0,
-                 store_host_rank: int | None = 0) -> None:
+                 store_host_rank: int | None = 0, stuck_timeout: float | None = None) -> None:
         self.store = store
         self.rank = rank
         self.infos = tuple(infos)
@@ -92,10 +94,12 @@ class Watchdog:
         self.lock = threading.Lock()
         self.dead: dict[int, str] = {}
         self.progress: dict[str, tuple[int, str]] = {}
+        self._entered: dict[str, tuple[float, tuple[int, ...]]] = {}  # when, members
         self._published = ""
         self.stacks = os.environ.get("JDIST_STACKS", "1") != "0"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jdist-heartbeat", daemon=True)
+        self.deadline = None if stuck_timeout is None else StuckDeadline(self, stuck_timeout)
 
     def start(self) -> None:
         self._beat()
@@ -106,9 +110,20 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval + 1.0)
 
-    def note(self, group: str, seq: int, what: str) -> None:
-        """Record that this rank entered collective ``seq`` (``what``) of ``group``."""
+    def note(self, group: str, seq: int, what: str, ranks=()) -> None:
+        """Record that this rank entered collective ``seq`` (``what``) of ``group``,
+        whose members are ``ranks``."""
         self.progress[group] = (seq, what)
+        self._entered[group] = (time.monotonic(), tuple(ranks))
+
+    def waits(self) -> dict[str, tuple[int, str, float, tuple[int, ...]]]:
+        """``{channel: (number, name, entered at (monotonic), members)}`` of this rank's
+        last call on each channel (a call may have ended since: see ``_stuck.py``)."""
+        out = {}
+        for group, (seq, what) in list(self.progress.items()):
+            since, ranks = self._entered.get(group, (time.monotonic(), ()))
+            out[group] = (seq, what, since, ranks)
+        return out
 
     def _beat(self) -> bool:
         try:
@@ -181,6 +196,8 @@ class Watchdog:
             if not self._beat():
                 if self._stop.wait(self.interval):
                     return
+            elif self.deadline is not None:
+                self.deadline.check()
 
     def _counters(self, ranks) -> dict[int, int] | None:
         out = {}

@@ -1,0 +1,139 @@
+"""The stuck-rank deadline: a collective or compiled step that waits longer than
+``stuck_timeout`` for a rank that never entered it ends every rank of the job.
+
+Off unless asked for (``init_process_group(stuck_timeout=)`` or ``JDIST_STUCK_TIMEOUT``
+seconds): the deadline must exceed the longest legitimate gap between ranks (one rank
+saving a checkpoint while the others wait in a barrier). Without it the group timeout
+applies, and a waiting collective raises there, naming the same ranks.
+
+The check runs on the heartbeat thread (``jdist/collectives/_watchdog.py``) after each
+beat, so it fires even when the main thread is blocked inside XLA (where a compiled
+step's collective can neither be interrupted nor time out on every backend):
+
+1. A channel (a group's collectives, or its compiled steps) whose last entered number
+   has not changed for ``stuck_timeout`` seconds has its members' published positions
+   read; the members behind this rank's number are the stuck ones. (Every member of a
+   group runs the same sequence, so a member behind this rank means this rank is still
+   waiting in that call: a call completes only once every member entered it.)
+2. The first rank that sees it writes one message to the store (who is stuck, where,
+   and the stack its heartbeat last published; whether its process is stopped) and
+   prints it. Every other rank's heartbeat finds the message at its next beat and
+   prints it: the stuck rank too, when its heartbeat thread can still run (a rank
+   stopped with ``SIGSTOP`` cannot, and is ended by its launcher when the others
+   exit). Each rank exits with :data:`STUCK_EXIT_CODE` once every rank counted itself
+   as having the message, or three beats later (so that rank 0, which hosts the store
+   and JAX's coordinator, does not leave before the others have read it). Guarded by
+   ``tests/collectives/test_stuck_deadline.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+__all__ = ["STUCK_EXIT_CODE", "StuckDeadline", "behind", "stuck_timeout_from"]
+
+STUCK_EXIT_CODE = 124  # (timeout(1)'s)
+ENV = "JDIST_STUCK_TIMEOUT"
+
+
+def stuck_timeout_from(value, environ: Mapping[str, str]) -> float | None:
+    """The deadline in seconds: ``value`` if given, else ``$JDIST_STUCK_TIMEOUT``, else
+    None (off). Raises ValueError naming the bad value."""
+    source = "stuck_timeout"
+    if value is None:
+        value, source = environ.get(ENV) or None, ENV
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{source}={value!r}: give the stuck-rank deadline as a positive "
+                         f"number of seconds, or leave it unset (no deadline)")
+    return seconds
+
+
+def behind(seq: int, positions: Mapping[int, tuple[int, str] | None]) -> list[int]:
+    """The ranks whose published position (number, name) is before ``seq`` (or none)."""
+    return sorted(r for r, at in positions.items() if at is None or at[0] < seq)
+
+
+class StuckDeadline:
+    """The deadline check of one process's heartbeat (see the module text).
+
+    Args:
+      watchdog: the process's :class:`~jdist.collectives._watchdog.Watchdog`.
+      seconds: the deadline.
+      exit: called with the exit code after the message is out (``os._exit``).
+      linger: at most how long to wait for the others to have the message (default
+        three beats and half a second).
+    """
+
+    def __init__(self, watchdog, seconds: float,
+                 exit: Callable[[int], None] = os._exit, linger: float | None = None) -> None:
+        self.wd, self.seconds, self._exit = watchdog, float(seconds), exit
+        self.linger = 3 * watchdog.interval + 0.5 if linger is None else float(linger)
+        self.key = watchdog.prefix + "stuck"
+
+    def check(self) -> None:
+        """Exit if another rank found a stuck one, or if this rank finds one now."""
+        try:
+            with self.wd.lock:
+                found = self.wd.store.get(self.key) if self.wd.store.check([self.key]) else None
+        except Exception:  # the store may be gone: the collective's own error says why
+            return
+        if found is not None:
+            self._end(found.decode(errors="replace"))
+            return
+        now = time.monotonic()
+        for channel, (seq, what, since, ranks) in list(self.wd.waits().items()):
+            if now - since < self.seconds:
+                continue
+            late = behind(seq, self.wd.positions(ranks, channel))
+            if late:
+                self._end(self._message(channel, seq, what, now - since, late))
+                return
+
+    def _message(self, channel: str, seq: int, what: str, waited: float, late) -> str:
+        noun = "step" if channel.endswith("#steps") else "collective"
+        group = channel.removesuffix("#steps")
+        named = "\n; ".join(f"rank {r}{self._at(r, channel, noun)}{self.wd.where(r)}".rstrip()
+                            for r in late)
+        text = (f"stuck rank: rank {self.wd.rank} waited {waited:.1f} s (the stuck-rank "
+                f"deadline, {ENV}={self.seconds:g}) in {noun} #{seq} ({what}) on group "
+                f"{group!r} for {named}\nEvery rank of the job exits (code "
+                f"{STUCK_EXIT_CODE}); look at where that rank was")
+        try:
+            with self.wd.lock:
+                self.wd.store.compare_set(self.key, "", text)
+                text = self.wd.store.get(self.key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 (exit with this rank's own message)
+            pass
+        return text
+
+    def _at(self, rank: int, channel: str, noun: str) -> str:
+        at = self.wd.positions([rank], channel).get(rank)
+        return (f", which has not entered any {noun} on this group" if at is None
+                else f", still at {noun} #{at[0]} ({at[1]})")
+
+    def _end(self, message: str) -> None:
+        """Print ``message`` and exit, once every rank said it has the message too or
+        after three beats (a stopped rank never says so): a rank that left at once
+        could take the store (and JAX's coordinator, on rank 0) with it before the
+        others read the message."""
+        print(f"jdist: {message}", file=sys.stderr, flush=True)
+        world, end = len(self.wd.infos), time.monotonic() + self.linger
+        try:
+            with self.wd.lock:
+                seen = int(self.wd.store.add(self.key + "/seen", 1))
+            while seen < world and time.monotonic() < end:
+                time.sleep(min(0.05, self.wd.interval))
+                with self.wd.lock:
+                    seen = int(self.wd.store.add(self.key + "/seen", 0))
+        except Exception:  # noqa: BLE001 (the store is gone: nobody is left to wait for)
+            pass
+        self._exit(STUCK_EXIT_CODE)
