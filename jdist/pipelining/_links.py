@@ -25,7 +25,7 @@ import numpy as np
 
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
 
-__all__ = ["Links", "dtype_named"]
+__all__ = ["Links", "dtype_named", "peer_gone"]
 
 HEADER = 12  # int32: kind, dtype code, ndim, then up to 9 dims
 DATA, ERROR = 1, 2
@@ -38,6 +38,15 @@ def dtype_named(name: str):
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def peer_gone(src: int) -> str | None:
+    """Why rank ``src``'s process is gone (this host's process table, through the
+    runtime's heartbeat), or None while it runs or when that cannot be known here."""
+    from jdist.collectives.runtime import group_state
+
+    wd = (group_state.runtime or {}).get("watchdog")
+    return None if wd is None else wd.diagnose([src], wait=0.0).get(src)
 
 
 def _header(kind: int, x: np.ndarray | None = None) -> np.ndarray:
@@ -131,12 +140,20 @@ class Links:
             self.cond.notify_all()
 
     def get(self, key, what: str, peer: int) -> np.ndarray:
-        """The array of message ``key`` (waits up to the timeout)."""
-        deadline = time.monotonic() + self.timeout
+        """The array of message ``key`` (waits up to the timeout; a sender whose process
+        is gone is noticed within a second or two, while XLA's receive still waits)."""
+        start = time.monotonic()
+        deadline, looked = start + self.timeout, start
         with self.cond:
             while key not in self.got:
                 if self.error is not None:
                     raise PeerFailedError(f"pipeline: {what} never came: {self.error}")
+                if time.monotonic() - looked >= 1.0:
+                    looked = time.monotonic()
+                    why = peer_gone(self._global(peer))
+                    if why is not None:
+                        raise PeerFailedError(f"pipeline: {what} never came: rank "
+                                              f"{self._global(peer)} is gone ({why})")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeoutError(

@@ -35,7 +35,7 @@ import numpy as np
 
 from jdist._mailbox import Mailbox
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
-from jdist.pipelining._links import dtype_named
+from jdist.pipelining._links import dtype_named, peer_gone
 
 __all__ = ["TRANSPORTS", "SocketLinks", "choose_transport", "next_schedule_id", "wire_for"]
 
@@ -136,6 +136,7 @@ class SocketLinks:
         self.sent = {p: 0 for p in sends}
         self.index = {p: {key: n for n, key in enumerate(keys)} for p, keys in recvs.items()}
         self.others = [p for p in self.peers if p != group.rank]
+        self._looked = time.monotonic()  # (the first liveness look after a second)
 
     def _post(self, peer: int, key: str, frames: list) -> None:
         self.box.post(self.ranks[peer], self.peers[peer]["addr"], f"{self.tag}/{key}",
@@ -153,7 +154,18 @@ class SocketLinks:
         for p in self.others:
             self._post(p, "err", [message.encode()[:4000]])
 
-    def _check(self) -> None:
+    def _dead(self, src: int) -> str | None:
+        """Why rank ``src``'s process is gone, looked up at most once a second."""
+        now = time.monotonic()
+        if now - self._looked < 1.0:
+            return None
+        self._looked = now
+        return peer_gone(src)
+
+    def _check(self, src: int) -> None:
+        why = self._dead(src)
+        if why is not None:
+            raise PeerFailedError(f"rank {src} is gone ({why})")
         for p in self.others:
             frames = self.box.poll(f"{self.tag}/err", self.ranks[p])
             if frames is not None:
@@ -168,7 +180,8 @@ class SocketLinks:
         src = self.ranks[peer]
         try:
             head, data = self.box.take(f"{self.tag}/{self.index[peer][key]}", (src, 0),
-                                       time.monotonic() + self.timeout, self._check, what)
+                                       time.monotonic() + self.timeout,
+                                       lambda: self._check(src), what)
         except CollectiveTimeoutError:
             raise CollectiveTimeoutError(
                 f"pipeline: {what} did not arrive from rank {src} within {self.timeout:g} "

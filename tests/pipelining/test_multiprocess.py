@@ -9,6 +9,7 @@ runs on both transports in one launch)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.helpers import run_procs
 
@@ -342,3 +343,43 @@ def test_a_stage_returning_several_arrays_across_processes_is_refused_everywhere
     for err0, err1 in zip(errs0, errs1, strict=True):
         assert err0.startswith("ValueError") and "pass one array" in err0, err0
         assert err1.startswith("PeerFailedError") and "pass one array" in err1, err1
+
+
+def _peer_dies(transport):
+    """Rank 1 (the last stage) dies inside its first step, before it sends anything
+    back (its loss function exits); rank 0 reports what its step raised and how long
+    it took (it ignores the launcher's SIGTERM for that)."""
+    import os
+    import signal
+    import sys
+
+    import jdist
+    import jdist.pipelining as pp
+
+    def dying_loss(out, target):
+        os._exit(3)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    jdist.init_process_group(timeout=60)
+    rank = jdist.get_rank()
+    mods = _model(2)
+    sched = pp.ScheduleGPipe(pp.PipelineStage(mods[rank], rank, 2), 2, loss_fn=dying_loss,
+                             transport=transport)
+    x, y = _data(0)
+    if rank == 1:
+        sched.step(target=y)
+    err, took = _outcome(lambda: sched.step(x))
+    print(f"OUTCOME {took:.1f} s {err}", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_dead_peer_is_named_within_seconds_not_at_the_timeout(transport):
+    from jdist.launch import SpawnError, spawn
+
+    with pytest.raises(SpawnError) as info:
+        spawn(_peer_dies, args=(transport,), nprocs=2, timeout=120, grace=20.0,
+              start_method="forkserver")
+    line = next((ln for ln in info.value.stderr[0].splitlines() if "OUTCOME" in ln), "")
+    assert "PeerFailedError" in line and "rank 1" in line, info.value.stderr[0][-2000:]
+    assert float(line.split("OUTCOME")[1].split()[0]) < 15, line
