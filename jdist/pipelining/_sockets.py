@@ -29,12 +29,13 @@ import secrets
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from jdist._mailbox import Mailbox
-from jdist.errors import CollectiveTimeoutError, PeerFailedError
+from jdist.errors import CollectiveTimeoutError, PeerFailedError, StoreTimeoutError
 from jdist.pipelining._links import dtype_named, peer_gone
 
 __all__ = ["TRANSPORTS", "SocketLinks", "choose_transport", "next_schedule_id", "wire_for"]
@@ -84,8 +85,29 @@ def wire_for(group) -> tuple[Mailbox, dict[int, dict]]:
         box, peers = _wire["box"], _wire["peers"]
         for g in group.ranks:
             if g not in peers:
-                peers[g] = json.loads(store.get(f"jdist/pipe/addr/{g}"))
+                peers[g] = json.loads(_published(store, f"jdist/pipe/addr/{g}", g,
+                                                 group.timeout))
         return box, {r: peers[g] for r, g in enumerate(group.ranks)}
+
+
+def _published(store, key: str, rank: int, timeout: float) -> bytes:
+    """``store.get(key)`` once rank ``rank`` set it, looking every second whether that
+    rank's process is gone (then PeerFailedError, not a wait until ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=min(1.0, max(0.01, deadline - time.monotonic()))))
+            return store.get(key)
+        except StoreTimeoutError:
+            why = peer_gone(rank)
+            if why is not None:
+                raise PeerFailedError(f"pipeline: rank {rank} is gone ({why}) before it "
+                                      f"published its address") from None
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"pipeline: rank {rank} did not publish its address within {timeout:g} "
+                    f"s; build the schedule and call step() on every rank of the "
+                    f"pipeline group") from None
 
 
 def choose_transport(transport: str, group) -> str:

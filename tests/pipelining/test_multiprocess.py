@@ -345,10 +345,11 @@ def test_a_stage_returning_several_arrays_across_processes_is_refused_everywhere
         assert err1.startswith("PeerFailedError") and "pass one array" in err1, err1
 
 
-def _peer_dies(transport):
-    """Rank 1 (the last stage) dies inside its first step, before it sends anything
-    back (its loss function exits); rank 0 reports what its step raised and how long
-    it took (it ignores the launcher's SIGTERM for that)."""
+def _peer_dies(transport, when):
+    """Rank 1 (the last stage) dies before its first step (``when="before"``: it never
+    published its mailbox's address) or inside it, before it sends anything back (its
+    loss function exits); rank 0 reports what its step raised and how long it took (it
+    ignores the launcher's SIGTERM for that)."""
     import os
     import signal
     import sys
@@ -367,18 +368,21 @@ def _peer_dies(transport):
                              transport=transport)
     x, y = _data(0)
     if rank == 1:
+        if when == "before":
+            os._exit(3)
         sched.step(target=y)
     err, took = _outcome(lambda: sched.step(x))
     print(f"OUTCOME {took:.1f} s {err}", file=sys.stderr, flush=True)
     os._exit(0)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_dead_peer_is_named_within_seconds_not_at_the_timeout(transport):
+@pytest.mark.parametrize("transport,when", [("socket", "before"), ("socket", "during"),
+                                            ("xla", "during")])
+def test_a_dead_peer_is_named_within_seconds_not_at_the_timeout(transport, when):
     from jdist.launch import SpawnError, spawn
 
     with pytest.raises(SpawnError) as info:
-        spawn(_peer_dies, args=(transport,), nprocs=2, timeout=120, grace=20.0,
+        spawn(_peer_dies, args=(transport, when), nprocs=2, timeout=120, grace=20.0,
               start_method="forkserver")
     line = next((ln for ln in info.value.stderr[0].splitlines() if "OUTCOME" in ln), "")
     assert "PeerFailedError" in line and "rank 1" in line, info.value.stderr[0][-2000:]
