@@ -14,7 +14,12 @@ step's collective can neither be interrupted nor time out on every backend):
    has not changed for ``stuck_timeout`` seconds has its members' published positions
    read; the members behind this rank's number are the stuck ones. (Every member of a
    group runs the same sequence, so a member behind this rank means this rank is still
-   waiting in that call: a call completes only once every member entered it.)
+   waiting in that call: a call completes only once every member entered it.) A
+   published position may be a beat old, so a member counts as stuck only once a
+   position it published after the deadline still shows it behind (its heartbeat
+   counter moved twice since), or once it has not beaten for three intervals. An
+   asynchronous call (``isend``, ``async_op=True``) starts the clock too: the deadline
+   must exceed the longest legitimate gap between ranks, async ones included.
 2. The first rank that sees it writes one message to the store (who is stuck, where,
    and the stack its heartbeat last published; whether its process is stopped) and
    prints it. Every other rank's heartbeat finds the message at its next beat and
@@ -77,6 +82,7 @@ class StuckDeadline:
                  exit: Callable[[int], None] = os._exit, linger: float | None = None) -> None:
         self.wd, self.seconds, self._exit = watchdog, float(seconds), exit
         self.linger = 3 * watchdog.interval + 0.5 if linger is None else float(linger)
+        self._pending: dict[str, tuple[int, float, dict[int, int]]] = {}  # first sightings
         self.key = watchdog.prefix + "stuck"
 
     def check(self) -> None:
@@ -89,14 +95,36 @@ class StuckDeadline:
         if found is not None:
             self._end(found.decode(errors="replace"))
             return
-        now = time.monotonic()
-        for channel, (seq, what, since, ranks) in list(self.wd.waits().items()):
+        now, calls = time.monotonic(), self.wd.waits()
+        for channel in [c for c, p in self._pending.items() if calls.get(c, (None,))[0] != p[0]]:
+            del self._pending[channel]  # (this rank moved on)
+        for channel, (seq, what, since, ranks) in calls.items():
             if now - since < self.seconds:
                 continue
             late = behind(seq, self.wd.positions(ranks, channel))
-            if late:
+            if late and self._confirmed(channel, seq, late, now):
                 self._end(self._message(channel, seq, what, now - since, late))
                 return
+            if not late:
+                self._pending.pop(channel, None)
+
+    def _confirmed(self, channel: str, seq: int, late: list[int], now: float) -> bool:
+        """Whether every rank in ``late`` is still behind by a position it published
+        after the deadline passed (its heartbeat counter moved twice since: a beat
+        publishes after counting), or has not beaten for three intervals (stopped,
+        hung). A position read once may be up to a beat old: a rank that arrived just
+        before the deadline must not end the job."""
+        counters = self.wd.counters(late)
+        if counters is None:
+            return False
+        first = self._pending.get(channel)
+        if first is None or first[0] != seq:
+            self._pending[channel] = (seq, now, counters)
+            return False
+        _, seen_at, before = first
+        silent = now - seen_at >= 3 * self.wd.interval
+        return all(counters[r] >= before.get(r, counters[r]) + 2
+                   or (silent and counters[r] == before.get(r)) for r in late)
 
     def _message(self, channel: str, seq: int, what: str, waited: float, late) -> str:
         noun = "step" if channel.endswith("#steps") else "collective"

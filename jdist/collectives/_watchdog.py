@@ -94,7 +94,7 @@ class Watchdog:
         self.lock = threading.Lock()
         self.dead: dict[int, str] = {}
         self.progress: dict[str, tuple[int, str]] = {}
-        self._entered: dict[str, tuple[float, tuple[int, ...]]] = {}  # when, members
+        self._calls: dict[str, tuple[int, str, float, tuple[int, ...]]] = {}
         self._published = ""
         self.stacks = os.environ.get("JDIST_STACKS", "1") != "0"
         self._stop = threading.Event()
@@ -113,17 +113,13 @@ class Watchdog:
     def note(self, group: str, seq: int, what: str, ranks=()) -> None:
         """Record that this rank entered collective ``seq`` (``what``) of ``group``,
         whose members are ``ranks``."""
+        self._calls[group] = (seq, what, time.monotonic(), tuple(ranks))  # (one store)
         self.progress[group] = (seq, what)
-        self._entered[group] = (time.monotonic(), tuple(ranks))
 
     def waits(self) -> dict[str, tuple[int, str, float, tuple[int, ...]]]:
         """``{channel: (number, name, entered at (monotonic), members)}`` of this rank's
         last call on each channel (a call may have ended since: see ``_stuck.py``)."""
-        out = {}
-        for group, (seq, what) in list(self.progress.items()):
-            since, ranks = self._entered.get(group, (time.monotonic(), ()))
-            out[group] = (seq, what, since, ranks)
-        return out
+        return dict(self._calls)
 
     def _beat(self) -> bool:
         try:
@@ -199,7 +195,8 @@ class Watchdog:
             elif self.deadline is not None:
                 self.deadline.check()
 
-    def _counters(self, ranks) -> dict[int, int] | None:
+    def counters(self, ranks) -> dict[int, int] | None:
+        """Each rank's heartbeat counter (-1: none yet); None if the store is gone."""
         out = {}
         try:
             with self.lock:
@@ -228,7 +225,7 @@ class Watchdog:
         if dead or wait <= 0:  # without time to watch counters, only the local check
             self.dead.update(dead)
             return dead
-        first = self._counters(others)
+        first = self.counters(others)
         if first is None:
             if self.store_host_rank is not None and self.store_host_rank != self.rank:
                 dead[self.store_host_rank] = "the store it hosts is unreachable"
@@ -244,7 +241,7 @@ class Watchdog:
             if dead:
                 break
         if not dead:
-            second = self._counters(others)
+            second = self.counters(others)
             if second is None:
                 if self.store_host_rank is not None and self.store_host_rank != self.rank:
                     dead[self.store_host_rank] = "the store it hosts is unreachable"

@@ -50,12 +50,15 @@ MINE = 5
 POSITIONS = (None, MINE - 1, MINE, MINE + 1)  # another rank: none, behind, level, ahead
 
 
+BEAT = 0.05  # the heartbeat interval of these in-process watchdogs (never started)
+
+
 def _watchdogs(store, n=3, seconds=0.2):
     exits = {r: [] for r in range(n)}
     infos = [{"host": "elsewhere", "pid": 1}] * n  # (no local process to inspect)
     wds = []
     for r in range(n):
-        wd = Watchdog(store, r, infos, generation=1, interval=1.0, store_host_rank=None,
+        wd = Watchdog(store, r, infos, generation=1, interval=BEAT, store_host_rank=None,
                       stuck_timeout=seconds)
         wd.deadline = StuckDeadline(wd, seconds, exit=exits[r].append, linger=0.0)
         wd.stacks = True
@@ -77,6 +80,13 @@ def test_a_rank_exits_iff_it_waited_past_the_deadline_for_a_rank_behind(pos1, po
     wds[0]._beat()
     if waited:
         time.sleep(0.25)
+    wds[0].deadline.check()  # (a first sighting is never enough: positions may be old)
+    assert exits[0] == []
+    for r, pos in ((1, pos1), (2, pos2)):  # ranks that beat publish afresh; the others
+        if pos is not None:  # stay silent for three beats
+            wds[r]._beat()
+            wds[r]._beat()
+    time.sleep(3 * BEAT + 0.02)
     wds[0].deadline.check()
     late = [r for r, pos in ((1, pos1), (2, pos2)) if pos is None or pos < MINE]
     should = waited and bool(late)  # the rule, written out
@@ -89,6 +99,25 @@ def test_a_rank_exits_iff_it_waited_past_the_deadline_for_a_rank_behind(pos1, po
         wds[1].deadline.check()
         assert exits[1] == [STUCK_EXIT_CODE]
         assert capsys.readouterr().err == err
+
+
+def test_a_rank_that_arrives_after_the_first_sighting_ends_nothing(capsys):
+    """A position read at the deadline may be a beat old: the rank it shows behind
+    entered the call meanwhile, and its next beats say so."""
+    wds, exits = _watchdogs(HashStore())
+    for r in (1, 2):
+        wds[r].note("g", MINE - 1, "all_reduce", (0, 1, 2))
+        wds[r]._beat()
+    wds[0].note("g", MINE, "all_reduce", (0, 1, 2))
+    time.sleep(0.25)
+    wds[0].deadline.check()
+    for r in (1, 2):  # they arrive, and beat
+        wds[r].note("g", MINE, "all_reduce", (0, 1, 2))
+        wds[r]._beat()
+        wds[r]._beat()
+    time.sleep(3 * BEAT + 0.02)
+    wds[0].deadline.check()
+    assert exits[0] == [] and "stuck rank" not in capsys.readouterr().err
 
 
 def test_behind_lists_ranks_before_the_number_or_without_one():
