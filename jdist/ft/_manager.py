@@ -237,8 +237,9 @@ class Manager:
             why = self._mailbox.failure(f"r{r}/")
             if why is not None:
                 raise ReplicaLostError(why)
-            # a failed member also poisons this key through the mailbox: the store's
-            # record is read only when the message is late (no round trip per step)
+            # a failed member poisons the gradient key through the mailbox; the store's
+            # record (the only word for other keys) is read once a message is late,
+            # not on every step's round trip
             now = time.monotonic()
             if now - started < _STORE_CHECK_S or now - asked[0] < _STORE_CHECK_S:
                 return

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
+from jdist.pipelining._agree import OK, group_store, hear_all, peer_gone, say
 
-__all__ = ["Links", "dtype_named", "peer_gone"]
+__all__ = ["Links", "dtype_named"]
 
 HEADER = 12  # int32: kind, dtype code, ndim, then up to 9 dims
 DATA, ERROR = 1, 2
@@ -38,15 +39,6 @@ def dtype_named(name: str):
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def peer_gone(src: int) -> str | None:
-    """Why rank ``src``'s process is gone (this host's process table, through the
-    runtime's heartbeat), or None while it runs or when that cannot be known here."""
-    from jdist.collectives.runtime import group_state
-
-    wd = (group_state.runtime or {}).get("watchdog")
-    return None if wd is None else wd.diagnose([src], wait=0.0).get(src)
 
 
 def _header(kind: int, x: np.ndarray | None = None) -> np.ndarray:
@@ -71,11 +63,13 @@ class Links:
       sends: peer -> number of messages this rank sends it this step.
       recvs: peer -> the keys of the messages it sends this rank, in order.
       timeout: seconds ``get`` waits.
+      tag: ``"<group>/<schedule>/<step>"``, the same on every rank (the end-of-step
+        agreement's store keys, ``jdist/pipelining/_agree.py``).
     """
 
     def __init__(self, jd, group, sends: dict[int, int], recvs: dict[int, list],
-                 timeout: float) -> None:
-        self.jd, self.group, self.timeout = jd, group, timeout
+                 timeout: float, tag: str) -> None:
+        self.jd, self.group, self.timeout, self.tag = jd, group, timeout, tag
         self.got: dict[Any, np.ndarray] = {}
         self.error: str | None = None
         self.cond = threading.Condition()
@@ -97,9 +91,22 @@ class Links:
         self.outbox[peer].put(np.ascontiguousarray(np.asarray(x)))
 
     def fail(self, message: str) -> None:
-        """Send an error header with ``message`` on every link (after what is queued)."""
+        """Send an error header with ``message`` on every link (after what is queued),
+        and say in the store that this rank's step failed."""
         for q in self.outbox.values():
             q.put(message)
+        try:
+            say(group_store(), self.tag, self._global(self.group.rank), message.encode())
+        except Exception:  # noqa: BLE001 (the links carry the error too)
+            pass
+
+    def finish(self) -> None:
+        """Say this rank's step succeeded and wait until every rank said how its step
+        ended (PeerFailedError naming one that failed)."""
+        store, me = group_store(), self._global(self.group.rank)
+        say(store, self.tag, me, OK)
+        hear_all(store, self.tag, [self._global(p) for p in range(self.group.size())],
+                 me, self.timeout)
 
     def _send_loop(self, peer: int, n: int) -> None:
         dst = self._global(peer)

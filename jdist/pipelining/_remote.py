@@ -161,5 +161,6 @@ def run_rank(make_links, me: int, order: dict, stages: dict, n_stages: int, chun
             links.close(5.0)
             raise_in(exc, f"pipeline rank {me}, stage {a.stage}, action {a} (micro-batch "
                           f"{a.microbatch}): {exc}")
+    links.finish()  # (every rank's step ended well, or this one raises too)
     links.close(timeout)
     return step

@@ -91,7 +91,7 @@ class _Schedule:
         self.dp_group = dp_group
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}; choose one of {TRANSPORTS}")
-        self.transport, self._steps, self._id = transport, 0, None
+        self.transport, self._chosen, self._steps, self._id = transport, False, 0, None
         n = self._stages[0].num_stages
         self.pp_size, self._rank, self._group = _layout(
             self._stages, pp_size, self.one_stage_per_rank, type(self).__name__, group)
@@ -99,6 +99,8 @@ class _Schedule:
         self.loss_fn, self.scale_grads = loss_fn, scale_grads
         self.pipeline_order: dict[int, list[Action | None]] = ORDERS[self.order_name](
             self.pp_size, n // self.pp_size, n_microbatches)
+        if self._rank is not None:  # (schedules on a group are built in the same order)
+            self._id = next_schedule_id(self._group)
 
     def step(self, *args, target: Any = None, losses: list | None = None, **kwargs):
         """One training step; returns the last stage's output for the whole batch."""
@@ -115,12 +117,12 @@ class _Schedule:
                            train and self._rank is not None)
         chunks = targets = None
         if problem is None:
-            chunks = (split_args_kwargs_into_chunks(args, kwargs, m)[0] if holds_first
-                      else [()] * m)
-            targets = [t[0] for t in split_args_kwargs_into_chunks((target,), None, m)[0]] \
-                if target is not None and holds_last else [None] * m
-            if holds_first and holds_last:
-                _same_rows(chunks, targets)
+            try:
+                chunks, targets = _split(args, kwargs, target, m, holds_first, holds_last)
+            except ValueError as exc:  # (across processes: every rank is told, below)
+                if self._rank is None:
+                    raise
+                problem = str(exc)
         if self._rank is None:
             if problem is not None:
                 raise ValueError(problem)
@@ -150,18 +152,16 @@ class _Schedule:
         import jdist
 
         group, timeout = self._group, self._group.timeout
-        if self._id is None:  # the first step: every rank of the group is here
-            self.transport = choose_transport(self.transport, group)
-            self._id = next_schedule_id(group)
+        if not self._chosen:  # the first step: every rank of the group is here
+            self.transport, self._chosen = choose_transport(self.transport, group), True
         self._steps += 1
+        tag = f"{group.name}/{self._id}/{self._steps}"  # the same on every rank
         if self.transport == "socket":
-            tag = f"{self._id}/{self._steps}"
-
             def make_links(sends, recvs):
                 return SocketLinks(group, tag, sends, recvs, timeout)
         else:
             def make_links(sends, recvs):
-                return Links(jdist, group, sends, recvs, timeout)
+                return Links(jdist, group, sends, recvs, timeout, tag)
         return run_rank(make_links, self._rank, self.pipeline_order,
                         {s.stage_index: s for s in self._stages},
                         self._stages[0].num_stages, chunks, targets, self.loss_fn,
@@ -182,6 +182,16 @@ def _problem(holds_first: bool, holds_last: bool, args, kwargs, target, loss_fn,
         return ("the rank holding the last stage passes the target: "
                 "schedule.step(target=y, losses=...)")
     return None
+
+
+def _split(args, kwargs, target, m: int, holds_first: bool, holds_last: bool):
+    """This rank's micro-batches of the inputs and of the target."""
+    chunks = split_args_kwargs_into_chunks(args, kwargs, m)[0] if holds_first else [()] * m
+    targets = [t[0] for t in split_args_kwargs_into_chunks((target,), None, m)[0]] \
+        if target is not None and holds_last else [None] * m
+    if holds_first and holds_last:
+        _same_rows(chunks, targets)
+    return chunks, targets
 
 
 def _same_rows(chunks: list, targets: list) -> None:

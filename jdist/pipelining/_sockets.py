@@ -11,32 +11,35 @@ this host and JAX's backend is the CPU, and XLA otherwise (GPU arrays stay on de
 a mailbox listens on loopback only).
 
 The mailbox is one per process and store (every schedule shares it); its address and
-host name are published in the process group's store. The secret is
-``$JDIST_AUTH_TOKEN`` (``jdist-run`` sets one per job), else a random one agreed in the
-store (then the mailbox is as safe as that store, as jdist.rpc without a token).
+host (host name, boot id and network namespace: loopback is per namespace) are
+published in the process group's store. Its secret is ``$JDIST_AUTH_TOKEN`` (``jdist-run``
+and ``spawn`` set one per job); without one, ``"auto"`` takes XLA and ``"socket"``
+raises (a secret agreed through the store would be as readable as the store).
 
-Messages of one step are keyed ``"<schedule>/<step>/<n>"``: the n-th message this rank
-sends that peer in this step (both sides know every message in advance, as in
-``jdist/pipelining/_links.py``); an error is ``"<schedule>/<step>/err"``, which a
-waiting receiver polls, so a stage that raises makes every rank raise.
+Messages of one step are keyed ``"<group>/<schedule>/<step>/<n>"``: the n-th message
+this rank sends that peer in this step (both sides know every message in advance, as
+in ``jdist/pipelining/_links.py``); schedules are numbered per group as they are built.
+An error is ``".../err"``, which a waiting receiver polls, and the end of a successful
+step ``".../done"`` to every peer, which every rank waits for before it returns
+(``jdist/pipelining/_agree.py``: a failure anywhere raises everywhere). A step's
+leftovers (after a failure) are dropped when the schedule's next step starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from jdist._mailbox import Mailbox
-from jdist.errors import CollectiveTimeoutError, PeerFailedError, StoreTimeoutError
-from jdist.pipelining._links import dtype_named, peer_gone
+from jdist.errors import CollectiveTimeoutError, PeerFailedError
+from jdist.pipelining._agree import OK, group_store, peer_gone, published
+from jdist.pipelining._links import dtype_named
 
 __all__ = ["TRANSPORTS", "SocketLinks", "choose_transport", "next_schedule_id", "wire_for"]
 
@@ -50,64 +53,41 @@ class _PipeMailbox(Mailbox):
     word = "pipeline rank"
 
 
-def _store():
-    from jdist.collectives.runtime import group_state
-
-    runtime = group_state.runtime
-    store = runtime.get("store") if runtime else None
-    if store is None:
-        raise ValueError("pipelining across processes needs jdist.init_process_group() "
-                         "in every process (its store carries the peers' addresses)")
-    return store
+def _secret() -> bytes:
+    return (os.environ.get("JDIST_AUTH_TOKEN") or "").encode()
 
 
-def _secret(store) -> bytes:
-    token = os.environ.get("JDIST_AUTH_TOKEN")
-    if token:
-        return token.encode()
-    mine = secrets.token_hex(32).encode()
-    return bytes(store.compare_set("jdist/pipe/secret", "", mine))
+def _host() -> str:
+    """This machine and network namespace (loopback is per namespace): containers of
+    several nodes may share a host name, not a boot id and a namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        boot, net = "", 0
+    return f"{socket.gethostname()}/{boot}/{net}"
 
 
 def wire_for(group) -> tuple[Mailbox, dict[int, dict]]:
     """This process's mailbox and ``{group rank: {"addr", "host"}}`` of the group's
     processes (published once per store; a new store replaces the mailbox)."""
-    store = _store()
+    store = group_store()
     with _lock:
         if _wire.get("store") is not store:
             if _wire.get("box") is not None:
                 _wire["box"].close()
             me = group.ranks[group.rank]
-            box = _PipeMailbox(me, 0, _secret(store))
-            store.set(f"jdist/pipe/addr/{me}",
-                      json.dumps({"addr": box.address, "host": socket.gethostname()}))
+            box = _PipeMailbox(me, 0, _secret()) if _secret() else None
+            store.set(f"jdist/pipe/addr/{me}", json.dumps(
+                {"addr": None if box is None else box.address, "host": _host()}))
             _wire.update(store=store, box=box, peers={})
         box, peers = _wire["box"], _wire["peers"]
         for g in group.ranks:
             if g not in peers:
-                peers[g] = json.loads(_published(store, f"jdist/pipe/addr/{g}", g,
-                                                 group.timeout))
+                peers[g] = json.loads(published(store, f"jdist/pipe/addr/{g}", g,
+                                                group.timeout, "publishing its address"))
         return box, {r: peers[g] for r, g in enumerate(group.ranks)}
-
-
-def _published(store, key: str, rank: int, timeout: float) -> bytes:
-    """``store.get(key)`` once rank ``rank`` set it, looking every second whether that
-    rank's process is gone (then PeerFailedError, not a wait until ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            store.wait([key], timedelta(seconds=min(1.0, max(0.01, deadline - time.monotonic()))))
-            return store.get(key)
-        except StoreTimeoutError:
-            why = peer_gone(rank)
-            if why is not None:
-                raise PeerFailedError(f"pipeline: rank {rank} is gone ({why}) before it "
-                                      f"published its address") from None
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    f"pipeline: rank {rank} did not publish its address within {timeout:g} "
-                    f"s; build the schedule and call step() on every rank of the "
-                    f"pipeline group") from None
 
 
 def choose_transport(transport: str, group) -> str:
@@ -118,11 +98,14 @@ def choose_transport(transport: str, group) -> str:
         return "xla"
     _, peers = wire_for(group)
     hosts = sorted({p["host"] for p in peers.values()})
-    if len(hosts) > 1:
+    if len(hosts) > 1 or any(p["addr"] is None for p in peers.values()):
         if transport == "socket":
-            raise ValueError(f"transport='socket' listens on loopback, but the pipeline's "
-                             f"ranks run on several hosts {hosts}; use transport='xla' "
-                             f"(or 'auto')")
+            raise ValueError(f"transport='socket' needs every rank of the pipeline on one "
+                             f"host (its mailbox listens on loopback) and the job's secret "
+                             f"in JDIST_AUTH_TOKEN (jdist-run and spawn set one); got hosts "
+                             f"{hosts} and a secret on ranks "
+                             f"{[r for r, p in peers.items() if p['addr'] is not None]}; "
+                             f"use transport='xla' (or 'auto')")
         return "xla"
     if transport == "auto":
         import jax
@@ -133,9 +116,9 @@ def choose_transport(transport: str, group) -> str:
 
 def next_schedule_id(group) -> int:
     """A number for a new schedule on ``group``, the same on every rank of it (schedules
-    on one group are made in the same order everywhere, as collectives are called)."""
+    on one group are built in the same order everywhere, as collectives are called)."""
     with _lock:
-        key = tuple(group.ranks)
+        key = (group.name, tuple(group.ranks))
         _counters[key] = _counters.get(key, 0) + 1
         return _counters[key]
 
@@ -159,6 +142,8 @@ class SocketLinks:
         self.index = {p: {key: n for n, key in enumerate(keys)} for p, keys in recvs.items()}
         self.others = [p for p in self.peers if p != group.rank]
         self._looked = time.monotonic()  # (the first liveness look after a second)
+        head, _, step = tag.rpartition("/")
+        self.box.forget(lambda key: not _before(key, f"{head}/", int(step)))
 
     def _post(self, peer: int, key: str, frames: list) -> None:
         self.box.post(self.ranks[peer], self.peers[peer]["addr"], f"{self.tag}/{key}",
@@ -199,11 +184,16 @@ class SocketLinks:
 
     def get(self, key, what: str, peer: int) -> np.ndarray:
         """The array of message ``key`` from ``peer`` (waits up to the timeout)."""
+        head, data = self._take(str(self.index[peer][key]), peer, what)
+        meta = json.loads(bytes(head))
+        return np.frombuffer(data, dtype_named(meta["dtype"])).reshape(meta["shape"])
+
+    def _take(self, key: str, peer: int, what: str) -> list:
         src = self.ranks[peer]
         try:
-            head, data = self.box.take(f"{self.tag}/{self.index[peer][key]}", (src, 0),
-                                       time.monotonic() + self.timeout,
-                                       lambda: self._check(src), what)
+            return self.box.take(f"{self.tag}/{key}", (src, 0),
+                                 time.monotonic() + self.timeout, lambda: self._check(src),
+                                 what)
         except CollectiveTimeoutError:
             raise CollectiveTimeoutError(
                 f"pipeline: {what} did not arrive from rank {src} within {self.timeout:g} "
@@ -211,8 +201,14 @@ class SocketLinks:
                 f"and calls step()") from None
         except PeerFailedError as exc:
             raise PeerFailedError(f"pipeline: {what} never came: {exc}") from None
-        meta = json.loads(bytes(head))
-        return np.frombuffer(data, dtype_named(meta["dtype"])).reshape(meta["shape"])
+
+    def finish(self) -> None:
+        """Tell every peer this rank's step succeeded and wait for each peer's word: a
+        peer whose step failed sent its error instead (PeerFailedError naming it)."""
+        for p in self.others:
+            self._post(p, "done", [OK])
+        for p in self.others:
+            self._take("done", p, "the end of the step")
 
     def close(self, wait: float) -> None:
         """Wait (at most ``wait`` s) for this rank's messages to be written, and drop
@@ -220,3 +216,12 @@ class SocketLinks:
         self.box.flush(time.monotonic() + wait)
         prefix = f"{self.tag}/"
         self.box.forget(lambda key: not key.startswith(prefix))
+
+
+def _before(key: str, prefix: str, step: int) -> bool:
+    """Whether ``key`` is a message of this schedule (``prefix``) from a step before
+    ``step`` (left over after a failure)."""
+    if not key.startswith(prefix):
+        return False
+    head = key[len(prefix):].split("/", 1)[0]
+    return head.isdigit() and int(head) < step

@@ -387,3 +387,52 @@ def test_a_dead_peer_is_named_within_seconds_not_at_the_timeout(transport, when)
     line = next((ln for ln in info.value.stderr[0].splitlines() if "OUTCOME" in ln), "")
     assert "PeerFailedError" in line and "rank 1" in line, info.value.stderr[0][-2000:]
     assert float(line.split("OUTCOME")[1].split()[0]) < 15, line
+
+
+def _late_failure_and_bad_split():
+    """On each transport: (1) 1F1B over 2 ranks where rank 0's last backward raises
+    after rank 1 has sent its last message (rank 1 has nothing left to receive);
+    (2) rank 0's batch too small to split, a check made before the step's messages;
+    (3) then a good step, which must still pair the ranks' messages."""
+    import jdist
+    import jdist.pipelining as pp
+
+    jdist.init_process_group(timeout=30)
+    rank = jdist.get_rank()
+    mods = _model(2)
+    x, y = _data(0)
+    out = {}
+    for transport in TRANSPORTS:
+        stage = pp.PipelineStage(mods[rank], rank, 2)
+        if rank == 0:
+            real = stage.backward
+
+            def backward(mb, grad_output=None, real=real):
+                if mb == M - 1:
+                    raise FloatingPointError("the last backward blew up")
+                return real(mb, grad_output)
+
+            stage.backward = backward
+        sched = pp.Schedule1F1B(stage, M, loss_fn=_mse, transport=transport)
+        got = [_outcome(lambda s=sched: s.step(*((x,) if rank == 0 else ()),
+                                               target=y if rank == 1 else None))[0]]
+        got.append(_outcome(lambda s=sched: s.step(*((x[:2],) if rank == 0 else ()),
+                                                   target=y if rank == 1 else None))[0])
+        if rank == 0:
+            stage.backward = real
+        got.append(_outcome(lambda s=sched: s.step(*((x,) if rank == 0 else ()),
+                                                   target=y if rank == 1 else None))[0])
+        out[transport] = got
+    jdist.destroy_process_group()
+    return out
+
+
+def test_no_rank_returns_from_a_step_that_failed_elsewhere():
+    res0, res1 = run_procs(_late_failure_and_bad_split, 2, timeout=120)
+    for transport in TRANSPORTS:
+        (late0, split0, good0), (late1, split1, good1) = res0[transport], res1[transport]
+        assert late0.startswith("FloatingPointError"), (transport, late0)
+        assert late1.startswith("PeerFailedError") and "blew up" in late1, (transport, late1)
+        assert split0.startswith("ValueError") and "cannot be split" in split0, split0
+        assert split1.startswith("PeerFailedError") and "cannot be split" in split1, split1
+        assert good0 == good1 == "none", (transport, good0, good1)
