@@ -46,7 +46,7 @@ __all__ = ["TRANSPORTS", "SocketLinks", "choose_transport", "next_schedule_id", 
 TRANSPORTS = ("auto", "socket", "xla")
 _lock = threading.Lock()
 _wire: dict[str, Any] = {}  # "store": the store, "box": this process's mailbox, "peers"
-_counters: dict[tuple, int] = {}  # pipeline group's ranks -> schedules made on them
+_counters: dict[tuple, int] = {}  # (group name, ranks) -> schedules built on it
 
 
 class _PipeMailbox(Mailbox):
@@ -128,7 +128,7 @@ class SocketLinks:
 
     Args:
       group: the pipeline's process group.
-      tag: ``"<schedule>/<step>"``, the same on every rank for this step.
+      tag: ``"<group>/<schedule>/<step>"``, the same on every rank for this step.
       sends: peer -> number of messages this rank sends it this step.
       recvs: peer -> the keys of the messages it sends this rank, in order.
       timeout: seconds ``get`` waits.
