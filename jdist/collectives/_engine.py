@@ -37,6 +37,7 @@ from jdist.collectives._group import (
     make_mesh,
     resolve_group,
 )
+from jdist.collectives._stuck import park_if_ending
 from jdist.errors import (
     CollectiveTimeoutError,
     JdistError,
@@ -325,6 +326,7 @@ def peer_failure(group: ProcessGroup, what: str, exc: BaseException,
     alive becomes :class:`CollectiveTimeoutError` naming the ranks that never reached
     collective ``seq`` (``step``: compiled step ``seq``, :func:`enter_step`).
     """
+    park_if_ending()  # (the stuck-rank deadline is ending the job: its message wins)
     wd = group_state.runtime.get("watchdog")
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     timed_out = "timed out" in str(exc).lower()

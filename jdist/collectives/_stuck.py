@@ -27,7 +27,9 @@ step's collective can neither be interrupted nor time out on every backend):
    stopped with ``SIGSTOP`` cannot, and is ended by its launcher when the others
    exit). Each rank exits with :data:`STUCK_EXIT_CODE` once every rank counted itself
    as having the message, or three beats later (so that rank 0, which hosts the store
-   and JAX's coordinator, does not leave before the others have read it). Guarded by
+   and JAX's coordinator, does not leave before the others have read it; it leaves
+   last). Meanwhile a collective that fails because a peer already left parks its
+   thread (:func:`park_if_ending`) rather than raise an error over the message. Guarded by
    ``tests/collectives/test_stuck_deadline.py``.
 """
 
@@ -35,13 +37,26 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["STUCK_EXIT_CODE", "StuckDeadline", "behind", "stuck_timeout_from"]
+__all__ = ["ENDING", "STUCK_EXIT_CODE", "StuckDeadline", "behind", "park_if_ending",
+           "stuck_timeout_from"]
 
 STUCK_EXIT_CODE = 124  # (timeout(1)'s)
 ENV = "JDIST_STUCK_TIMEOUT"
+ENDING = threading.Event()  # set once this process is ending the job
+_PARK_S = 60.0
+
+
+def park_if_ending() -> None:
+    """Called where a runtime failure becomes an error: while the deadline ends the
+    job, a peer that exits first breaks this rank's collective; the main thread then
+    waits for the heartbeat's exit (code 124, the one message) instead of raising its
+    own error over it (it raises after a minute if the exit never comes)."""
+    if ENDING.is_set():
+        time.sleep(_PARK_S)
 
 
 def stuck_timeout_from(value, environ: Mapping[str, str]) -> float | None:
@@ -153,6 +168,7 @@ class StuckDeadline:
         after three beats (a stopped rank never says so): a rank that left at once
         could take the store (and JAX's coordinator, on rank 0) with it before the
         others read the message."""
+        ENDING.set()
         print(f"jdist: {message}", file=sys.stderr, flush=True)
         world, end = len(self.wd.infos), time.monotonic() + self.linger
         try:
@@ -164,4 +180,6 @@ class StuckDeadline:
                     seen = int(self.wd.store.add(self.key + "/seen", 0))
         except Exception:  # noqa: BLE001 (the store is gone: nobody is left to wait for)
             pass
+        if self.wd.rank == self.wd.store_host_rank:  # the store's (and JAX's coordinator's)
+            time.sleep(min(self.linger, 0.3))  # host leaves last
         self._exit(STUCK_EXIT_CODE)
