@@ -18,6 +18,7 @@ docs/pipelining.md.
 | ``_remote.py`` | one rank's share of a pipeline over processes |
 | ``_links.py`` | activations and gradients between processes, over XLA's p2p |
 | ``_sockets.py`` | the same over jdist's mailbox; which transport a pipeline uses |
+| ``_agree.py`` | through the store: peers' liveness and addresses, how a step ended |
 | ``_split.py`` | ``pipeline``: layers grouped into stages |
 """
 
