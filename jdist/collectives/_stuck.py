@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-__all__ = ["ENDING", "STUCK_EXIT_CODE", "StuckDeadline", "behind", "park_if_ending",
+__all__ = ["ENDING", "STUCK_EXIT_CODE", "StuckDeadline", "park_if_ending",
            "stuck_timeout_from"]
 
 STUCK_EXIT_CODE = 124  # (timeout(1)'s)
@@ -75,11 +75,6 @@ def stuck_timeout_from(value, environ: Mapping[str, str]) -> float | None:
         raise ValueError(f"{source}={value!r}: give the stuck-rank deadline as a positive "
                          f"number of seconds, or leave it unset (no deadline)")
     return seconds
-
-
-def behind(seq: int, positions: Mapping[int, tuple[int, str] | None]) -> list[int]:
-    """The ranks whose published position (number, name) is before ``seq`` (or none)."""
-    return sorted(r for r, at in positions.items() if at is None or at[0] < seq)
 
 
 class StuckDeadline:
@@ -116,9 +111,10 @@ class StuckDeadline:
         for channel, (seq, what, since, ranks) in calls.items():
             if now - since < self.seconds:
                 continue
-            late = behind(seq, self.wd.positions(ranks, channel))
-            if late and self._confirmed(channel, seq, late, now):
-                self._end(self._message(channel, seq, what, now - since, late))
+            noun = "step" if channel.endswith("#steps") else "collective"
+            late = self.wd.behind(ranks, channel, seq, noun)  # {rank: where it is}
+            if late and self._confirmed(channel, seq, sorted(late), now):
+                self._end(self._message(channel, seq, what, now - since, noun, late))
                 return
             if not late:
                 self._pending.pop(channel, None)
@@ -141,11 +137,11 @@ class StuckDeadline:
         return all(counters[r] >= before.get(r, counters[r]) + 2
                    or (silent and counters[r] == before.get(r)) for r in late)
 
-    def _message(self, channel: str, seq: int, what: str, waited: float, late) -> str:
-        noun = "step" if channel.endswith("#steps") else "collective"
+    def _message(self, channel: str, seq: int, what: str, waited: float, noun: str,
+                 late: dict[int, str]) -> str:
         group = channel.removesuffix("#steps")
-        named = "\n; ".join(f"rank {r}{self._at(r, channel, noun)}{self.wd.where(r)}".rstrip()
-                            for r in late)
+        named = "\n; ".join(f"rank {r}, which {where}".rstrip()
+                            for r, where in sorted(late.items()))
         text = (f"stuck rank: rank {self.wd.rank} waited {waited:.1f} s (the stuck-rank "
                 f"deadline, {ENV}={self.seconds:g}) in {noun} #{seq} ({what}) on group "
                 f"{group!r} for {named}\nEvery rank of the job exits (code "
@@ -157,11 +153,6 @@ class StuckDeadline:
         except Exception:  # noqa: BLE001 (exit with this rank's own message)
             pass
         return text
-
-    def _at(self, rank: int, channel: str, noun: str) -> str:
-        at = self.wd.positions([rank], channel).get(rank)
-        return (f", which has not entered any {noun} on this group" if at is None
-                else f", still at {noun} #{at[0]} ({at[1]})")
 
     def _end(self, message: str) -> None:
         """Print ``message`` and exit, once every rank said it has the message too or

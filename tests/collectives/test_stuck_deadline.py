@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from jdist.collectives._stuck import STUCK_EXIT_CODE, StuckDeadline, behind, stuck_timeout_from
+from jdist.collectives._stuck import STUCK_EXIT_CODE, StuckDeadline, stuck_timeout_from
 from jdist.collectives._watchdog import Watchdog
 from jdist.launch import SpawnError, spawn
 from jdist.store import HashStore
@@ -93,7 +93,8 @@ def test_a_rank_exits_iff_it_waited_past_the_deadline_for_a_rank_behind(pos1, po
     assert exits[0] == ([STUCK_EXIT_CODE] if should else [])
     err = capsys.readouterr().err
     for r in (1, 2):
-        named = f"rank {r}, still at" in err or f"rank {r}, which has not entered" in err
+        named = (f"rank {r}, which is still at" in err
+                 or f"rank {r}, which has not entered" in err)
         assert named == (should and r in late), err
     if should:  # the others read the same message at their next beat, and exit too
         wds[1].deadline.check()
@@ -121,7 +122,12 @@ def test_a_rank_that_arrives_after_the_first_sighting_ends_nothing(capsys):
 
 
 def test_behind_lists_ranks_before_the_number_or_without_one():
-    assert behind(5, {1: None, 2: (4, "x"), 3: (5, "y"), 4: (9, "z")}) == [1, 2]
+    """The deadline's notion of behind is the heartbeat's (``Watchdog.behind``)."""
+    wds, _ = _watchdogs(HashStore(), n=5)
+    for r, pos in ((2, 4), (3, 5), (4, 9)):  # (rank 1 never published)
+        wds[r].note("g", pos, "x", range(5))
+        wds[r]._beat()
+    assert sorted(wds[0].behind(range(5), "g", 5)) == [1, 2]
 
 
 # -- real processes ------------------------------------------------------------------
@@ -186,7 +192,7 @@ def test_every_rank_exits_naming_the_stuck_rank_before_the_group_timeout(path, t
     for rank in (0, 1):
         assert codes[rank] == STUCK_EXIT_CODE, (rank, codes, errs[rank][-2000:])
         err = errs[rank]
-        assert f"for rank {STUCK}, still at {noun} #" in err, err[-2000:]
+        assert f"for rank {STUCK}, which is still at {noun} #" in err, err[-2000:]
         assert "stuck-rank deadline, JDIST_STUCK_TIMEOUT=1.5" in err
         # (the stack of the call after the normal steps, where rank 2 stalls)
         where = ("time.sleep(30)",) if path == "eager" else ("time.sleep(1.0)", "os.kill(")
@@ -195,7 +201,7 @@ def test_every_rank_exits_naming_the_stuck_rank_before_the_group_timeout(path, t
         assert ("its process is stopped" in err) == (path == "ddp-stopped"), err[-2000:]
     if path == "eager":  # its heartbeat still runs: it exits itself, with the message
         assert codes[STUCK] == STUCK_EXIT_CODE, (codes, errs[STUCK][-2000:])
-        assert f"for rank {STUCK}, still at" in errs[STUCK]
+        assert f"for rank {STUCK}, which is still at" in errs[STUCK]
     else:  # stopped: the launcher ends it
         assert codes[STUCK] == -signal.SIGKILL, codes
     assert took < 40, took  # (the group timeout is 60 s)
