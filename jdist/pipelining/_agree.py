@@ -20,7 +20,7 @@ from datetime import timedelta
 
 from jdist.errors import CollectiveTimeoutError, PeerFailedError, StoreTimeoutError
 
-__all__ = ["group_store", "hear_all", "peer_gone", "published", "say"]
+__all__ = ["Liveness", "group_store", "hear_all", "peer_gone", "published", "say"]
 
 OK = b"ok"
 
@@ -45,6 +45,21 @@ def peer_gone(src: int) -> str | None:
 
     wd = (group_state.runtime or {}).get("watchdog")
     return None if wd is None else wd.diagnose([src], wait=0.0).get(src)
+
+
+class Liveness:
+    """:func:`peer_gone`, looked up at most once a second (a wait's polling loop may
+    turn many times a second)."""
+
+    def __init__(self) -> None:
+        self._looked = time.monotonic()  # (the first look after a second)
+
+    def gone(self, src: int) -> str | None:
+        now = time.monotonic()
+        if now - self._looked < 1.0:
+            return None
+        self._looked = now
+        return peer_gone(src)
 
 
 def published(store, key: str, rank: int, timeout: float, what: str) -> bytes:

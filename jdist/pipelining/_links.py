@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
-from jdist.pipelining._agree import OK, group_store, hear_all, peer_gone, say
+from jdist.pipelining._agree import OK, Liveness, group_store, hear_all, say
 
 __all__ = ["Links", "dtype_named"]
 
@@ -149,18 +149,15 @@ class Links:
     def get(self, key, what: str, peer: int) -> np.ndarray:
         """The array of message ``key`` (waits up to the timeout; a sender whose process
         is gone is noticed within a second or two, while XLA's receive still waits)."""
-        start = time.monotonic()
-        deadline, looked = start + self.timeout, start
+        deadline, liveness = time.monotonic() + self.timeout, Liveness()
         with self.cond:
             while key not in self.got:
                 if self.error is not None:
                     raise PeerFailedError(f"pipeline: {what} never came: {self.error}")
-                if time.monotonic() - looked >= 1.0:
-                    looked = time.monotonic()
-                    why = peer_gone(self._global(peer))
-                    if why is not None:
-                        raise PeerFailedError(f"pipeline: {what} never came: rank "
-                                              f"{self._global(peer)} is gone ({why})")
+                why = liveness.gone(self._global(peer))
+                if why is not None:
+                    raise PeerFailedError(f"pipeline: {what} never came: rank "
+                                          f"{self._global(peer)} is gone ({why})")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CollectiveTimeoutError(

@@ -38,7 +38,7 @@ import numpy as np
 
 from jdist._mailbox import Mailbox
 from jdist.errors import CollectiveTimeoutError, PeerFailedError
-from jdist.pipelining._agree import OK, group_store, peer_gone, published
+from jdist.pipelining._agree import OK, Liveness, group_store, published
 from jdist.pipelining._links import dtype_named
 
 __all__ = ["TRANSPORTS", "SocketLinks", "choose_transport", "next_schedule_id", "wire_for"]
@@ -78,7 +78,8 @@ def wire_for(group) -> tuple[Mailbox, dict[int, dict]]:
             if _wire.get("box") is not None:
                 _wire["box"].close()
             me = group.ranks[group.rank]
-            box = _PipeMailbox(me, 0, _secret()) if _secret() else None
+            secret = _secret()
+            box = _PipeMailbox(me, 0, secret) if secret else None
             store.set(f"jdist/pipe/addr/{me}", json.dumps(
                 {"addr": None if box is None else box.address, "host": _host()}))
             _wire.update(store=store, box=box, peers={})
@@ -141,7 +142,7 @@ class SocketLinks:
         self.sent = {p: 0 for p in sends}
         self.index = {p: {key: n for n, key in enumerate(keys)} for p, keys in recvs.items()}
         self.others = [p for p in self.peers if p != group.rank]
-        self._looked = time.monotonic()  # (the first liveness look after a second)
+        self._liveness = Liveness()
         head, _, step = tag.rpartition("/")
         self.box.forget(lambda key: not _before(key, f"{head}/", int(step)))
 
@@ -161,16 +162,8 @@ class SocketLinks:
         for p in self.others:
             self._post(p, "err", [message.encode()[:4000]])
 
-    def _dead(self, src: int) -> str | None:
-        """Why rank ``src``'s process is gone, looked up at most once a second."""
-        now = time.monotonic()
-        if now - self._looked < 1.0:
-            return None
-        self._looked = now
-        return peer_gone(src)
-
     def _check(self, src: int) -> None:
-        why = self._dead(src)
+        why = self._liveness.gone(src)
         if why is not None:
             raise PeerFailedError(f"rank {src} is gone ({why})")
         for p in self.others:

@@ -48,14 +48,16 @@ class _Programs:
         def add(acc, gp):
             return [a + g for a, g in zip(acc, gp, strict=True)]
 
+        def backward_add(vjp, ct, acc):
+            gp, gxs = vjp(ct)
+            return add(acc, gp), gxs
+
         self.forward = jax.jit(lambda p, xs: jax.vjp(run, p, xs))
         self.forward_loss = jax.jit(
             lambda p, xs, y: jax.vjp(lambda p, xs: with_loss(p, xs, y), p, xs, has_aux=True))
         self.infer = jax.jit(run)
         self.backward = jax.jit(lambda vjp, ct: vjp(ct))
-        self.backward_add = jax.jit(
-            lambda vjp, ct, acc: (lambda g: (add(acc, g[0]), g[1]))(vjp(ct)),
-            donate_argnums=2)
+        self.backward_add = jax.jit(backward_add, donate_argnums=2)
         self.backward_input = jax.jit(lambda vjp, ct: vjp(ct)[1])
         self.backward_weight = jax.jit(lambda vjp, ct: vjp(ct)[0])
         self.backward_weight_add = jax.jit(lambda vjp, ct, acc: add(acc, vjp(ct)[0]),
