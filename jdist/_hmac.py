@@ -1,6 +1,7 @@
 """The HMAC of jdist's mutual challenge-response handshakes (RPC connections, the
-``jdist.ft`` mailbox): HMAC-SHA256 of a role label and length-prefixed parts, so that
-no two different part lists hash alike. No JAX (floor 0)."""
+authenticated mailbox ``jdist/_mailbox.py``): HMAC-SHA256 of a role label and
+length-prefixed parts, so that no two different part lists hash alike. No JAX
+(floor 0)."""
 
 from __future__ import annotations
 
