@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from jdist.collectives._group import (
     make_mesh,
     resolve_group,
 )
+from jdist.collectives._result import uncommitted
 from jdist.collectives._stuck import park_if_ending
 from jdist.errors import (
     CollectiveTimeoutError,
@@ -182,14 +184,25 @@ def checked_program(group: ProcessGroup, key: tuple, build: Callable[[], Callabl
     body, axis = build(), group.axis_name
 
     def fused(fp, x):
-        _, fps, ok = _slot_gather(axis, _fp_bytes(fp))
+        _, fps, ok = _slot_gather(axis, _fp_bytes(fp), slot_bytes(group.size()))
         return fps, jax.lax.cond(ok, body, _skip(body, x), x)
 
     args = (_arg(group, (fpr.FP_LEN,), np.int32), _arg(group, shape, dtype))
     return _compile(group, full_key, fused, args)
 
 
-SLOT = 4096  # bytes: the first collective of every checked call gathers this many per member
+SLOT_TOTAL = 64 << 10  # bytes: the first collective of a checked call gathers at most this
+SLOT_MIN = 4096  # many in all (from every member together), and at least this per member
+
+
+def slot_bytes(n: int) -> int:
+    """The bytes each of ``n`` members puts into the first collective of every checked
+    call on a group of ``n``: ``SLOT_TOTAL // n`` (a multiple of 64), at least
+    ``SLOT_MIN``. It depends on the group's size alone, so members' first collectives
+    match whatever each of them calls. On 2 processes a 32 KiB slot made calls of 4 to
+    32 KiB one round trip (about 0.25 ms less each) and left smaller ones as they were;
+    64 KiB slowed the smallest calls (``benchmarks/collectives.py``)."""
+    return max(SLOT_MIN, SLOT_TOTAL // max(int(n), 1) // 64 * 64)
 
 
 def _fp_bytes(fp):
@@ -197,17 +210,17 @@ def _fp_bytes(fp):
     return jax.lax.bitcast_convert_type(fp, jax.numpy.uint8).reshape(1, -1)
 
 
-def _slot_gather(axis: str, head):
-    """All-gather each member's ``head`` (``[1, k]`` uint8, ``k <= SLOT``, the fingerprint
-    in its first ``4 * FP_LEN`` bytes) padded to ``SLOT`` bytes.
+def _slot_gather(axis: str, head, slot: int):
+    """All-gather each member's ``head`` (``[1, k]`` uint8, ``k <= slot``, the fingerprint
+    in its first ``4 * FP_LEN`` bytes) padded to ``slot`` bytes (:func:`slot_bytes`).
 
     Every checked call starts with this collective, whatever its kind, shape or dtype,
     so the members' first collectives match even when their calls do not; a call whose
     fingerprint and data fit in one slot needs no other (:func:`packed_program`).
-    Returns ``(rows [n, SLOT], fps [1, n * FP_LEN] int32, all fingerprints equal)``.
+    Returns ``(rows [n, slot], fps [1, n * FP_LEN] int32, all fingerprints equal)``.
     """
     jnp = jax.numpy
-    row = jnp.pad(head, ((0, 0), (0, SLOT - head.shape[1])))
+    row = jnp.pad(head, ((0, 0), (0, slot - head.shape[1])))
     rows = jax.lax.all_gather(row, axis, axis=0, tiled=True)
     fps = jax.lax.bitcast_convert_type(rows[:, : 4 * fpr.FP_LEN].reshape(-1, fpr.FP_LEN, 4),
                                        jnp.int32)
@@ -252,8 +265,7 @@ def _stage(group: ProcessGroup, shape: tuple, dtype) -> list:
 
 def _staged_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array | None:
     """The global ``[n, *shape]`` input holding ``x``, by a copy into this group's
-    staging buffer, whose global array is made once and then reused (CPU only); ``x``
-    may be a function that fills the buffer's row itself.
+    staging buffer, whose global array is made once and then reused (CPU only).
 
     On CPU, ``jax.device_put`` of a 64-byte-aligned numpy array aliases its memory; a
     global array over that buffer therefore reads whatever the buffer holds when a
@@ -265,13 +277,16 @@ def _staged_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array | N
     read and written at once. None when the device did not alias the buffer (then
     every call makes its own array)."""
     entry = _stage(group, shape, dtype)
-    buf = entry[0]
-    if callable(x):
-        x(buf[0])  # fills the row itself (see _pack_into)
-    else:
-        np.copyto(buf[0], x if isinstance(x, np.ndarray) else np.asarray(x),
-                  casting="unsafe")
+    np.copyto(entry[0][0], x if isinstance(x, np.ndarray) else np.asarray(x),
+              casting="unsafe")
+    return _entry_global(group, entry, shape)
+
+
+def _entry_global(group: ProcessGroup, entry: list, shape: tuple) -> jax.Array | None:
+    """The global array over staging ``entry``'s buffer (made at the first call), or
+    None when the device did not alias the buffer (see :func:`_staged_global`)."""
     if entry[1] is None:
+        buf = entry[0]
         block = jax.device_put(buf, local_device(group))
         if block.unsafe_buffer_pointer() != buf.ctypes.data:
             entry[1] = False
@@ -280,6 +295,44 @@ def _staged_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array | N
             entry[1] = jax.make_array_from_single_device_arrays(
                 (group.size(), *shape), sharding, [block])
     return entry[1] if entry[1] is not False else None
+
+
+PLAN_CAP = 256  # packed plans kept per group (least recently used go)
+
+
+def _packed_plan(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
+                 shape: tuple, dtype) -> tuple:
+    """What a packed call of ``(key, shape, dtype)`` reuses, looked up once per call:
+    ``(program, staged, fp_row, data_row)``, the compiled :func:`packed_program` and,
+    on CPU, the global array over a staging row with writable views of that row's
+    fingerprint (int32) and data (``dtype``, ``shape``) bytes. Elsewhere, or where the
+    device did not alias the row, ``staged`` and the views are None.
+
+    Writing the two views is the whole of a call's packing: no packed copy, no
+    per-call lookups of the program and buffer (about 60 us less per small call on 2
+    processes, ``benchmarks/collectives.py``). Plans sharing a byte size share the
+    row, as :func:`_staged_global`'s calls do, for the same reason."""
+    plans = group.extra.setdefault("packed_plans", collections.OrderedDict())
+    pkey = (key, shape, dtype)
+    plan = plans.get(pkey)
+    if plan is not None:
+        plans.move_to_end(pkey)
+        return plan
+    fn = packed_program(group, key, build, shape, dtype)
+    plan = (fn, None, None, None)
+    if local_device(group).platform == "cpu":
+        head = 4 * fpr.FP_LEN
+        nbytes = head + np.dtype(dtype).itemsize * math.prod(shape)
+        entry = _stage(group, (nbytes,), np.uint8)
+        staged = _entry_global(group, entry, (nbytes,))
+        if staged is not None:
+            row = entry[0][0]
+            plan = (fn, staged, row[:head].view(np.int32),
+                    row[head:].view(np.dtype(dtype)).reshape(shape))
+    plans[pkey] = plan
+    while len(plans) > PLAN_CAP:
+        plans.popitem(last=False)
+    return plan
 
 
 def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
@@ -301,12 +354,12 @@ def to_global(group: ProcessGroup, x, shape: tuple, dtype) -> jax.Array:
 
 def from_block(block: jax.Array, as_jax: bool):
     """Drop the leading member axis of this process's output block (numpy, or with
-    ``as_jax`` an uncommitted jax.Array: a host block placed in one ``device_put``
-    instead of a reshape program)."""
+    ``as_jax`` an uncommitted jax.Array: the host block placed by
+    :func:`~jdist.collectives._result.uncommitted` instead of a reshape program)."""
     if next(iter(block.devices())).platform != "cpu":
         return block.reshape(block.shape[1:]) if as_jax else np.asarray(block)[0]
     view = np.asarray(block)[0]
-    return jax.device_put(view) if as_jax else view
+    return uncommitted(view) if as_jax else view
 
 
 def is_runtime_failure(exc: BaseException) -> bool:
@@ -389,7 +442,7 @@ def fingerprint_check(group: ProcessGroup, what: str, fp: np.ndarray) -> None:
     axis = group.axis_name
 
     def build():
-        return lambda x: _slot_gather(axis, _fp_bytes(x))[1]
+        return lambda x: _slot_gather(axis, _fp_bytes(x), slot_bytes(group.size()))[1]
 
     seq = int(fp[1])
     note(group, seq, what)
@@ -430,17 +483,6 @@ def _pack(fp: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.concatenate([fp.astype(np.int32).view(np.uint8), data])
 
 
-def _pack_into(fp: np.ndarray, x: np.ndarray, dtype) -> Callable[[np.ndarray], None]:
-    """:func:`_pack`'s bytes written straight into a staging row (no packed copy)."""
-    def fill(row: np.ndarray) -> None:
-        n = 4 * fpr.FP_LEN
-        row[:n] = fp.astype(np.int32).view(np.uint8)
-        view = row[n:].view(np.dtype(dtype)).reshape(np.shape(x))
-        np.copyto(view, x, casting="unsafe")
-
-    return fill
-
-
 def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
                    shape: tuple, dtype) -> Callable:
     """:func:`checked_program` taking one packed uint8 input (see :func:`_pack`).
@@ -456,16 +498,16 @@ def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable
     if cache is not None and full_key in cache:
         return cache[full_key]
     body, axis = build(), group.axis_name
-    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * int(np.prod(shape))
-
-    one_trip = nbytes <= SLOT and _batches(body, axis, group.size(), shape, dtype)
+    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * math.prod(shape)
+    slot = slot_bytes(group.size())
+    one_trip = nbytes <= slot and _batches(body, axis, group.size(), shape, dtype)
 
     def fused(raw):
         x = _unpack(raw, shape, dtype)[1]
         if not one_trip:
-            _, fps, ok = _slot_gather(axis, raw[:, : 4 * fpr.FP_LEN])
+            _, fps, ok = _slot_gather(axis, raw[:, : 4 * fpr.FP_LEN], slot)
             return fps, jax.lax.cond(ok, body, _skip(body, x), x)
-        rows, fps, ok = _slot_gather(axis, raw)
+        rows, fps, ok = _slot_gather(axis, raw, slot)
 
         def local(rows):
             xs = jax.vmap(lambda r: _unpack(r[None, :nbytes], shape, dtype)[1])(rows)
@@ -522,17 +564,16 @@ def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable
     if seq is not None:
         note(group, seq, what)
     with x64(dtype):
-        small = np.dtype(dtype).itemsize * int(np.prod(shape)) <= FUSE_LIMIT
+        small = np.dtype(dtype).itemsize * math.prod(shape) <= FUSE_LIMIT
         host = not isinstance(x, jax.Array) or local_device(group).platform == "cpu"
         if fp is not None and small and host and fpr.debug_enabled():
             # (a jax array on CPU reads as numpy without a copy)
-            fn = packed_program(group, key, build, shape, dtype)
+            fn, staged, fp_row, data_row = _packed_plan(group, key, build, shape, dtype)
             stats(group)["checked"] += 1
-            nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * int(np.prod(shape))
-            fill = _pack_into(fp, np.asarray(x), dtype)
-            staged = _staged_global(group, fill, (nbytes,), np.uint8) if (
-                local_device(group).platform == "cpu") else None
-            if staged is None:
+            if staged is not None:
+                fp_row[:] = fp
+                np.copyto(data_row, np.asarray(x).reshape(shape), casting="unsafe")
+            else:
                 packed = _pack(fp, np.asarray(x, dtype=dtype))
                 staged = to_global(group, packed, packed.shape, np.uint8)
             fps, block = execute(group, what, fn, staged, seq)

@@ -13,6 +13,7 @@ root (src/dst, -1 if none), count (list length, -1 if none), ndim, then the firs
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import zlib
@@ -83,11 +84,23 @@ def _clip(v: int) -> int:
 
 def encode(seq: int, kind: str, op: ReduceOp | None = None, shape=(), dtype=None,
            root: int = -1, count: int = -1) -> np.ndarray:
-    """The int32 fingerprint of one call (pure)."""
+    """The int32 fingerprint of one call (pure): a copy of the call's cached fixed part
+    with ``seq`` written in (an eager call encodes one; this is on every call's path)."""
+    try:
+        fixed = _fixed(kind, op, tuple(shape), dtype, root, count)
+    except TypeError:  # an unhashable dimension or dtype: encode without the cache
+        fixed = _fixed.__wrapped__(kind, op, tuple(shape), dtype, root, count)
+    fp = fixed.copy()
+    fp[1] = seq & 0x7FFFFFFF
+    return fp
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed(kind: str, op, shape: tuple, dtype, root: int, count: int) -> np.ndarray:
+    """Every field of :func:`encode` but the sequence number (read-only; do not write)."""
     fp = np.full((FP_LEN,), -1, np.int32)
     shape = tuple(int(d) for d in shape)
     fp[0] = _MAGIC
-    fp[1] = seq & 0x7FFFFFFF
     fp[2] = _KIND_CODE[kind]
     fp[3] = -1 if op is None else _OPS.index(op)
     if dtype is not None:
@@ -100,6 +113,7 @@ def encode(seq: int, kind: str, op: ReduceOp | None = None, shape=(), dtype=None
         fp[8 + i] = _clip(d)
     if len(shape) > _MAX_DIMS:
         fp[8 + _MAX_DIMS - 1] = zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF
+    fp.flags.writeable = False
     return fp
 
 

@@ -14,20 +14,39 @@ The caller gets it in the kind it passed in:
   spanning other processes ("does not support cross-host device transfers"). A
   committed input gives a result committed where the input was: on its device, or with
   its sharding when the result has the input's shape.
+
+Host values become jax.Arrays through one jitted identity (:func:`uncommitted`), not
+``jax.device_put``: on CPU between two collectives, ``device_put`` of a few KiB cost
+about 40 us itself but made the next collective some 300 us slower, where jit's
+C++ argument path cost about 7 us and 40 us (``benchmarks/collectives.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
-__all__ = ["as_result", "as_results"]
+__all__ = ["as_result", "as_results", "uncommitted"]
+
+
+@functools.cache
+def _identity():
+    return jax.jit(lambda v: v)
+
+
+def uncommitted(host) -> jax.Array:
+    """``host`` (a numpy array) as an uncommitted jax.Array on the default device, the
+    way ``jax.device_put(host)`` places it (dtype canonicalized under the x64 mode in
+    force), through the fast path of one jitted identity (see the module doc)."""
+    return _identity()(host)
 
 
 def _jax_like(value: jax.Array, like) -> jax.Array:
     if not isinstance(like, jax.Array) or not like.committed:
         # uncommitted: the value on the default device, free to be placed anywhere
-        return value if not value.committed else jax.device_put(np.asarray(value))
+        return value if not value.committed else uncommitted(np.asarray(value))
     sharding = like.sharding
     if like.is_fully_addressable and tuple(value.shape) == tuple(like.shape):
         if value.sharding == sharding and value.committed:
@@ -43,7 +62,7 @@ def as_result(value, like, as_jax: bool, shape: tuple | None = None):
     """``value`` as the caller's kind: a numpy ``ndarray`` of ``shape`` (default: its
     own), or a jax.Array placed like the input ``like`` (see the module doc)."""
     if as_jax:
-        value = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
+        value = value if isinstance(value, jax.Array) else uncommitted(np.asarray(value))
         if shape is not None and tuple(value.shape) != tuple(shape):
             value = value.reshape(shape)
         return _jax_like(value, like)

@@ -20,13 +20,24 @@ from tests.collectives.eager_cases import OPS_BY_DTYPE, make_input, np_reduce
 from tests.helpers import run_procs
 
 WORLD = 3
-SLOT_ELEMS = 1024 - 16  # float32/int32 elements that fill the 4096-byte slot with the fp
+
+
+def _slot_elems(world: int) -> int:
+    """float32/int32 elements that fill a group of ``world``'s slot with the fingerprint."""
+    from jdist.collectives._engine import slot_bytes
+    from jdist.collectives._fingerprint import FP_LEN
+
+    return slot_bytes(world) // 4 - FP_LEN
+
+
+SLOT_ELEMS = _slot_elems(WORLD)
+PAIR_ELEMS = _slot_elems(2)
 
 
 def _cases() -> list[tuple]:
     out = []
     for dtype, ops in OPS_BY_DTYPE.items():
-        sizes = (7, 5000) if dtype == "float32" else (7,)
+        sizes = (7, 2 * SLOT_ELEMS) if dtype == "float32" else (7,)
         for op, n in itertools.product(ops, sizes):
             out.append(("all_reduce", dtype, op, n))
     for kind, n in itertools.product(("broadcast", "all_gather", "reduce_scatter",
@@ -142,8 +153,8 @@ def _mismatch(sizes):
     return msg, out.tolist()
 
 
-@pytest.mark.parametrize("sizes", [(7, 9), (7, SLOT_ELEMS + 1), (SLOT_ELEMS + 1, 5000),
-                                   (SLOT_ELEMS, SLOT_ELEMS + 1)])
+@pytest.mark.parametrize("sizes", [(7, 9), (7, PAIR_ELEMS + 1), (PAIR_ELEMS + 1, 3 * PAIR_ELEMS),
+                                   (PAIR_ELEMS, PAIR_ELEMS + 1)])
 def test_mismatched_calls_raise_on_every_rank_either_side_of_the_slot(sizes):
     out = run_procs(_mismatch, 2, args=(sizes,), timeout=120)
     for msg, after in out:

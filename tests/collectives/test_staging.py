@@ -1,7 +1,8 @@
 """Eager collectives reuse one staged input array per (group, shape, dtype) on CPU
 (``jdist/collectives/_engine.py``, ``_staged_global``): a generated sequence of calls
 (shapes repeating and interleaved, numpy and jax inputs, check on and off, sync and
-async, every op kind that stages its input) gives each call its own values, compared
+async, every op kind that stages its input, float32 and int32 calls sharing a row's
+byte size, and with few packed plans kept) gives each call its own values, compared
 with numpy on every rank. A stale buffer would hand a later call an earlier value."""
 
 from __future__ import annotations
@@ -17,38 +18,41 @@ def _sequence(seed: int, n: int = 24) -> list[tuple]:
     rng = np.random.default_rng(seed)
     return [(SHAPES[rng.integers(len(SHAPES))], bool(rng.integers(2)), bool(rng.integers(2)),
              ["ON", "OFF"][rng.integers(2)], ["all_reduce", "broadcast", "all_gather"][
-                 rng.integers(3)]) for _ in range(n)]
+                 rng.integers(3)], ["float32", "int32"][rng.integers(2)]) for _ in range(n)]
 
 
-def _value(rank: int, step: int, shape: tuple) -> np.ndarray:
+def _value(rank: int, step: int, shape: tuple, dtype: str = "float32") -> np.ndarray:
     return (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 100 * step
-            + 1000 * rank)
+            + 1000 * rank).astype(dtype)
 
 
-def _child(seed: int):
+def _child(seed: int, plan_cap: int | None):
     import os
 
     import jax.numpy as jnp
 
     import jdist
+    from jdist.collectives import _engine
 
+    if plan_cap is not None:
+        _engine.PLAN_CAP = plan_cap
     jdist.init_process_group()
     rank, world = jdist.get_rank(), jdist.get_world_size()
     bad = []
     pending = []
-    for step, (shape, as_jax, asyn, mode, op) in enumerate(_sequence(seed)):
+    for step, (shape, as_jax, asyn, mode, op, dt) in enumerate(_sequence(seed)):
         os.environ["JDIST_DEBUG"] = mode
-        x = _value(rank, step, shape)
+        x = _value(rank, step, shape, dt)
         arg = jnp.asarray(x) if as_jax else x.copy()
         if op == "all_reduce":
-            want = sum(_value(r, step, shape) for r in range(world))
+            want = sum(_value(r, step, shape, dt) for r in range(world))
             out = jdist.all_reduce(arg, async_op=asyn)
         elif op == "broadcast":
-            want = _value(0, step, shape)
+            want = _value(0, step, shape, dt)
             out = jdist.broadcast(arg, src=0, async_op=asyn)
         else:
-            want = np.stack([_value(r, step, shape) for r in range(world)])
-            outs = [np.zeros(shape, np.float32) for _ in range(world)]
+            want = np.stack([_value(r, step, shape, dt) for r in range(world)])
+            outs = [np.zeros(shape, dt) for _ in range(world)]
             work = jdist.all_gather(outs, arg, async_op=asyn)
             out = (work, outs)
         pending.append((step, op, asyn, out, want))
@@ -61,7 +65,7 @@ def _child(seed: int):
                     got = np.stack([np.asarray(v) for v in outs])
                 else:
                     got = np.asarray(res.wait() if a else res)
-                if not np.array_equal(got, w):
+                if not np.array_equal(got, w) or got.dtype != w.dtype:
                     bad.append((s, o, a))
             pending = []
     for s, o, a, res, w in pending:
@@ -69,12 +73,12 @@ def _child(seed: int):
         if o == "all_gather":
             res[0].wait()
             got = np.stack([np.asarray(v) for v in res[1]])
-        if not np.array_equal(got, w):
+        if not np.array_equal(got, w) or got.dtype != w.dtype:
             bad.append((s, o, a))
     jdist.destroy_process_group()
     return bad
 
 
 def test_staged_inputs_never_hand_a_call_another_calls_values():
-    for seed in (0, 1):
-        assert run_procs(_child, 2, args=(seed,), timeout=240) == [[], []]
+    for seed, plan_cap in ((0, None), (1, 2)):
+        assert run_procs(_child, 2, args=(seed, plan_cap), timeout=240) == [[], []]
