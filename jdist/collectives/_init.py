@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from jdist._xla_threads import limit_from_env
 from jdist.collectives import _rendezvous as rdzv
 from jdist.collectives._compile_cache import write_on_every_process
 from jdist.collectives._group import (
@@ -139,6 +140,7 @@ def _start_jax(spec: rdzv.InitSpec, coordinator: str, timeout: float,
                 f"computation in this process (jax.devices(), creating arrays, jit calls "
                 f"all start JAX's runtime); move it to the top of the program"
             )
+    limit_from_env()  # (JDIST_XLA_CPU_THREADS under srun or mpirun: before JAX's client)
     _set_collective_timeout(timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Recoverable tasks: a dead peer does not make JAX's coordination service abort the

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 __all__ = ["JobInfo", "worker_env", "worker_args", "worker_command", "restart_cache_env",
            "has_user_cache", "default_cache_dir", "default_cache_env", "cache_opted_out",
-           "xla_flags_single_threaded", "xla_flags_with_devices"]
+           "xla_flags_with_devices"]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:
@@ -19,24 +19,6 @@ def xla_flags_with_devices(flags: str, devices: int) -> str:
             if not f.startswith("--xla_force_host_platform_device_count")]
     kept.append(f"--xla_force_host_platform_device_count={int(devices)}")
     return " ".join(kept)
-
-
-def xla_flags_single_threaded(flags: str) -> str:
-    """``flags`` with XLA's CPU operations on one thread (``--xla_cpu_multi_thread_eigen
-    =false``) unless they already say either way.
-
-    torchrun gives each of several processes on a node ``OMP_NUM_THREADS=1`` so that
-    they do not oversubscribe its cores; jdist-run does too, but XLA's CPU backend does
-    not read that variable: its Eigen pool takes every core in every process. A
-    process's computation then stalls the others' threads (measured: a parameter
-    server's backward pass on both cores of a 2-core machine starved its trainer's
-    RPC threads). So while ``OMP_NUM_THREADS`` is 1, XLA's CPU operations run on one
-    thread per process as torch's do; set ``OMP_NUM_THREADS`` higher, or the flag in
-    ``XLA_FLAGS``, to keep XLA's threads.
-    """
-    if "--xla_cpu_multi_thread_eigen" in flags:
-        return flags
-    return " ".join(f for f in (flags, "--xla_cpu_multi_thread_eigen=false") if f)
 
 
 class JobInfo(NamedTuple):
@@ -71,8 +53,9 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     ``_blame.error_file_env``) and jdist's (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS,
     JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with ``devices_per_proc``, XLA_FLAGS and
     JDIST_DEVICES_PER_PROC); with several processes on the node, OMP_NUM_THREADS=1
-    unless set, and then XLA's CPU operations on one thread too
-    (:func:`xla_flags_single_threaded`). Python output is unbuffered so that lines reach the
+    unless set, and then XLA's CPU client on one thread too (``JDIST_XLA_CPU_THREADS=1``
+    unless set; :mod:`jdist._xla_threads`, which the worker applies before the
+    program's first JAX call). Python output is unbuffered so that lines reach the
     launcher as they are printed; ``columns`` (the console's width less the rank
     prefix) becomes COLUMNS, so progress bars fit the terminal. With
     ``compilation_cache`` (jdist-run's default; ``--no-compilation-cache`` or
@@ -124,8 +107,8 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
         env.update(default_cache_env(env))
     if job.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-        if env["OMP_NUM_THREADS"] == "1":  # XLA's CPU threads too (see the helper)
-            env["XLA_FLAGS"] = xla_flags_single_threaded(env.get("XLA_FLAGS", ""))
+        if env["OMP_NUM_THREADS"] == "1":  # XLA's CPU threads too (jdist._xla_threads)
+            env.setdefault("JDIST_XLA_CPU_THREADS", "1")
     return env
 
 

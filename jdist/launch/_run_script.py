@@ -8,7 +8,10 @@ preloaded server (``--start-method forkserver``, :mod:`jdist.launch._forkserver`
 2. Run the script or module as ``python script.py args`` / ``python -m module args``
    would: ``sys.argv``, ``sys.path[0]`` (the script's directory, or the working
    directory for a module) and ``__name__ == "__main__"``.
-3. Record an uncaught exception (time, type, traceback) and, through faulthandler, a
+3. Size XLA's CPU client as ``JDIST_XLA_CPU_THREADS`` says (:mod:`jdist._xla_threads`;
+   jdist-run sets 1 with several processes on a node), before the program's first
+   JAX call.
+4. Record an uncaught exception (time, type, traceback) and, through faulthandler, a
    fatal signal in the files ``JDIST_ERROR_FILE`` names, so the launcher can tell which
    rank failed first (:mod:`jdist.launch._blame`).
 """
@@ -20,6 +23,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from jdist._xla_threads import limit_from_env
 from jdist.launch._blame import recording_failures
 from jdist.launch._lifeline import die_with_parent
 
@@ -30,6 +34,7 @@ def main(argv: Sequence[str]) -> None:
     """``argv``: the parent's pid, ``"script"`` or ``"module"``, the target, its args."""
     parent, mode, target, *args = argv
     die_with_parent(int(parent))
+    limit_from_env()
     sys.argv = [target, *args]
     if mode == "module":
         sys.path.insert(0, os.getcwd())

@@ -7,7 +7,8 @@
    parent's ``__main__`` script, run that script as ``__mp_main__`` first (its
    ``if __name__ == "__main__":`` block does not run) and alias it as ``__main__``,
    so that pickle finds the function, as ``torch.multiprocessing.spawn`` does.
-3. Load ``(fn, args)``, run it, write the pickled result next to the payload.
+3. Size XLA's CPU client as ``JDIST_XLA_CPU_THREADS`` says (:mod:`jdist._xla_threads`).
+4. Load ``(fn, args)``, run it, write the pickled result next to the payload.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pickle
 import sys
 import types
 
+from jdist._xla_threads import limit_from_env
 from jdist.launch._lifeline import die_with_parent
 
 
@@ -38,6 +40,7 @@ def _load_main(kind: str, target: str) -> None:
 def main(argv: list[str]) -> int:
     payload, result_path, parent = argv
     die_with_parent(int(parent))
+    limit_from_env()
     with open(payload, "rb") as f:
         header = pickle.load(f)
         sys.argv = list(header["argv"])

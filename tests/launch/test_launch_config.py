@@ -89,18 +89,18 @@ def test_worker_env_of_a_two_node_job():
         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "4321", "JDIST_RESTART_COUNT": "2", "JDIST_MAX_RESTARTS": "5",
         "JDIST_AUTH_TOKEN": "tok", "JDIST_DEVICES_PER_PROC": "4"}
-    # several processes on the node: one thread each for OpenMP and for XLA's CPU ops
-    assert env["XLA_FLAGS"] == ("--foo --xla_force_host_platform_device_count=4 "
-                                "--xla_cpu_multi_thread_eigen=false")
+    # several processes on the node: one thread each for OpenMP and for XLA's CPU client
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
     assert env["KEEP"] == "1" and env["OMP_NUM_THREADS"] == "1"
-    assert worker_env({}, job, 0, None)["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"
-    # the user's choice wins: more OpenMP threads, or the flag set either way
-    assert "XLA_FLAGS" not in worker_env({"OMP_NUM_THREADS": "4"}, job, 0, None)
-    mine = "--xla_cpu_multi_thread_eigen=true"
-    assert worker_env({"XLA_FLAGS": mine}, job, 0, None)["XLA_FLAGS"] == mine
+    assert env["JDIST_XLA_CPU_THREADS"] == "1"
+    # the user's choice wins: more OpenMP threads, or XLA's threads set
+    assert "JDIST_XLA_CPU_THREADS" not in worker_env({"OMP_NUM_THREADS": "4"}, job, 0, None)
+    assert worker_env({"JDIST_XLA_CPU_THREADS": "2"}, job, 0, None)[
+        "JDIST_XLA_CPU_THREADS"] == "2"
     alone = job._replace(local_world_size=1)  # one process on the node: nothing set
     assert "XLA_FLAGS" not in worker_env({}, alone, 0, None)
     assert "OMP_NUM_THREADS" not in worker_env({}, alone, 0, None)
+    assert "JDIST_XLA_CPU_THREADS" not in worker_env({}, alone, 0, None)
     cmd = worker_command(99, "s.py", ("a", "b"), module=False, python="py")
     assert cmd[0] == "py" and cmd[-4:] == ["script", "s.py", "a", "b"] and "99" in cmd
 
