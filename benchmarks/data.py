@@ -243,12 +243,13 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2, help="loader worker processes")
     a = p.parse_args(argv)
     n, epochs = (4096, 2) if a.quick else (a.samples, a.epochs)
-    if "jax" not in sys.modules:  # one compute thread for XLA, as for torch: on a shared
-        # machine, spinning intra-op pools of both frameworks measure contention instead
-        # of the loaders (torch with 2 threads on 2 busy cores ran its step 20x slower)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
-                                   "--xla_cpu_multi_thread_eigen=false "
-                                   "intra_op_parallelism_threads=1").strip()
+    # one compute thread for XLA, as for torch: on a shared machine, spinning intra-op
+    # pools of both frameworks measure contention instead of the loaders (torch with 2
+    # threads on 2 busy cores ran its step 20x slower)
+    os.environ.setdefault("JDIST_XLA_CPU_THREADS", "1")  # (spawned ranks read it too)
+    from jdist._xla_threads import limit_from_env
+
+    limit_from_env()
     if n < 2 * BATCH or epochs < 1:
         p.error(f"need --samples >= {2 * BATCH} and --epochs >= 1")
     with tempfile.TemporaryDirectory(prefix="jdist-bench-data-") as tmp:

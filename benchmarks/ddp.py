@@ -460,9 +460,7 @@ def compute_only(kind, steps):
 
 
 def _one_thread_env():
-    return {"OMP_NUM_THREADS": "1",
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
-            " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    return {"OMP_NUM_THREADS": "1", "JDIST_XLA_CPU_THREADS": "1"}  # (jdist._xla_threads)
 
 
 def vs_torch(kind, steps, variants=VARIANTS_B):

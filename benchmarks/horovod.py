@@ -234,9 +234,7 @@ def allreduce_worker(steps):
 
 
 def _env():
-    return {"OMP_NUM_THREADS": "1",
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") +
-            " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    return {"OMP_NUM_THREADS": "1", "JDIST_XLA_CPU_THREADS": "1"}  # (jdist._xla_threads)
 
 
 def main(argv=None):
