@@ -232,7 +232,10 @@ def main(argv=None) -> list[dict]:
     sizes = [4 << 10, 1 << 20] if args.smoke else QUICK_SIZES if args.quick else SIZES
     cap = 3 if args.smoke else 20 if args.quick else None
     rounds = 1 if args.smoke or args.quick else args.rounds
-    env = {"OMP_NUM_THREADS": "1"}
+    # one compute thread per process on both sides: torch's loop calls
+    # torch.set_num_threads(1), XLA's client gets one thread (jdist._xla_threads; safe
+    # here: each process has at most one collective in flight)
+    env = {"OMP_NUM_THREADS": "1", "JDIST_XLA_CPU_THREADS": "1"}
     jd: dict = {}
     th: dict = {}
     for _ in range(rounds):  # alternate; keep each one's best

@@ -11,8 +11,14 @@ every thread made meanwhile get their whole CPU set back. The pools keep ``n`` t
 and no thread is pinned: a pinned thread waits for its one core, and on a 2-core
 machine that slowed every collective's tail (p90 0.9 -> 3.6 ms).
 
-Measured on 2 cores, 2 processes (``benchmarks/collectives.py``'s training loop): the
-CNN's gradient step 18.3 -> 15.8 ms, its eight eager all-reduces 13.2 -> 10.6 ms.
+XLA also runs whole programs on that pool, so a blocking collective holds one of its
+threads: with one thread, two programs in flight that ranks dispatched in different
+orders wait for each other for ever. jdist-run therefore gives each process its share
+of the cores but at least 2 (``jdist.launch._env.xla_threads``); 1 is for programs
+with at most one collective in flight at a time. Measured with 1 on 2 cores, 2
+processes (``benchmarks/collectives.py``'s training loop, as its torch side runs
+``torch.set_num_threads(1)``): the CNN's gradient step 18.3 -> 15.8 ms, its eight
+eager all-reduces 13.2 -> 10.6 ms.
 
 The hook is installed before JAX makes its CPU client and costs nothing until then:
 when ``jax._src.xla_bridge`` is imported (at once if it already is). Where JAX's

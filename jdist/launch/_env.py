@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 __all__ = ["JobInfo", "worker_env", "worker_args", "worker_command", "restart_cache_env",
            "has_user_cache", "default_cache_dir", "default_cache_env", "cache_opted_out",
-           "xla_flags_with_devices"]
+           "xla_flags_with_devices", "xla_threads"]
 
 
 def xla_flags_with_devices(flags: str, devices: int) -> str:
@@ -19,6 +19,25 @@ def xla_flags_with_devices(flags: str, devices: int) -> str:
             if not f.startswith("--xla_force_host_platform_device_count")]
     kept.append(f"--xla_force_host_platform_device_count={int(devices)}")
     return " ".join(kept)
+
+
+def xla_threads(local_processes: int, cores: int | None = None) -> int:
+    """The threads jdist-run gives XLA's CPU client in each of ``local_processes`` on a
+    node of ``cores`` (default: this process's): its share, at least 2.
+
+    XLA's CPU client also runs whole programs on that pool, and a blocking collective
+    holds its thread until the peers join: with one thread, two programs in flight that
+    the ranks dispatched in different orders wait for each other for ever (seen:
+    pipelining's XLA point-to-point transfers). torch's ``OMP_NUM_THREADS=1`` is about
+    compute threads only; set ``JDIST_XLA_CPU_THREADS=1`` yourself where a program has
+    at most one collective in flight (``benchmarks/collectives.py`` does, as its torch
+    side calls ``torch.set_num_threads(1)``).
+    """
+    if cores is None:
+        from jdist._cores import usable_cores
+
+        cores = usable_cores()
+    return max(2, int(cores) // max(1, int(local_processes)))
 
 
 class JobInfo(NamedTuple):
@@ -42,7 +61,7 @@ class JobInfo(NamedTuple):
 
 def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
                devices_per_proc: int | None, columns: int | None = None,
-               compilation_cache: bool = True) -> dict[str, str]:
+               compilation_cache: bool = True, cores: int | None = None) -> dict[str, str]:
     """The environment of local rank ``local_rank`` under ``job``.
 
     Sets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -53,9 +72,9 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     ``_blame.error_file_env``) and jdist's (JDIST_RESTART_COUNT, JDIST_MAX_RESTARTS,
     JDIST_AUTH_TOKEN, JDIST_RUN_ID and, with ``devices_per_proc``, XLA_FLAGS and
     JDIST_DEVICES_PER_PROC); with several processes on the node, OMP_NUM_THREADS=1
-    unless set, and then XLA's CPU client on one thread too (``JDIST_XLA_CPU_THREADS=1``
-    unless set; :mod:`jdist._xla_threads`, which the worker applies before the
-    program's first JAX call). Python output is unbuffered so that lines reach the
+    unless set, and then XLA's CPU client on its share of the node's ``cores`` (default:
+    this process's), at least 2: ``JDIST_XLA_CPU_THREADS`` unless set
+    (:func:`xla_threads`). Python output is unbuffered so that lines reach the
     launcher as they are printed; ``columns`` (the console's width less the rank
     prefix) becomes COLUMNS, so progress bars fit the terminal. With
     ``compilation_cache`` (jdist-run's default; ``--no-compilation-cache`` or
@@ -108,7 +127,8 @@ def worker_env(base: Mapping[str, str], job: JobInfo, local_rank: int,
     if job.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
         if env["OMP_NUM_THREADS"] == "1":  # XLA's CPU threads too (jdist._xla_threads)
-            env.setdefault("JDIST_XLA_CPU_THREADS", "1")
+            env.setdefault("JDIST_XLA_CPU_THREADS",
+                           str(xla_threads(job.local_world_size, cores)))
     return env
 
 

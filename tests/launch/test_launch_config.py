@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jdist.launch._config import parse_args
-from jdist.launch._env import JobInfo, worker_command, worker_env
+from jdist.launch._env import JobInfo, worker_command, worker_env, xla_threads
 from jdist.launch._worker_group import describe_exit, exit_code_of
 
 
@@ -92,7 +92,7 @@ def test_worker_env_of_a_two_node_job():
     # several processes on the node: one thread each for OpenMP and for XLA's CPU client
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
     assert env["KEEP"] == "1" and env["OMP_NUM_THREADS"] == "1"
-    assert env["JDIST_XLA_CPU_THREADS"] == "1"
+    assert env["JDIST_XLA_CPU_THREADS"] == str(xla_threads(3))
     # the user's choice wins: more OpenMP threads, or XLA's threads set
     assert "JDIST_XLA_CPU_THREADS" not in worker_env({"OMP_NUM_THREADS": "4"}, job, 0, None)
     assert worker_env({"JDIST_XLA_CPU_THREADS": "2"}, job, 0, None)[

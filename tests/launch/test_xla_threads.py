@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 from jdist._xla_threads import parse_threads
-from jdist.launch._env import JobInfo, worker_env
+from jdist.launch._env import JobInfo, worker_env, xla_threads
 from tests.helpers import run_procs
 
 CORES = len(os.sched_getaffinity(0))
@@ -95,28 +95,37 @@ def _rank_report():
     return _report_here()
 
 
-def test_spawned_ranks_of_a_node_get_one_thread_each():
+def test_spawned_ranks_get_their_share_and_an_explicit_value_wins():
+    share = min(xla_threads(2), CORES)
     for got in run_procs(_rank_report, 2):
-        assert got["eigen"] == 1
+        assert got["eigen"] == share
         assert got["masks"] == [sorted(os.sched_getaffinity(0))]
+    for got in run_procs(_rank_report, 2, env={"JDIST_XLA_CPU_THREADS": "1"}):
+        assert got["eigen"] == 1
 
 
-def test_jdist_run_workers_get_one_thread_each(tmp_path):
+def test_jdist_run_workers_get_one_thread_each_when_asked(tmp_path):
     script = tmp_path / "report.py"
     script.write_text(_REPORT)
     out = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc-per-node", "2",
                           "--devices-per-proc", "1", str(script)], capture_output=True,
-                         text=True, timeout=180, cwd=tmp_path)
+                         text=True, timeout=180, cwd=tmp_path,
+                         env={**os.environ, "JDIST_XLA_CPU_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     reports = [json.loads(line.split("REPORT", 1)[1]) for line in out.stdout.splitlines()
                if "REPORT" in line]
     assert len(reports) == 2 and all(r["eigen"] == 1 for r in reports), out.stdout
 
 
-def test_worker_env_asks_for_one_thread_only_with_several_processes():
-    job = JobInfo(world_size=4, rank_offset=0, nnodes=1, node_rank=0, local_world_size=4,
-                  master_addr="127.0.0.1", master_port=1, token="t", run_id="r",
-                  restart_count=0, max_restarts=0)
-    assert worker_env({}, job, 0, None)["JDIST_XLA_CPU_THREADS"] == "1"
-    assert "JDIST_XLA_CPU_THREADS" not in worker_env({}, job._replace(local_world_size=1),
-                                                     0, None)
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("local", [1, 2, 3, 8])
+def test_worker_env_gives_each_process_its_share_of_cores_at_least_two(cores, local):
+    job = JobInfo(world_size=local, rank_offset=0, nnodes=1, node_rank=0,
+                  local_world_size=local, master_addr="127.0.0.1", master_port=1,
+                  token="t", run_id="r", restart_count=0, max_restarts=0)
+    env = worker_env({}, job, 0, None, cores=cores)
+    if local == 1:
+        assert "JDIST_XLA_CPU_THREADS" not in env
+    else:
+        assert env["JDIST_XLA_CPU_THREADS"] == str(max(2, cores // local))
+        assert int(env["JDIST_XLA_CPU_THREADS"]) * local <= max(cores, 2 * local)
