@@ -93,9 +93,20 @@ def pytest_xdist_auto_num_workers(config):
     return cores + 1 if cores <= 4 else cores
 
 
+SLOW_SECONDS = 20  # a slow test's weight when its marker names none
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with a long end-to-end run (``@pytest.mark.slow``) first, each file's tests
-    kept together and in order: xdist hands out whole files, and a long one handed out
-    last keeps the run going while the other workers sit idle."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    """Files with a long end-to-end run (``@pytest.mark.slow``) first, longest first,
+    each file's tests kept together and in order: xdist hands out whole files, and a
+    long one handed out last keeps the run going while the other workers sit idle
+    (longest-first is the classic fix for that tail). A file's weight is the sum of its
+    slow tests' ``seconds`` (``@pytest.mark.slow(seconds=40)``: about what it takes on
+    2 busy cores)."""
+    weight: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            weight[item.path] = weight.get(item.path, 0) + mark.kwargs.get("seconds",
+                                                                            SLOW_SECONDS)
+    items.sort(key=lambda item: -weight.get(item.path, 0))

@@ -13,7 +13,7 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "examples", "train_resume.py")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)
 def test_example_restarts_after_the_kill_and_resumes_from_the_last_save(tmp_path):
     env = dict(os.environ)  # with the suite's compilation cache (tests/conftest.py)
     # the suite's XLA flags but its 8 devices: a worker has one unless

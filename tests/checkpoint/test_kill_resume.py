@@ -40,7 +40,7 @@ def _outputs(out_dir, world):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=37)
 def test_elastic_4_to_3_processes_resumes_the_epoch_and_repartitions_zero(tmp_path):
     ck = tmp_path / "ck"
     first, second = tmp_path / "four", tmp_path / "three"

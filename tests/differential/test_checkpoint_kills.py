@@ -13,6 +13,7 @@ exactly once across the ranks).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,7 @@ _CI = settings.default.derandomize  # the "ci" profile (tests/conftest.py)
 
 @settings(max_examples=scaled(1), deadline=None,
           phases=(Phase.explicit,) if _CI else tuple(Phase))
+@pytest.mark.slow(seconds=32)  # kills and resumes: scheduled first (conftest)
 @given(case=schedules())
 @example(case=THREE)
 @replayed("checkpoint_kills")

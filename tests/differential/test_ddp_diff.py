@@ -10,6 +10,7 @@ XLA (XLA:CPU reduces halves in float32), and Adam's normalisation of rounding no
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +86,7 @@ def tolerance(spec) -> float:
     return tol
 
 
+@pytest.mark.slow(seconds=70)  # 4 layouts' process pools: scheduled first (conftest)
 @given(spec=specs())
 @settings(max_examples=scaled(4))
 @replayed("ddp")

@@ -66,7 +66,7 @@ def test_ddp_example(tmp_path):
     assert moved > 1e-4  # three SGD steps changed the weights
 
 
-@pytest.mark.slow  # one of the three longest launches of this file
+@pytest.mark.slow(seconds=10)  # one of the three longest launches of this file
 def test_ddp_tutorial_crash_and_resume_from_snapshot(tmp_path):
     """3 epochs, a snapshot every epoch, rank 0 dies after epoch 1 of the first attempt;
     the restart (jdist-run --max-restarts 1) resumes from the snapshot."""
@@ -136,7 +136,7 @@ def test_rpc_batch_parameter_server(tmp_path):
     assert losses[-1] < losses[0]  # the fetched models were the updated ones
 
 
-@pytest.mark.slow  # one of the three longest launches of this file
+@pytest.mark.slow(seconds=10)  # one of the three longest launches of this file
 def test_ddp_rpc_hybrid_model(tmp_path):
     """master + ps + two DDP trainers; variable-size bags; --deterministic (a barrier
     of the trainers after each step) so both runs read the same table. Then jdist again
@@ -170,7 +170,7 @@ def test_ddp_rpc_hybrid_model(tmp_path):
             np.testing.assert_array_equal(v, run[2]["trainers"][1]["fc"][k])
 
 
-@pytest.mark.slow  # one of the three longest launches of this file
+@pytest.mark.slow(seconds=10)  # one of the three longest launches of this file
 def test_rpc_pipeline(tmp_path):
     """Two shards on two workers, 4 micro-batches per batch; the master hands worker1's
     output RRef to worker2: both shards must get their gradients (torch's update)."""

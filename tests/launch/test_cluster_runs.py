@@ -25,7 +25,7 @@ from jdist.launch._cluster import derived_port
 from tests.helpers import COMPILE_FLAG
 
 ROOT = str(Path(__file__).resolve().parents[2])
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=30)
 
 _DRIVER = """\
     import json, sys

@@ -12,7 +12,7 @@ from tests.helpers import run_procs
 from tests.rpc._pipeline_workers import STEPS, reference, run
 
 
-@pytest.mark.slow  # an end-to-end training run: ~20 s quiet, up to a minute on a loaded VM
+@pytest.mark.slow(seconds=15)  # a training run: ~20 s quiet, up to a minute on a loaded VM
 def test_pipeline_gradients_through_forwarded_rref_and_dropout():
     out = run_procs(run, 3, timeout=240)[0]
     ref, frozen = reference(), reference(frozen_masks=True)  # here, in plain nnx

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp_torch_loader.py"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=16)
 def test_example_under_jdist_run_feeds_torchs_order(tmp_path):
     cmd = [sys.executable, "-m", "jdist.launch", "--standalone", "--nproc-per-node", "2",
            "--devices-per-proc", "2", str(EXAMPLE), "--smoke", "--out", str(tmp_path)]
