@@ -297,7 +297,8 @@ def _entry_global(group: ProcessGroup, entry: list, shape: tuple) -> jax.Array |
     return entry[1] if entry[1] is not False else None
 
 
-PLAN_CAP = 256  # packed plans kept per group (least recently used go)
+PLAN_CAP = 256  # packed plans kept per group (least recently used go); each keeps its
+# staging row (at most FUSE_LIMIT bytes) alive, so at most 64 MiB outside STAGE_CAP
 
 
 def _packed_plan(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
