@@ -15,10 +15,12 @@ The caller gets it in the kind it passed in:
   committed input gives a result committed where the input was: on its device, or with
   its sharding when the result has the input's shape.
 
-Host values become jax.Arrays through one jitted identity (:func:`uncommitted`), not
-``jax.device_put``: on CPU between two collectives, ``device_put`` of a few KiB cost
-about 40 us itself but made the next collective some 300 us slower, where jit's
-C++ argument path cost about 7 us and 40 us (``benchmarks/collectives.py``).
+Host values become jax.Arrays through JAX's own one-array placement
+(:func:`uncommitted`: ``batched_device_put``, uncommitted), not ``jax.device_put``'s
+Python dispatch: on CPU between two collectives of 2 processes, ``device_put`` of a
+few KiB cost about 45 us itself and made the next collective some 300 us slower; the
+placement costs 10 us and nothing after (``benchmarks/collectives.py``). Where this
+JAX lacks those internals, one jitted identity does it (7 us, 45 us after).
 """
 
 from __future__ import annotations
@@ -36,10 +38,37 @@ def _identity():
     return jax.jit(lambda v: v)
 
 
+@functools.cache
+def _fast_put() -> tuple | None:
+    """(device, sharding, put, ShapedArray, canonicalize_dtype, default-device option),
+    or None when this JAX has no such internals."""
+    try:
+        from jax._src import config, dtypes
+        from jax._src.core import ShapedArray
+        from jax._src.interpreters.pxla import batched_device_put
+
+        device = jax.local_devices()[0]
+        return (device, jax.sharding.SingleDeviceSharding(device), batched_device_put,
+                ShapedArray, dtypes.canonicalize_dtype, config.default_device)
+    except Exception:  # another JAX layout
+        return None
+
+
 def uncommitted(host) -> jax.Array:
-    """``host`` (a numpy array) as an uncommitted jax.Array on the default device, the
-    way ``jax.device_put(host)`` places it (dtype canonicalized under the x64 mode in
-    force), through the fast path of one jitted identity (see the module doc)."""
+    """``host`` (a numpy array) as an uncommitted jax.Array on the default device, as
+    ``jax.device_put(host)`` places it (dtype canonicalized under the x64 mode in
+    force), without its Python dispatch (see the module doc). On CPU the array may
+    share ``host``'s memory: pass memory nothing writes to afterwards."""
+    fast = _fast_put()
+    if fast is not None and type(host) is np.ndarray:
+        device, sharding, put, shaped, canonical, default_device = fast
+        # jax.default_device(...) in effect: the public path honours it
+        if default_device.value is None and canonical(host.dtype) == host.dtype:
+            try:
+                return put(shaped(host.shape, host.dtype), sharding, [host], [device],
+                           committed=False)
+            except Exception:  # a case it does not take: the public path decides
+                pass
     return _identity()(host)
 
 

@@ -12,7 +12,9 @@ private modules, so those stay free to change. Names and jobs:
   compiled steps in the heartbeat and turning a runtime failure into an error that
   names the dead or stuck rank;
 - ``main_stack``, ``process_state``: the forensics a heartbeat publishes (the main
-  thread's Python stack; a local process's state letter, ``T`` when stopped).
+  thread's Python stack; a local process's state letter, ``T`` when stopped);
+- ``uncommitted``: a host array as an uncommitted jax.Array, without
+  ``jax.device_put``'s Python dispatch (RPC's received arrays).
 """
 
 from jdist.collectives._axis import axis_of as axis_of
@@ -27,6 +29,7 @@ from jdist.collectives._group import ProcessGroup as ProcessGroup
 from jdist.collectives._group import group_state as group_state
 from jdist.collectives._group import make_mesh as make_mesh
 from jdist.collectives._group import resolve_group as resolve_group
+from jdist.collectives._result import uncommitted as uncommitted
 from jdist.collectives._types import ReduceOp as ReduceOp
 from jdist.collectives._watchdog import main_stack as main_stack
 from jdist.collectives._watchdog import process_state as process_state

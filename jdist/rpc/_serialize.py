@@ -108,48 +108,14 @@ def _jax_to_host(x: Any) -> Any:
     return np.asarray(x)
 
 
-# (device, sharding, put, ShapedArray, canonicalize_dtype, default-device option),
-# made on first use
-_PUT: list = []
-
-
-def _fast_put() -> tuple | None:
-    """JAX's own one-array placement, without ``jax.device_put``'s Python dispatch (a
-    message of a model's gradients holds dozens of arrays, and that dispatch is most of
-    their cost on receipt). None when this JAX has no such internals: ``jax.device_put``
-    then."""
-    if not _PUT:
-        try:
-            import jax
-            from jax._src import config, dtypes
-            from jax._src.core import ShapedArray
-            from jax._src.interpreters.pxla import batched_device_put
-
-            device = jax.local_devices()[0]
-            _PUT.append((device, jax.sharding.SingleDeviceSharding(device),
-                         batched_device_put, ShapedArray, dtypes.canonicalize_dtype,
-                         config.default_device))
-        except Exception:  # another JAX layout
-            _PUT.append(None)
-    return _PUT[0]
-
-
 def rebuild_jax(arr: Any) -> Any:
     """Receiver side of a jax array: onto this process's default device, uncommitted
-    (as ``jax.device_put(arr)`` puts it)."""
-    import jax
+    (as ``jax.device_put(arr)`` puts it, without its Python dispatch: a message of a
+    model's gradients holds dozens of arrays; ``jdist.collectives.runtime.uncommitted``).
+    ``arr`` is the message's own buffer, which nothing writes to afterwards."""
+    from jdist.collectives.runtime import uncommitted
 
-    fast = _fast_put()
-    if fast is not None and type(arr) is np.ndarray:
-        device, sharding, put, shaped, canonical, default_device = fast
-        # jax.default_device(...) in effect: the public path honours it
-        if default_device.value is None and canonical(arr.dtype) == arr.dtype:
-            try:
-                return put(shaped(arr.shape, arr.dtype), sharding, [arr], [device],
-                           committed=False)
-            except Exception:  # a case it does not take: the public path decides
-                pass
-    return jax.device_put(arr)
+    return uncommitted(arr)
 
 
 def _reduce_jax(x: Any) -> tuple:
