@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdist.collectives.runtime import uncommitted
 from jdist.errors import FtError
 from jdist.ft._manager import Manager
 from jdist.ft._rounds import Quorum
@@ -75,7 +76,8 @@ class DistributedDataParallel:
                 return value, grads
             leaves, treedef = jax.tree.flatten(grads)
             mean = self.manager.allreduce([to_numpy(x) for x in leaves], n)
-            return value, jax.tree.unflatten(treedef, [jnp.asarray(m) for m in mean])
+            # (the mean's fresh, aligned arrays: placed without a copy or device_put)
+            return value, jax.tree.unflatten(treedef, [uncommitted(m) for m in mean])
 
         return step
 

@@ -90,7 +90,7 @@ def test_weighted_mean_matches_float64_reference(data):
     want, scale = _reference(parts, counts)
     assert len(got) == len(want)
     for g, w, s, leaf in zip(got, want, scale, parts[0], strict=True):
-        g = np.asarray(g)
+        assert isinstance(g, np.ndarray) and g.ctypes.data % 64 == 0  # (placed copy-free)
         assert g.shape == w.shape
         assert g.dtype == leaf.dtype
         err = np.abs(g.astype(np.float64) - w)
