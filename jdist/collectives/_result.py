@@ -38,16 +38,16 @@ def _identity():
     return jax.jit(lambda v: v)
 
 
-@functools.cache
-def _fast_put() -> tuple | None:
-    """(device, sharding, put, ShapedArray, canonicalize_dtype, default-device option),
-    or None when this JAX has no such internals."""
+@functools.lru_cache(maxsize=8)
+def _fast_put(device) -> tuple | None:
+    """(device, sharding, put, ShapedArray, canonicalize_dtype, default-device option)
+    for ``device`` (this process's first, asked on every call: a new JAX client after
+    ``clear_backends`` has new devices), or None when this JAX has no such internals."""
     try:
         from jax._src import config, dtypes
         from jax._src.core import ShapedArray
         from jax._src.interpreters.pxla import batched_device_put
 
-        device = jax.local_devices()[0]
         return (device, jax.sharding.SingleDeviceSharding(device), batched_device_put,
                 ShapedArray, dtypes.canonicalize_dtype, config.default_device)
     except Exception:  # another JAX layout
@@ -59,7 +59,7 @@ def uncommitted(host) -> jax.Array:
     ``jax.device_put(host)`` places it (dtype canonicalized under the x64 mode in
     force), without its Python dispatch (see the module doc). On CPU the array may
     share ``host``'s memory: pass memory nothing writes to afterwards."""
-    fast = _fast_put()
+    fast = _fast_put(jax.local_devices()[0])
     if fast is not None and type(host) is np.ndarray:
         device, sharding, put, shaped, canonical, default_device = fast
         # jax.default_device(...) in effect: the public path honours it

@@ -9,8 +9,8 @@ preloaded server (``--start-method forkserver``, :mod:`jdist.launch._forkserver`
    would: ``sys.argv``, ``sys.path[0]`` (the script's directory, or the working
    directory for a module) and ``__name__ == "__main__"``.
 3. Size XLA's CPU client as ``JDIST_XLA_CPU_THREADS`` says (:mod:`jdist._xla_threads`;
-   jdist-run sets 1 with several processes on a node), before the program's first
-   JAX call.
+   jdist-run sets each process's share of the cores, at least 2, with several processes
+   on a node), before the program's first JAX call.
 4. Record an uncaught exception (time, type, traceback) and, through faulthandler, a
    fatal signal in the files ``JDIST_ERROR_FILE`` names, so the launcher can tell which
    rank failed first (:mod:`jdist.launch._blame`).
