@@ -63,6 +63,14 @@ def _mismatch_child() -> dict:
     before = (stats["calls"], stats["checked"])
     jdist.all_reduce(np.ones(4))
     out["checked_off"] = (stats["calls"] - before[0], stats["checked"] - before[1])
+    before = (stats["calls"], stats["checked"])
+    jdist.all_reduce(np.ones(100_000, np.float32))
+    out["checked_off_large"] = (stats["calls"] - before[0], stats["checked"] - before[1])
+    try:  # a one-trip call carries its fingerprint anyway: compared with the check off
+        jdist.all_reduce(np.ones(2 + r, np.float32))
+        out["off_small"] = "no error"
+    except CollectiveMismatchError as e:
+        out["off_small"] = str(e)
     del os.environ["JDIST_DEBUG"]
     # a rank that never calls: the other raises after the group timeout, naming it
     if r == 0:
@@ -96,8 +104,12 @@ def test_mismatch_raises_on_every_rank():
         msg, dt = res["barrier"]
         assert "running barrier" in msg and "running all_reduce" in msg, msg
         assert dt < TIMEOUT, (r, dt)  # before the group timeout
-        # checked: one fused program run; JDIST_DEBUG=OFF: one plain run, no check
-        assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 0), res
+        # checked: one fused program run; JDIST_DEBUG=OFF: a call that fits one slot
+        # still runs the one-trip program (compared for free), a larger one a plain run
+        assert res["checked_on"] == (1, 1) and res["checked_off"] == (1, 1), res
+        assert res["checked_off_large"] == (1, 0), res
+        assert "shape=(2,)" in res["off_small"] and "shape=(3,)" in res["off_small"]
+        assert "costs an exchange of its own" in res["off_small"], res["off_small"]
     msg, dt = results[0]["straggler"]
     assert "timed out" in msg and "rank 1 is still at collective #" in msg, msg
     assert TIMEOUT - 1 <= dt < TIMEOUT + 5, dt

@@ -3,10 +3,11 @@ all-gather and compute every member's result locally (``jdist/collectives/_engin
 ``packed_program``: the body's collectives batched by ``vmap``); larger ones gather the
 slot, then run the collective. A generated grid of calls (every kind that stages its
 input, every reduce op per dtype, sizes on both sides of the slot, numpy and jax
-inputs) on 3 processes gives, with the check on, what the check-off path (the real
-collective) and numpy give, bit for bit on every rank for exact types; and a
-mismatched pair of calls still raises on every rank whichever side of the slot each
-call is on.
+inputs) on 3 processes gives, with the check on and off, what numpy gives (bit for bit
+on every rank for exact types), and the same as the real collective where the call is
+larger than the slot (the check-off path runs the one-trip program too where the call
+fits the slot); and a mismatched pair of calls still raises on every rank whichever
+side of the slot each call is on.
 """
 
 from __future__ import annotations
