@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jdist._aligned import aligned_empty
 from jdist.collectives import _fingerprint as fpr
 from jdist.collectives._group import (
     NON_GROUP_MEMBER,
@@ -274,10 +275,8 @@ def _stage(group: ProcessGroup, shape: tuple, dtype) -> list:
     key = (tuple(shape), np.dtype(dtype).str)
     entry = pool.pop(key, None)
     if entry is None:
-        nbytes = np.dtype(dtype).itemsize * int(np.prod(shape))
-        raw = np.empty(nbytes + 64, np.uint8)
-        start = (-raw.ctypes.data) % 64
-        entry = [raw[start:start + nbytes].view(dtype).reshape((1, *shape)), None]
+        nbytes = np.dtype(dtype).itemsize * math.prod(shape)
+        entry = [aligned_empty((1, *shape), dtype), None]
         while pool and sum(e[0].nbytes for e in pool.values()) + nbytes > STAGE_CAP:
             pool.popitem(last=False)
     pool[key] = entry

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jdist._aligned import aligned_empty
+
 __all__ = ["may_seal", "heal_plan", "split_counts", "weighted_mean"]
 
 
@@ -83,7 +85,7 @@ def weighted_mean(parts: Sequence[Sequence[np.ndarray]], counts: Sequence[int]
                 continue
             w = dtype.type(n / total)
             if acc is None:
-                acc = _aligned_empty(np.shape(leaf), dtype)  # (0-d stays an array)
+                acc = aligned_empty(np.shape(leaf), dtype)  # (0-d stays an array)
                 np.multiply(leaf, w, out=acc, dtype=dtype)
             else:
                 tmp = np.empty_like(acc) if tmp is None else tmp
@@ -91,12 +93,3 @@ def weighted_mean(parts: Sequence[Sequence[np.ndarray]], counts: Sequence[int]
                 np.add(acc, tmp, out=acc)
         out.append(acc)
     return out
-
-
-def _aligned_empty(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised array of ``shape`` whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)

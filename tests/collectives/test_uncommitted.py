@@ -45,3 +45,18 @@ def test_a_new_client_gets_the_arrays():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SUM 6.0" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 5), (2, 0, 4), (1, 1000)])
+def test_aligned_arrays_are_taken_without_a_copy(shape, dtype):
+    from jdist._aligned import ALIGN, aligned_empty
+
+    host = aligned_empty(shape, dtype)
+    assert host.shape == shape and host.dtype == np.dtype(dtype)
+    assert (host.size == 0 or host.ctypes.data % ALIGN == 0) and host.flags.writeable
+    host[...] = np.arange(host.size).reshape(shape).astype(dtype)
+    placed = uncommitted(host)
+    np.testing.assert_array_equal(np.asarray(placed), host)
+    if host.size and jax.dtypes.canonicalize_dtype(host.dtype) == host.dtype:
+        assert placed.unsafe_buffer_pointer() == host.ctypes.data  # (the mechanism's point)
