@@ -238,24 +238,24 @@ def _batches(body: Callable, axis: str, n: int, shape: tuple, dtype) -> bool:
     return True
 
 
-def _one_trip(group: ProcessGroup, body: Callable, shape: tuple, dtype) -> bool:
-    """Whether a packed call of ``body`` is one all-gather: its fingerprint and data fit
-    the group's slot and ``vmap`` can batch the body (:func:`packed_program`)."""
-    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * math.prod(shape)
-    return nbytes <= slot_bytes(group.size()) and _batches(
-        body, group.axis_name, group.size(), shape, dtype)
+def _packed_bytes(shape: tuple, dtype) -> int:
+    """Bytes of a packed call's input: the fingerprint, then the data (:func:`_pack`)."""
+    return 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * math.prod(shape)
 
 
-def _one_trip_call(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
-                   shape: tuple, dtype) -> bool:
-    """:func:`_one_trip` for the call ``(key, shape, dtype)``, decided once per group."""
+def _one_trip(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
+              shape: tuple, dtype) -> bool:
+    """Whether the packed call ``(key, shape, dtype)`` is one all-gather: its fingerprint
+    and data fit the group's slot and ``vmap`` can batch the body (decided once per
+    group: :func:`packed_program` and the check-off path in :func:`run` ask)."""
     trips = group.extra.setdefault("one_trip", {})
     tkey = (key, shape, dtype)
     found = trips.get(tkey)
     if found is None:
         if len(trips) >= 4 * PLAN_CAP:
             trips.clear()
-        found = trips[tkey] = _one_trip(group, build(), shape, dtype)
+        found = trips[tkey] = _packed_bytes(shape, dtype) <= slot_bytes(group.size()) \
+            and _batches(build(), group.axis_name, group.size(), shape, dtype)
     return found
 
 
@@ -342,8 +342,7 @@ def _packed_plan(group: ProcessGroup, key: tuple, build: Callable[[], Callable],
     fn = packed_program(group, key, build, shape, dtype)
     plan = (fn, None, None, None)
     if local_device(group).platform == "cpu":
-        head = 4 * fpr.FP_LEN
-        nbytes = head + np.dtype(dtype).itemsize * math.prod(shape)
+        head, nbytes = 4 * fpr.FP_LEN, _packed_bytes(shape, dtype)
         entry = _stage(group, (nbytes,), np.uint8)
         staged = _entry_global(group, entry, (nbytes,))
         if staged is not None:
@@ -519,9 +518,8 @@ def packed_program(group: ProcessGroup, key: tuple, build: Callable[[], Callable
     if cache is not None and full_key in cache:
         return cache[full_key]
     body, axis = build(), group.axis_name
-    nbytes = 4 * fpr.FP_LEN + np.dtype(dtype).itemsize * math.prod(shape)
-    slot = slot_bytes(group.size())
-    one_trip = _one_trip(group, body, shape, dtype)
+    nbytes, slot = _packed_bytes(shape, dtype), slot_bytes(group.size())
+    one_trip = _one_trip(group, key, build, shape, dtype)
 
     def fused(raw):
         x = _unpack(raw, shape, dtype)[1]
@@ -588,7 +586,7 @@ def run(group: ProcessGroup, what: str, key: tuple, build: Callable[[], Callable
         small = np.dtype(dtype).itemsize * math.prod(shape) <= FUSE_LIMIT
         host = not isinstance(x, jax.Array) or local_device(group).platform == "cpu"
         if fp is not None and small and host and (
-                fpr.debug_enabled() or _one_trip_call(group, key, build, shape, dtype)):
+                fpr.debug_enabled() or _one_trip(group, key, build, shape, dtype)):
             # One trip with the check off too: on XLA:CPU one all-gather of a small
             # slot costs about half a small all-reduce (0.23 vs 0.46 ms on 2 processes),
             # and the fingerprints it carries are compared for free.
