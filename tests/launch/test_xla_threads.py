@@ -11,6 +11,8 @@ get 1), and with no thread left pinned: every thread keeps the process's CPU set
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -40,9 +42,6 @@ _REPORT = textwrap.dedent("""
 
 def _report_here() -> dict:
     ns: dict = {}
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(_REPORT, ns)
