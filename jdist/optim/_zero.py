@@ -5,8 +5,8 @@ the group's axis, ``update(grads, state, params)``:
 
 1. splits every parameter-shaped gradient ``g`` (rank >= 1) into ``N`` flat pieces of
    ``L = ceil(g.size / N)`` elements (row-major, zero-padded) and reduce-scatters
-   (mean) them, one collective per dtype: replica ``i`` gets piece ``i`` of every leaf;
-   rank-0 parameters are replicated (their gradients are averaged with ``pmean``);
+   (mean) them, one collective per dtype and bucket: replica ``i`` gets piece ``i`` of
+   every leaf; rank-0 parameters are replicated (their gradients are averaged with ``pmean``);
 2. runs the wrapped ``tx`` on those pieces *without ever showing it a tree of pieces*:
    ``tx.update`` is traced on the real (full, abstract) tree, so masks given as
    pytrees or callables, ``multi_transform`` labels and per-leaf settings see the real
@@ -21,11 +21,17 @@ the group's axis, ``update(grads, state, params)``:
 So ZeRO gives the unsharded optimizer's result (up to the order of float sums in
 global norms) or a named error; never a silently different one.
 
+The collectives run per dtype in buckets of consecutive leaves of at most
+``bucket_cap_mb`` MiB of full parameters (default 25, DDP's): a bucket's concatenated
+pieces and its gathered result are the only temporaries the collectives add, so a
+step's peak memory grows by 1.5 buckets, not by 1.5 times the parameters
+(:mod:`jdist.optim._zero_comm`).
+
 Partitioning differs from torch on purpose: torch assigns *whole* parameters to ranks
 greedily (largest first, to the least-loaded rank), so shards are unbalanced by up to
 one parameter and a single huge parameter is not sharded at all. jdist splits every
-leaf evenly (at most ``N - 1`` padding elements per leaf), and one collective of each
-kind runs per dtype.
+leaf evenly (at most ``N - 1`` padding elements per leaf), and the collectives run per
+bucket.
 
 With DDP (gradients already averaged) pass ``average_gradients=False``: each replica
 then slices its pieces locally instead of reduce-scattering. Inside
@@ -44,6 +50,7 @@ local shard state.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -124,6 +131,8 @@ class ZeroRedundancyOptimizer(Joinable):
       group: ProcessGroup (or None: the default/embedded group); its mesh and axis.
       average_gradients: reduce-scatter (mean) the gradients; ``False`` when they are
         already averaged (DDP).
+      bucket_cap_mb: the most MiB of (full) parameters one collective carries; bigger
+        buckets mean fewer collectives and more temporary memory (module doc).
 
     torch's surface around the pure pair: :meth:`step` / :meth:`closure_step` (eager),
     ``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict``, and, with a
@@ -132,10 +141,12 @@ class ZeroRedundancyOptimizer(Joinable):
     (:mod:`jdist.optim._zero_join`).
     """
 
-    def __init__(self, tx, *, group: ProcessGroup | None = None, average_gradients=True):
+    def __init__(self, tx, *, group: ProcessGroup | None = None, average_gradients=True,
+                 bucket_cap_mb: float = 25.0):
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"ZeroRedundancyOptimizer expects an optax GradientTransformation, "
                             f"got {type(tx).__name__}; pass e.g. optax.adam(1e-3)")
+        self.cap_bytes = _cap_bytes(bucket_cap_mb)
         self.tx = tx
         self.group = resolve_group(group)
         self.axis = self.group.axis_name
@@ -218,7 +229,7 @@ class ZeroRedundancyOptimizer(Joinable):
         Inside a :class:`~jdist.algorithms.join.Join` it first notifies the context.
         """
         Join.notify_join_context(self)
-        return self._eager_step(params, grads, state, extra)
+        return _eager_step(self, params, grads, state, extra)
 
     def closure_step(self, closure, params, state: ZeroState, **extra):
         """torch's ``step(closure)``: ``closure(params)`` returns ``(loss, grads)``
@@ -232,29 +243,6 @@ class ZeroRedundancyOptimizer(Joinable):
                             f"jax.value_and_grad(loss_fn)(params); got {type(out).__name__}")
         loss, grads = out
         return (*self.step(params, grads, state, **extra), loss)
-
-    def _eager_step(self, params, grads, state, extra: dict):
-        self.layout = self._layout_for(params)
-        mesh = self.group.mesh
-        specs = self.state_partition_specs(state)
-        key = (jax.tree.structure(params), jax.tree.structure(state),
-               jax.tree.structure(extra))
-        fn = self._steps.get(key)
-        if fn is None:
-            def body(p, g, s, e):
-                u, s = self._update(g, s, p, False, **e)
-                return jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u), s
-
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs, P()),
-                                       out_specs=(P(), specs), check_vma=False),
-                         donate_argnums=(0, 2))
-            self._steps[key] = fn
-        seen: set[int] = set()  # arrays this optimizer did not make are copied first
-        placed = self._donation.own(_on_mesh(params, mesh), params, seen)
-        state = self._donation.own(state, state, seen)
-        self.latest = fn(placed, _on_mesh(grads, mesh), state, _on_mesh(extra, mesh))
-        self._donation.made(self.latest, replace=True)
-        return self.latest
 
     def _update(self, grads, state, params, average, **extra):
         if params is None:
@@ -274,12 +262,14 @@ class ZeroRedundancyOptimizer(Joinable):
             grads, full, params, extra)
         g, st, p = (jax.tree.leaves(t) for t in (grads, state.inner, params))
         e = jax.tree.leaves(extra)
-        args = grad_shards(g, average, rep, self.axis) + st + [rep.shard(x) for x in p] + e
+        args = grad_shards(g, average, rep, self.axis, self.cap_bytes) + st + \
+            [rep.shard(x) for x in p] + e
         sharded = [np.ndim(x) > 0 for x in g + st + p] + [False] * len(e)
         outs = rep.run(closed, args, sharded)
         avals = jax.tree.leaves(shape)
         k = len(jax.tree.leaves(shape[0]))
-        updates = gather_shards(outs[:k], avals[:k], self.axis, self.num_replicas)
+        updates = gather_shards(outs[:k], avals[:k], self.axis, self.num_replicas,
+                                self.cap_bytes)
         new = [rep.zero_padding(rep.local(o), a.shape)
                for o, a in zip(outs[k:], avals[k:], strict=True)]
         return (jax.tree.unflatten(jax.tree.structure(shape[0]), updates),
@@ -391,7 +381,8 @@ class ZeroRedundancyOptimizer(Joinable):
         tx = self.tx.add_param_group({k: v for k, v in param_group.items() if k != "params"})
         group_params = param_group["params"]
         piece = ZeroRedundancyOptimizer(tx.transformation(-1), group=self.group,
-                                        average_gradients=self.average_gradients)
+                                        average_gradients=self.average_gradients,
+                                        bucket_cap_mb=self.cap_bytes / (1 << 20))
         inner = piece.init_global(group_params).inner
         params = list(self._params_struct()) + [group_params]
         self.tx, self._steps, self.layout = tx, {}, flat_partition(params, self.num_replicas)
@@ -402,7 +393,7 @@ class ZeroRedundancyOptimizer(Joinable):
         """The hook a joined process runs: one :meth:`step` per iteration of the others
         (with ``self.join_grads``; see :mod:`jdist.optim._zero_join`)."""
         del kwargs
-        return ZeroJoinHook(self, self._eager_step)
+        return ZeroJoinHook(self, functools.partial(_eager_step, self))
 
     @property
     def join_device(self):
@@ -423,6 +414,40 @@ class ZeroRedundancyOptimizer(Joinable):
         if self.layout is None:
             raise ValueError(f"call init(params) before {what} (the partition comes from "
                              "the parameters)")
+
+
+def _eager_step(self: ZeroRedundancyOptimizer, params, grads, state, extra: dict):
+    """:meth:`ZeroRedundancyOptimizer.step`'s compiled step (cached per tree
+    structure), consuming what the optimizer made (``jdist/_donation.py``)."""
+    self.layout = self._layout_for(params)
+    mesh = self.group.mesh
+    specs = self.state_partition_specs(state)
+    key = (jax.tree.structure(params), jax.tree.structure(state),
+           jax.tree.structure(extra))
+    fn = self._steps.get(key)
+    if fn is None:
+        def body(p, g, s, e):
+            u, s = self._update(g, s, p, False, **e)
+            return jax.tree.map(lambda a, b: (a + b).astype(a.dtype), p, u), s
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs, P()),
+                                   out_specs=(P(), specs), check_vma=False),
+                     donate_argnums=(0, 2))
+        self._steps[key] = fn
+    seen: set[int] = set()  # arrays this optimizer did not make are copied first
+    placed = self._donation.own(_on_mesh(params, mesh), params, seen)
+    state = self._donation.own(state, state, seen)
+    self.latest = fn(placed, _on_mesh(grads, mesh), state, _on_mesh(extra, mesh))
+    self._donation.made(self.latest, replace=True)
+    return self.latest
+
+
+def _cap_bytes(bucket_cap_mb) -> int:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
+                         f"{bucket_cap_mb!r}; pass e.g. bucket_cap_mb=25")
+    return max(1, int(min(bucket_cap_mb * (1 << 20), 1 << 62)))
 
 
 def _on_mesh(tree, mesh):
