@@ -60,13 +60,16 @@ class Donation:
         held_leaves = jax.tree.leaves(held)
         if len(held_leaves) != len(placed_leaves):  # not one structure: copy them all
             held_leaves = [None] * len(placed_leaves)
-        out = []
-        for x, h in zip(placed_leaves, held_leaves, strict=True):
+        out = list(placed_leaves)
+        copies: dict[Any, list[int]] = {}  # the leaves to copy, by where they live
+        for i, (x, h) in enumerate(zip(placed_leaves, held_leaves, strict=True)):
             if isinstance(x, jax.Array):
                 if h is None or id(h) in seen or not self._is_made(h):
-                    x = jnp.copy(x)
+                    copies.setdefault((x.sharding, x.committed), []).append(i)
                 seen.add(id(h))
-            out.append(x)
+        for idx in copies.values():  # one program per placement, not one per shape
+            for i, y in zip(idx, _copies([out[i] for i in idx]), strict=True):
+                out[i] = y
         return jax.tree.unflatten(tdef, out)
 
     def made(self, *trees: Any, replace: bool = False) -> None:
@@ -77,6 +80,11 @@ class Donation:
         for x in jax.tree.leaves(trees):
             if isinstance(x, jax.Array):
                 self._made[id(x)] = weakref.ref(x)
+
+
+@jax.jit
+def _copies(xs: list) -> list:
+    return [jnp.copy(x) for x in xs]
 
 
 def trim_host_memory() -> None:

@@ -277,10 +277,11 @@ def per_replica(tree: Any, group: ProcessGroup) -> Any:
     devs = _local_devices(group)
 
     def one(x):
-        x = jnp.asarray(x) if not isinstance(x, jax.Array) else local_value(x)
-        parts = [jax.device_put(x[None], d) for d in devs]
+        # host values get their axis in numpy (a view): no per-shape eager program
+        x = np.asarray(x)[None] if not isinstance(x, jax.Array) else local_value(x)[None]
+        parts = [jax.device_put(x, d) for d in devs]
         return jax.make_array_from_single_device_arrays(
-            (group.num_replicas,) + tuple(x.shape), sharding, parts
+            (group.num_replicas,) + tuple(x.shape[1:]), sharding, parts
         )
 
     return jax.tree.map(one, tree)
@@ -303,11 +304,22 @@ def local_rows(tree: Any) -> Any:
 def local_first(tree: Any) -> Any:
     """The first local replica's entry of per-replica arrays (leading axis dropped)."""
 
-    def one(x):
-        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return shards[0].data[0]
+    leaves, tdef = jax.tree.flatten(tree)
+    rows = [min(x.addressable_shards, key=lambda s: s.index[0].start or 0).data
+            for x in leaves]
+    by_device: dict = {}
+    for i, r in enumerate(rows):
+        by_device.setdefault(r.sharding, []).append(i)
+    out = list(rows)
+    for idx in by_device.values():  # one program per device, not one per shape
+        for i, y in zip(idx, _first_rows([rows[i] for i in idx]), strict=True):
+            out[i] = y
+    return jax.tree.unflatten(tdef, out)
 
-    return jax.tree.map(one, tree)
+
+@jax.jit
+def _first_rows(xs: list) -> list:
+    return [x[0] for x in xs]
 
 
 def placed_like(tree: Any, like: Any) -> Any:

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jdist._donation import trim_host_memory
-from jdist.collectives.runtime import ProcessGroup
+from jdist.collectives.runtime import ProcessGroup, uncommitted
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._placement import local_first, per_replica
 from jdist.errors import ModelMismatchError
@@ -75,9 +75,10 @@ def gather_bytes(group: ProcessGroup, data: bytes) -> list[bytes]:
     """Every process's ``data``, in group-rank order (an in-graph all-gather)."""
     n_local = len(group.local_devices)
     prog = _gather_program(group.mesh, group.axis_name)
-    lengths = np.asarray(prog(per_replica(jnp.asarray([len(data)], jnp.int32), group)))
+    lengths = np.asarray(prog(per_replica(np.asarray([len(data)], np.int32), group)))
     lengths = lengths.reshape(-1)
-    width = int(lengths.max())
+    # widths rounded up to a power of two: models of similar size share one program
+    width = 1 << max(6, int(lengths.max() - 1).bit_length())
     buf = np.zeros((1, width), np.uint8)
     buf[0, :len(data)] = np.frombuffer(data, np.uint8)
     rows = np.asarray(prog(per_replica(jnp.asarray(buf), group)))
@@ -124,7 +125,7 @@ def _uncommitted(x: Any) -> Any:
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.random.wrap_key_data(_uncommitted(jax.random.key_data(x)),
                                         impl=jax.random.key_impl(x))
-    return jnp.asarray(np.asarray(x))
+    return uncommitted(np.array(x))  # a host copy: the new array owns its memory
 
 
 CHUNK_BYTES = 64 << 20
