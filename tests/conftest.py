@@ -93,20 +93,20 @@ def pytest_xdist_auto_num_workers(config):
     return cores + 1 if cores <= 4 else cores
 
 
-SLOW_SECONDS = 20  # a slow test's weight when its marker names none
+def pytest_configure(config):
+    # pytest's unraisable-exception check runs gc.collect() 5 times as each worker ends
+    # (about 3% of the suite's CPU in a profile, over JAX's heap); once finds the same
+    try:
+        from _pytest.unraisableexception import gc_collect_iterations_key
+    except ImportError:  # another pytest: its default
+        pass
+    else:
+        config.stash[gc_collect_iterations_key] = 1
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with a long end-to-end run (``@pytest.mark.slow``) first, longest first,
-    each file's tests kept together and in order: xdist hands out whole files, and a
-    long one handed out last keeps the run going while the other workers sit idle
-    (longest-first is the classic fix for that tail). A file's weight is the sum of its
-    slow tests' ``seconds`` (``@pytest.mark.slow(seconds=40)``: about what it takes on
-    2 busy cores)."""
-    weight: dict = {}
-    for item in items:
-        mark = item.get_closest_marker("slow")
-        if mark is not None:
-            weight[item.path] = weight.get(item.path, 0) + mark.kwargs.get("seconds",
-                                                                            SLOW_SECONDS)
-    items.sort(key=lambda item: -weight.get(item.path, 0))
+# Scheduling: xdist (--dist loadfile) hands out whole files, most tests first (its
+# default reorder). Longest files first was measured slower on 2 cores (980 s against
+# 650 s for the whole suite): the long files are multi-process jobs, and running them
+# side by side puts 8-12 processes on 2 cores, where mixing them with short files does
+# not. ``@pytest.mark.slow(seconds=N)`` marks the long end-to-end runs (the fast lane
+# is ``-m "not slow"``); ``seconds`` is about what one takes on 2 busy cores.

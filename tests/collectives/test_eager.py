@@ -15,7 +15,7 @@ from tests.collectives.eager_cases import battery
 from tests.helpers import run_procs
 
 
-@pytest.mark.slow(seconds=18)  # the whole battery on 3 processes: scheduled first
+@pytest.mark.slow(seconds=18)  # the whole battery on 3 processes
 def test_eager_battery_3_processes():
     res = run_procs(battery, 3, timeout=240)
     assert [r["rank"] for r in res] == [0, 1, 2]

@@ -16,7 +16,7 @@ from tests.collectives.conformance_cases import conformance
 from tests.helpers import run_procs
 
 
-@pytest.mark.slow(seconds=34)  # a long end-to-end run: scheduled first (tests/conftest.py)
+@pytest.mark.slow(seconds=34)  # a long end-to-end run
 def test_torch_collective_cases_4_processes():
     res = run_procs(conformance, 4, timeout=300)
     assert [r["rank"] for r in res] == [0, 1, 2, 3]

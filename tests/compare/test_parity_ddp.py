@@ -34,7 +34,7 @@ def _case(name, opt, **kw):
                 shuffle=True, seed=4, jax_input=ex.jax_input, **kw)
 
 
-@pytest.mark.slow(seconds=27)  # a long end-to-end run: scheduled first (tests/conftest.py)
+@pytest.mark.slow(seconds=27)  # a long end-to-end run
 def test_ddp_parity_two_processes():
     keys = [("mlp", "sgd"), ("cnn", "adam"), ("embedding", "adam")]
     assert {name for name, _ in keys} == set(EXAMPLES)

@@ -50,7 +50,7 @@ _CI = settings.default.derandomize  # the "ci" profile (tests/conftest.py)
 
 @settings(max_examples=scaled(1), deadline=None,
           phases=(Phase.explicit,) if _CI else tuple(Phase))
-@pytest.mark.slow(seconds=32)  # kills and resumes: scheduled first (conftest)
+@pytest.mark.slow(seconds=32)  # kills and resumes
 @given(case=schedules())
 @example(case=THREE)
 @replayed("checkpoint_kills")

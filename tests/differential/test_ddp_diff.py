@@ -86,7 +86,7 @@ def tolerance(spec) -> float:
     return tol
 
 
-@pytest.mark.slow(seconds=70)  # 4 layouts' process pools: scheduled first (conftest)
+@pytest.mark.slow(seconds=70)  # 4 layouts' process pools
 @given(spec=specs())
 @settings(max_examples=scaled(4))
 @replayed("ddp")

@@ -103,7 +103,7 @@ def _check_ledger(out: Path) -> None:
             assert sorted(used) == list(range(SAMPLES)), f"epoch {epoch} missed samples"
 
 
-@pytest.mark.slow(seconds=40)  # a long end-to-end run: scheduled first (conftest)
+@pytest.mark.slow(seconds=40)  # a long end-to-end run
 def test_replicas_survive_kills_and_a_stop(tmp_path):
     out, log = tmp_path / "out", tmp_path / "log.txt"
     stop = tmp_path / "stop"

@@ -266,7 +266,7 @@ def test_the_api_sweep_found_the_optimizers_and_building_blocks():
     assert len(API_CASES) >= 60
 
 
-@pytest.mark.slow(seconds=40)  # a long end-to-end run: scheduled first (tests/conftest.py)
+@pytest.mark.slow(seconds=40)  # a long end-to-end run
 def test_every_public_optax_transformation_is_exact_or_refused():
     """Each: equal to unsharded optax, or NonSeparableTransformError, or (when optax
     itself cannot run it here, e.g. it needs ``value=``) an exception too."""

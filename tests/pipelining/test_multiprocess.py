@@ -117,13 +117,13 @@ def _check(results, cases, world):
                         a, b, rtol=1e-5, atol=1e-6), g, want["grads"][s])
 
 
-@pytest.mark.slow(seconds=12)  # every schedule, both transports: scheduled first
+@pytest.mark.slow(seconds=12)  # every schedule, both transports
 def test_two_processes_every_schedule_equals_one_process():
     results = run_procs(_child, 2, args=(SCHEDULES_2,), timeout=300)
     _check(results, SCHEDULES_2, 2)
 
 
-@pytest.mark.slow(seconds=15)  # every schedule on 4 processes: scheduled first
+@pytest.mark.slow(seconds=15)  # every schedule on 4 processes
 def test_four_processes_equal_one_process():
     results = run_procs(_child, 4, args=(SCHEDULES_4,), timeout=300)
     _check(results, SCHEDULES_4, 4)

@@ -17,7 +17,7 @@ from jdist.launch._spawn import free_port
 from tests.helpers import run_procs
 
 
-@pytest.mark.slow(seconds=25)  # a long end-to-end run: scheduled first (tests/conftest.py)
+@pytest.mark.slow(seconds=25)  # a long end-to-end run
 def test_hybrid_matches_single_process_reference_and_torch():
     from examples.hybrid_ddp_rpc import config, reference
 
