@@ -81,7 +81,7 @@ def gather_bytes(group: ProcessGroup, data: bytes) -> list[bytes]:
     width = 1 << max(6, int(lengths.max() - 1).bit_length())
     buf = np.zeros((1, width), np.uint8)
     buf[0, :len(data)] = np.frombuffer(data, np.uint8)
-    rows = np.asarray(prog(per_replica(jnp.asarray(buf), group)))
+    rows = np.asarray(prog(per_replica(buf, group)))
     rows = rows.reshape(group.num_replicas, width)
     out = []
     for r in range(group.size()):
