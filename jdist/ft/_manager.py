@@ -138,6 +138,10 @@ class Manager:
     def start_quorum(self) -> Quorum:
         """Join the next round, wait for its quorum, heal if behind; returns the quorum.
 
+        A member that stepped with the others to the step the job finished at gets
+        its last quorum back with ``stop=True`` (it ends like the others) even when the
+        round that carried the stop is not found for it.
+
         Raises:
           JobFinishedError: the job ended (``finish``) before this replica got in.
           FtError: no quorum within ``timeout`` (fewer than ``min_replicas`` live).
@@ -152,12 +156,27 @@ class Manager:
             self._pulse.enter(self._step, f"joining round {r}")
             q = _rounds.sealed_round(self._store, r)  # (presealed after a commit)
             if q is None:
-                q = self._join(r, deadline)
+                try:
+                    q = self._join(r, deadline)
+                except JobFinishedError:
+                    if self._ended_with_the_job():
+                        return self._quorum._replace(stop=True)
+                    raise
             if q is not None and self._member(q):
                 break
             r = max(r + 1, _rounds.last_sealed(self._store) + 1)
         self._begin(q)
         return q
+
+    def _ended_with_the_job(self) -> bool:
+        """Whether this replica was a member of the last round it decided and is at
+        the step the job finished at (the state every finished replica holds)."""
+        if self._quorum is None or not self._decided or not self._member(self._quorum):
+            return False
+        try:
+            return int(self._store.get("done")) == self._step
+        except (StoreError, ValueError):
+            return False
 
     def _member(self, q: Quorum) -> bool:
         """Whether this process (this incarnation of the replica id) is in ``q``."""

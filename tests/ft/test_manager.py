@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist.errors import StoreTimeoutError
+from jdist.errors import JobFinishedError, StoreTimeoutError
 from jdist.ft import Manager, _rounds
 from jdist.store import HashStore, TCPStore
 
@@ -421,3 +421,24 @@ def test_old_rounds_are_forgotten_off_the_step_on_the_heartbeat_thread(cluster,
         assert not store.check([f"r{r}/sealed"]) and not store.check([f"r{r}/decision"]), r
     assert store.check([f"r{last}/decision"])
     assert threads == {"jdist-ft-pulse"}, threads
+
+
+def test_a_member_at_the_final_step_ends_with_the_others(cluster, monkeypatch):
+    """A member that committed the last step with the others ends with them even when
+    it does not find the round carrying the stop (a store read that fails under load
+    reads as "not sealed"); a replica that never got in still gets JobFinishedError
+    (seen once in CI: a replacement exited without its result at the final step)."""
+    ms = cluster(2)
+    ms[0].request_stop()  # before the commit: the presealed next round carries it
+    res = run_all([lambda m=m, g=_grads(r, 0): _step(m, g, 2) for r, m in enumerate(ms)])
+    assert [got["ok"] for got in res] == [True, True]
+    q0 = ms[0].start_quorum()
+    assert q0.stop
+    ms[0].finish()
+    monkeypatch.setattr(_rounds, "sealed_round", lambda store, r: None)
+    q1 = ms[1].start_quorum()
+    assert q1.stop and ms[1].replica_id in q1.members and ms[1].current_step() == 1
+    ms[1].finish()
+    late = cluster(2, ids=[1])[0]  # a new process for replica 1: never a member
+    with pytest.raises(JobFinishedError, match="the job finished at step 1; nothing to join"):
+        late.start_quorum()
