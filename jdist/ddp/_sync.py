@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jdist._donation import trim_host_memory
+from jdist._runs import consecutive
 from jdist.collectives.runtime import ProcessGroup, uncommitted
 from jdist.ddp._buckets import LeafInfo
 from jdist.ddp._placement import local_first, per_replica
@@ -144,16 +145,7 @@ def _nbytes(x: Any) -> int:
 
 def _chunks(leaves: list, limit: int) -> list[list[int]]:
     """Leaf indices in consecutive groups of at most ``limit`` bytes (one leaf at least)."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for i, x in enumerate(leaves):
-        n = _nbytes(x)
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += n
-    return [g for g in groups if g]
+    return consecutive([_nbytes(x) for x in leaves], limit)
 
 
 def _synced(group: ProcessGroup, tree: Any) -> Any:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._runs import consecutive
 from jdist.collectives.functional import all_reduce_flat
 from jdist.collectives.runtime import ReduceOp
 
@@ -39,17 +40,8 @@ def by_dtype(xs) -> dict:
 def buckets(idxs, shapes, n: int, itemsize: int, cap_bytes: int) -> list[list[int]]:
     """``idxs`` in order, cut into runs whose full size (``n`` pieces of each leaf,
     padding included) is at most ``cap_bytes``; a leaf bigger than that is alone."""
-    out: list[list[int]] = []
-    used = 0
-    for i in idxs:
-        size = length(shapes[i], n) * n * itemsize
-        if out and used + size <= cap_bytes:
-            out[-1].append(i)
-            used += size
-        else:
-            out.append([i])
-            used = size
-    return out
+    sizes = [length(shapes[i], n) * n * itemsize for i in idxs]
+    return [[idxs[j] for j in run] for run in consecutive(sizes, cap_bytes)]
 
 
 def _runs(xs, n: int, cap_bytes: int) -> list[list[int]]:
