@@ -36,7 +36,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdist._placed import by_placement, one_program
+
 __all__ = ["Donation", "trim_host_memory"]
+
+_copies = one_program(jnp.copy)  # (one program per placement: jdist/_placed.py)
 
 
 class Donation:
@@ -61,15 +65,14 @@ class Donation:
         if len(held_leaves) != len(placed_leaves):  # not one structure: copy them all
             held_leaves = [None] * len(placed_leaves)
         out = list(placed_leaves)
-        copies: dict[Any, list[int]] = {}  # the leaves to copy, by where they live
+        copy: list[int] = []  # the leaves that may not be consumed
         for i, (x, h) in enumerate(zip(placed_leaves, held_leaves, strict=True)):
             if isinstance(x, jax.Array):
                 if h is None or id(h) in seen or not self._is_made(h):
-                    copies.setdefault((x.sharding, x.committed), []).append(i)
+                    copy.append(i)
                 seen.add(id(h))
-        for idx in copies.values():  # one program per placement, not one per shape
-            for i, y in zip(idx, _copies([out[i] for i in idx]), strict=True):
-                out[i] = y
+        for i, y in zip(copy, by_placement(_copies, [out[i] for i in copy]), strict=True):
+            out[i] = y
         return jax.tree.unflatten(tdef, out)
 
     def made(self, *trees: Any, replace: bool = False) -> None:
@@ -80,11 +83,6 @@ class Donation:
         for x in jax.tree.leaves(trees):
             if isinstance(x, jax.Array):
                 self._made[id(x)] = weakref.ref(x)
-
-
-@jax.jit
-def _copies(xs: list) -> list:
-    return [jnp.copy(x) for x in xs]
 
 
 def trim_host_memory() -> None:

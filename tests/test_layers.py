@@ -24,6 +24,7 @@ FLOOR0 = ("jdist.errors", "jdist.store", "jdist.launch")
 FLOORS = {
     "jdist._typing": 0, "jdist._donation": 0, "jdist._cores": 0, "jdist._hmac": 0,
     "jdist._mailbox": 0, "jdist._xla_threads": 0, "jdist._aligned": 0, "jdist._runs": 0,
+    "jdist._placed": 0,
     "jdist.errors": 0, "jdist.store": 0, "jdist.launch": 0,
     "jdist": 1, "jdist.collectives": 1,
     "jdist.sampler": 2, "jdist.dp": 2, "jdist.ddp": 2, "jdist.optim": 2, "jdist.rpc": 2,

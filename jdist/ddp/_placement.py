@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdist._placed import by_placement, one_program
 from jdist.collectives.runtime import ProcessGroup
 
 __all__ = [
@@ -307,19 +308,10 @@ def local_first(tree: Any) -> Any:
     leaves, tdef = jax.tree.flatten(tree)
     rows = [min(x.addressable_shards, key=lambda s: s.index[0].start or 0).data
             for x in leaves]
-    by_device: dict = {}
-    for i, r in enumerate(rows):
-        by_device.setdefault(r.sharding, []).append(i)
-    out = list(rows)
-    for idx in by_device.values():  # one program per device, not one per shape
-        for i, y in zip(idx, _first_rows([rows[i] for i in idx]), strict=True):
-            out[i] = y
-    return jax.tree.unflatten(tdef, out)
+    return jax.tree.unflatten(tdef, by_placement(_first_rows, rows))
 
 
-@jax.jit
-def _first_rows(xs: list) -> list:
-    return [x[0] for x in xs]
+_first_rows = one_program(lambda x: x[0])  # (one program per device: jdist/_placed.py)
 
 
 def placed_like(tree: Any, like: Any) -> Any:
