@@ -169,9 +169,10 @@ class Manager:
         return q
 
     def _ended_with_the_job(self) -> bool:
-        """Whether this replica was a member of the last round it decided and is at
-        the step the job finished at (the state every finished replica holds)."""
-        if self._quorum is None or not self._decided or not self._member(self._quorum):
+        """Whether this replica has been a member (``_begin`` sets the quorum only for
+        one; ``start_quorum`` decided its last round first) and is at the step the job
+        finished at (the state every finished replica holds)."""
+        if self._quorum is None:
             return False
         try:
             return int(self._store.get("done")) == self._step
